@@ -1,0 +1,105 @@
+"""Request: the unit that flows from the workload through the scheduler, the
+engine and (in disagg mode) from a prefill worker to a decode worker.
+
+There is no prefill or decode phase stored here: a request has tokens (prompt
+plus outputs so far) and `num_computed_tokens` (how many of them have KV in the
+cache). A step computes some of the missing ones; when the request has caught
+up, the step samples its next token.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class RequestStatus(str, enum.Enum):
+    WAITING = "waiting"          # queued, holds no KV blocks
+    RUNNING = "running"          # scheduled at least once, holds KV blocks
+    FINISHED = "finished"        # generated max_tokens (or EOS when enabled)
+    ABORTED = "aborted"          # cancelled by the client
+    FAILED = "failed"            # a fault ended it (see Request.error)
+
+    @property
+    def is_done(self) -> bool:
+        return self in (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.FAILED)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 is greedy; `seed` makes temperature sampling reproducible
+    per request whatever batch it lands in."""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    ignore_eos: bool = True
+    eos_token_id: int | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    arrival_s: float = 0.0
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    error: str | None = None
+    # engine-side timestamps (seconds on the worker's clock: wall or virtual)
+    first_scheduled_s: float | None = None
+    token_times_s: list[float] = field(default_factory=list)
+    finish_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"request {self.request_id}: max_tokens={self.max_tokens} must be >= 1")
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id}: the prompt is empty; give at least one token")
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """Still computing prompt tokens (a chunk), rather than decoding."""
+        return self.num_computed_tokens < self.prompt_len
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + outputs."""
+        p = self.prompt_len
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def reset_for_recompute(self) -> None:
+        """Preemption by recompute: forget the KV, keep the outputs; the outputs
+        are recomputed as part of the (longer) prompt-like prefix."""
+        self.num_computed_tokens = 0
+        self.num_preemptions += 1
+        self.status = RequestStatus.WAITING
+
+    def is_finished_generating(self) -> bool:
+        if self.num_output_tokens >= self.max_tokens:
+            return True
+        sp = self.sampling
+        return (not sp.ignore_eos and sp.eos_token_id is not None and bool(self.output_token_ids)
+                and self.output_token_ids[-1] == sp.eos_token_id)
