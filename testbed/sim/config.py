@@ -1,0 +1,151 @@
+"""The physical inputs of `runtime=sim`: an accelerator (`HardwareConfig`), a
+link (`LinkConfig`) and how one model replica is split over accelerators
+(`ParallelConfig`). The cost model (cost_model.py) turns a batch into seconds
+from a ModelConfig and these; the link model (link_model.py) turns bytes into
+seconds. Presets are YAML files in conf/hardware/, conf/link/, conf/parallel/;
+`testbed profile` (profile.py) writes a measured HardwareConfig for this CPU.
+
+Plain types only (Hydra structured configs). Fields without a default must
+come from a preset: there is no sensible default accelerator."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import OmegaConf
+
+from testbed.model.config import CONF_DIR
+
+
+@dataclass
+class HardwareConfig:
+    """One accelerator. Units: TFLOP/s, GB/s (1e9 bytes/s), GiB, ms."""
+    name: str
+    peak_tflops: float                    # dense bf16/fp16 tensor-core peak
+    peak_tflops_fp32: float               # dense fp32 peak (the dtype of the CPU models)
+    hbm_bw_gbps: float                    # memory bandwidth, GB/s
+    memory_gib: float
+    compute_efficiency: float             # achieved fraction of peak on large GEMMs
+    memory_efficiency: float              # achieved fraction of hbm_bw_gbps when streaming
+    peak_tflops_fp8: float = 0.0          # 0: the chip has no fp8 tensor cores
+    # A GEMM over m rows reaches m / (m + gemm_ramp_tokens) of compute_efficiency:
+    # tile and wave quantisation leave SMs idle on short GEMMs. This is what makes
+    # 512-token chunks cost more per token than whole 4K prefills. 0: no ramp.
+    gemm_ramp_tokens: float = 0.0
+    overhead_ms: float = 0.0              # per iteration: launch, sampling, scheduling
+    # Measured tables (written by testbed.sim.profile); when present the cost
+    # model uses them instead of the roofline for the shapes they cover.
+    gemm_profile: list[list[float]] = field(default_factory=list)       # rows [m, n, k, seconds]
+    attention_profile: list[list[float]] = field(default_factory=list)  # rows [num_seqs, flops, bytes, seconds]
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def peak_flops(self, dtype: str) -> float:
+        """Peak FLOP/s for a model dtype (ModelConfig.dtype)."""
+        if dtype == "float32":
+            return self.peak_tflops_fp32 * 1e12
+        if dtype in ("bfloat16", "float16"):
+            return self.peak_tflops * 1e12
+        if dtype == "fp8":
+            if self.peak_tflops_fp8 <= 0:
+                raise ValueError(f"hardware.peak_tflops_fp8: '{self.name}' has no fp8 peak; "
+                                 "use a bfloat16 model or a chip with fp8 (h100-sxm, h200)")
+            return self.peak_tflops_fp8 * 1e12
+        raise ValueError(f"model.dtype: '{dtype}' has no peak on hardware '{self.name}'")
+
+    def validate(self) -> None:
+        for f in ("peak_tflops", "peak_tflops_fp32", "hbm_bw_gbps", "memory_gib"):
+            if not getattr(self, f) > 0:
+                raise ValueError(f"hardware.{f}: must be > 0, got {getattr(self, f)}")
+        for f in ("compute_efficiency", "memory_efficiency"):
+            if not 0 < getattr(self, f) <= 1:
+                raise ValueError(f"hardware.{f}: a fraction in (0, 1], got {getattr(self, f)}")
+        for f in ("peak_tflops_fp8", "gemm_ramp_tokens", "overhead_ms"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"hardware.{f}: must be >= 0, got {getattr(self, f)}")
+        for f, width in (("gemm_profile", 4), ("attention_profile", 4)):
+            for i, row in enumerate(getattr(self, f)):
+                if len(row) != width or row[-1] <= 0:
+                    raise ValueError(f"hardware.{f}[{i}]: expected {width} numbers ending in a positive "
+                                     f"time in seconds, got {row}; rerun `testbed profile`")
+
+
+@dataclass
+class LinkConfig:
+    """A point-to-point link. Bandwidth is per direction, in Gbit/s."""
+    name: str
+    bandwidth_gbps: float
+    latency_us: float = 0.0               # one-way propagation, paid once per transfer
+    per_message_us: float = 0.0           # per message: posting, completion, launch
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bandwidth_gbps * 1e9 / 8
+
+    def validate(self) -> None:
+        if not self.bandwidth_gbps > 0:
+            raise ValueError(f"link.bandwidth_gbps: must be > 0 (Gbit/s), got {self.bandwidth_gbps}")
+        for f in ("latency_us", "per_message_us"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"link.{f}: must be >= 0, got {getattr(self, f)}")
+
+
+@dataclass
+class ParallelConfig:
+    """How one model replica is split: Megatron tensor parallelism over `tp`
+    GPUs joined by `intra_node`, and `pp` pipeline stages joined by `pp_link`
+    (link preset names)."""
+    tp: int = 1
+    pp: int = 1
+    intra_node: str = "nvlink"
+    pp_link: Optional[str] = None         # None: the same link as intra_node
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        for f in ("tp", "pp"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"parallel.{f}: must be >= 1, got {getattr(self, f)}")
+
+
+def _preset_names(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def _load(group: str, cls, name_or_path: str, overrides: dict):
+    path = Path(name_or_path)
+    if path.suffix not in (".yaml", ".yml"):
+        path = CONF_DIR / group / f"{name_or_path}.yaml"
+    if not path.exists():
+        raise ValueError(f"{group}='{name_or_path}' is not a known preset; choose one of: "
+                         f"{', '.join(_preset_names(group))} (or give the path of a .yaml file)")
+    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True) or {}
+    raw.update(overrides)
+    unknown = set(raw) - {f.name for f in fields(cls)}
+    if unknown:
+        raise ValueError(f"{path}: unknown field(s) {sorted(unknown)}")
+    return cls(**raw)
+
+
+def hardware_preset_names() -> list[str]:
+    return _preset_names("hardware")
+
+
+def link_preset_names() -> list[str]:
+    return _preset_names("link")
+
+
+def load_hardware_preset(name: str, **overrides) -> HardwareConfig:
+    """conf/hardware/NAME.yaml (or a .yaml path, e.g. a fresh profile) as a HardwareConfig."""
+    return _load("hardware", HardwareConfig, name, overrides)
+
+
+def load_link_preset(name: str, **overrides) -> LinkConfig:
+    """conf/link/NAME.yaml (or a .yaml path) as a LinkConfig."""
+    return _load("link", LinkConfig, name, overrides)
