@@ -27,7 +27,7 @@ miss, never wrong KV.
 """
 from __future__ import annotations
 
-from array import array
+import struct
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,10 +42,11 @@ ROOT_SERIAL = 0
 
 
 def hash_block_tokens(parent_hash: int, token_ids: Sequence[int]) -> int:
-    """Chained 64-bit key of one full block. The parent hash seeds xxh3, which
-    chains without building a (parent, *tokens) buffer. Deterministic across
-    processes, so a KV store shared by workers can use the same keys."""
-    return xxhash.xxh3_64_intdigest(array("q", token_ids).tobytes(), seed=parent_hash)
+    """Chained 64-bit key of one full block: xxh3 of the token ids as
+    little-endian int64, seeded with the parent's key (chaining without building
+    a parent+tokens buffer). Deterministic across processes and machines, so a
+    KV store shared by workers can use the same keys."""
+    return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(token_ids)}q", *token_ids), seed=parent_hash)
 
 
 class NoFreeBlocks(RuntimeError):
@@ -87,9 +88,11 @@ class BlockManager:
         # cached in another block) so the chain continues past them
         self._chains: dict[str, list[tuple[int, int]]] = {}
         self._next_serial = ROOT_SERIAL + 1
+        self._pack_block = struct.Struct(f"<{block_size}q").pack
 
     def hash_block(self, parent_hash: int, token_ids: Sequence[int]) -> int:
-        return hash_block_tokens(parent_hash, token_ids)
+        """hash_block_tokens for a full block, with the packing format built once."""
+        return xxhash.xxh3_64_intdigest(self._pack_block(*token_ids), seed=parent_hash)
 
     # ---- queries -------------------------------------------------------------
     @property
@@ -122,7 +125,7 @@ class BlockManager:
         # blocks_needed inlined: called for every running request every step
         table = self._tables.get(request.request_id)
         need = -(-num_tokens // self.block_size) - (len(table) if table else 0)
-        return need <= len(self._free) + len(self._evictable)
+        return need <= 0 or need <= len(self._free) + len(self._evictable)
 
     def all_free(self) -> bool:
         """No request holds any block (cached-but-unreferenced counts as free)."""
@@ -170,7 +173,7 @@ class BlockManager:
         rid = request.request_id
         chain = self._chains.get(rid)
         if chain is None:
-            chain = self._chains[rid] = []
+            return  # holds no blocks: never allocated, or already freed this step
         bs = self.block_size
         num_full = request.num_computed_tokens // bs
         done = len(chain)
@@ -223,6 +226,7 @@ class BlockManager:
         table = self._tables.get(rid)
         if table is None:
             table = self._tables[rid] = []
+            self._chains[rid] = []
         need = -(-num_tokens // self.block_size) - len(table)
         if need <= 0:
             return True
@@ -275,7 +279,7 @@ class BlockManager:
             assert len(self._chains.get(rid, ())) <= len(table), f"request {rid} has more hashes than blocks"
             for block_id in table:
                 refs[block_id] += 1
-        assert set(self._chains) <= set(self._tables), "hashes kept for a request with no block table"
+        assert self._chains.keys() == self._tables.keys(), "block tables and hash chains name different requests"
         free, evictable = set(self._free), set(self._evictable)
         assert len(free) == len(self._free), "a block is on the free list twice"
         assert not free & evictable, f"blocks both free and cached: {free & evictable}"

@@ -220,6 +220,17 @@ def test_commit_hashes_only_new_full_blocks():
     assert calls[2:] == [(8, 9, 10, 99)]
 
 
+def test_commit_after_free_is_a_no_op():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a = req("a", range(9))
+    compute(bm, a, 9)
+    bm.free("a")
+    bm.commit(a)                  # an engine may commit a request it just finished
+    bm.commit(req("never", range(3)))
+    bm.check_invariants()
+    assert bm.block_table("a") == [] and bm.all_free() and bm.num_cached_blocks() == 2
+
+
 def test_prefix_caching_off():
     bm = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
     compute(bm, req("a", range(9)), 9)
@@ -404,6 +415,7 @@ def test_root_hash_is_the_first_blocks_parent():
     bm = BlockManager(num_blocks=2, block_size=2)
     from testbed.block_manager import hash_block_tokens
     h0 = hash_block_tokens(ROOT_HASH, [1, 2])
-    assert h0 == hash_block_tokens(ROOT_HASH, (1, 2)) != hash_block_tokens(h0, [1, 2])
+    assert h0 == hash_block_tokens(ROOT_HASH, (1, 2)) == bm.hash_block(ROOT_HASH, (1, 2))
+    assert h0 != hash_block_tokens(h0, [1, 2]) and h0 != hash_block_tokens(ROOT_HASH, [2, 1])
     compute(bm, req("a", [1, 2, 3]), 3)
     assert bm.match_prefix(req("b", [1, 2, 3])) == 2
