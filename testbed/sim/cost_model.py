@@ -1,0 +1,151 @@
+"""The executor's clock in `runtime=sim`: how long one engine iteration takes on
+a given accelerator for a given batch, without running it.
+
+A batch is a list of slices (num_new_tokens, context_len_after_this_step), one
+per scheduled request: a decode is (1, ctx), a chunk of C tokens on a cached
+prefix of P is (C, P + C), a whole prefill of L is (L, L). Per iteration:
+
+- GEMMs over all m = Σ new tokens (qkv/o or the MLA projections, MLP or MoE
+  router, shared and routed experts): each max(compute, memory) with the weights
+  streamed once per iteration (timers.py). lm_head runs only on the sampled rows.
+- Attention per slice, from its query length and context: a chunk reads its
+  whole prefix's KV again (the chunk re-read), a decode reads its context.
+- Norms, residuals, rope, activations, embedding: memory-bound.
+- TP: the per-GPU shapes (layer_shapes.py) plus two ring all-reduces of the
+  hidden states per layer (after attention and after the MLP) on the
+  intra-node link.
+- PP: the batch crosses all pp stages in turn, so its latency is every layer's
+  time plus pp-1 hand-offs of the hidden states. The engine runs one batch at a
+  time, so each stage idles (pp-1)/pp of the iteration: the worst-case bubble.
+  (An engine keeping pp batches in flight would start one every latency/pp.)
+- A fixed per-iteration overhead (hardware.overhead_ms).
+
+MoE: FLOPs count the routed tokens' active experts; bytes count the weights of
+every expert the batch touches, expected_experts_touched() under uniform
+routing (1-2 experts for one decode, all of them for a large batch).
+
+Speed: everything that does not depend on the batch is precomputed; a call is
+two numpy arrays and a handful of float operations (~tens of µs at 256 slices).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from testbed.model.config import ModelConfig
+from testbed.sim.config import HardwareConfig, ParallelConfig, load_link_preset
+from testbed.sim.layer_shapes import expected_experts_touched, layer_shapes
+from testbed.sim.link_model import LinkModel
+from testbed.sim.timers import ProfiledAttention, ProfiledGemms, RooflineAttention, RooflineGemms
+
+Slices = Sequence[tuple[int, int]] | np.ndarray
+
+
+class CostModel:
+    def __init__(self, model: ModelConfig, hardware: HardwareConfig, parallel: ParallelConfig | None = None):
+        self.model, self.hardware = model, hardware
+        self.parallel = parallel = parallel or ParallelConfig()
+        hardware.validate()
+        parallel.validate()
+        self.shapes = shapes = layer_shapes(model, parallel.tp)
+        self._s_per_flop = 1.0 / (hardware.peak_flops(model.dtype) * hardware.compute_efficiency)
+        self._s_per_byte = 1.0 / (hardware.hbm_bw_gbps * 1e9 * hardware.memory_efficiency)
+
+        roofline = RooflineGemms(self._s_per_flop, self._s_per_byte, hardware.gemm_ramp_tokens, shapes.dtype_bytes)
+        gemms = ProfiledGemms(hardware.gemm_profile) if hardware.gemm_profile else roofline
+        self._gemms_s = gemms.curve(shapes.gemms)
+        self._lm_head_s = gemms.curve([shapes.lm_head])
+        if hardware.attention_profile:
+            self._attention = ProfiledAttention(shapes.attention, shapes.num_layers, hardware.attention_profile)
+        else:
+            self._attention = RooflineAttention(shapes.attention, shapes.num_layers,
+                                                self._s_per_flop, self._s_per_byte)
+        self._elementwise_s_per_token = shapes.elementwise_bytes_per_token * self._s_per_byte
+        self._overhead_s = hardware.overhead_ms * 1e-3
+        self._tp_link = LinkModel(load_link_preset(parallel.intra_node)) if parallel.tp > 1 else None
+        self._pp_link = (LinkModel(load_link_preset(parallel.pp_link or parallel.intra_node))
+                         if parallel.pp > 1 else None)
+
+    # -- per-iteration cost --------------------------------------------------
+
+    def iteration_time_s(self, slices: Slices, num_sampled: int | None = None) -> float:
+        """Seconds for one iteration over `slices`; `num_sampled` rows go
+        through lm_head (default: one per slice, as when every slice is a
+        decode or a prompt's last chunk)."""
+        return sum(self._terms(slices, num_sampled))
+
+    def breakdown(self, slices: Slices, num_sampled: int | None = None) -> dict[str, float]:
+        """The iteration's seconds by part, plus its FLOP-free facts (tokens,
+        KV bytes read) for plots and debugging."""
+        terms = self._terms(slices, num_sampled)
+        out = dict(zip(("gemm_s", "experts_s", "attention_s", "elementwise_s", "lm_head_s",
+                        "allreduce_s", "pp_transfer_s", "overhead_s"), terms))
+        out["total_s"] = sum(terms)
+        out["num_tokens"] = float(sum(q for q, _ in _pairs(slices)))
+        out["kv_bytes_read"] = float(self.kv_bytes_read(slices))
+        return out
+
+    def kv_bytes_read(self, slices: Slices) -> int:
+        """KV bytes attention reads this iteration over the whole model: every
+        slice's context (cached prefix plus its new tokens), all layers."""
+        return self.model.kv_bytes_per_token * sum(int(c) for _, c in _pairs(slices))
+
+    def _terms(self, slices: Slices, num_sampled: int | None) -> tuple[float, ...]:
+        q, ctx = _arrays(slices)
+        m = float(q.sum())
+        sampled = len(q) if num_sampled is None else num_sampled
+        hidden = m * self.shapes.hidden_bytes_per_token
+        allreduce = (2 * self.shapes.num_layers * self._tp_link.allreduce_time_s(hidden, self.parallel.tp)
+                     if self._tp_link else 0.0)
+        pp = (self.parallel.pp - 1) * self._pp_link.transfer_time_s(hidden) if self._pp_link else 0.0
+        return (self._gemms_s(m), self._experts_s(m), self._attention.seconds(q, ctx),
+                m * self._elementwise_s_per_token, self._lm_head_s(sampled) if sampled else 0.0,
+                allreduce, pp, self._overhead_s)
+
+    def _experts_s(self, m: float) -> float:
+        e = self.shapes.experts
+        if e is None:
+            return 0.0
+        touched = expected_experts_touched(e.num_experts, e.top_k, m)
+        # one grouped GEMM over the touched experts, m·top_k routed rows; the
+        # GEMM ramp is paid per expert
+        flops = 2.0 * e.expert_params * (m * e.top_k + self.hardware.gemm_ramp_tokens * touched)
+        nbytes = (touched * e.expert_params + m * e.top_k * e.act_elems_per_routed_token) * self.shapes.dtype_bytes
+        return e.layers * max(flops * self._s_per_flop, nbytes * self._s_per_byte)
+
+    # -- memory ---------------------------------------------------------------
+
+    def kv_capacity_tokens(self, memory_fraction: float = 0.9) -> int:
+        """Tokens of KV one GPU holds after the weights, using `memory_fraction`
+        of its memory (activations ignored)."""
+        free = self.hardware.memory_gib * 2**30 * memory_fraction - self.shapes.weight_bytes
+        if free <= 0:
+            raise ValueError(
+                f"hardware.memory_gib: {self.model.name} needs {self.shapes.weight_bytes / 2**30:.1f} GiB of "
+                f"weights per GPU at tp={self.parallel.tp}, more than {memory_fraction:.0%} of "
+                f"{self.hardware.name}'s {self.hardware.memory_gib} GiB; raise parallel.tp or pick bigger hardware")
+        return int(free // self.shapes.kv_bytes_per_token)
+
+
+def _pairs(slices: Slices):
+    return slices.tolist() if isinstance(slices, np.ndarray) else slices
+
+
+def _arrays(slices: Slices) -> tuple[np.ndarray, np.ndarray]:
+    """[num_slices] float64 query lengths and contexts, checked."""
+    if isinstance(slices, np.ndarray):
+        if slices.ndim != 2 or slices.shape[1] != 2:
+            raise ValueError(f"slices: expected shape [num_slices, 2], got {slices.shape}")
+        q, ctx = slices[:, 0].astype(np.float64), slices[:, 1].astype(np.float64)
+    else:
+        if not slices:
+            raise ValueError("slices: an iteration needs at least one (num_new_tokens, context_len) slice")
+        qs, cs = zip(*slices)
+        q, ctx = np.array(qs, dtype=np.float64), np.array(cs, dtype=np.float64)
+    if len(q) == 0:
+        raise ValueError("slices: an iteration needs at least one (num_new_tokens, context_len) slice")
+    if q.min() < 1 or (ctx < q).any():
+        raise ValueError("slices: each (num_new_tokens, context_len) needs num_new_tokens >= 1 and "
+                         "context_len >= num_new_tokens (the context includes the new tokens)")
+    return q, ctx

@@ -1,0 +1,131 @@
+"""Seconds for the two kinds of work the cost model prices, each in two
+flavours: a roofline from the hardware's peaks (GPU presets) and a fit to
+measurements (this CPU after `testbed profile`). The cost model picks the
+measured flavour when the hardware config carries a table.
+
+GEMM timers return a curve: a function of the number of rows m, built once
+per group of GEMMs so that the per-iteration call is a few float operations.
+Attention timers take the whole batch's query and context lengths as arrays."""
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from typing import Callable, Sequence
+
+import numpy as np
+
+from testbed.sim.layer_shapes import AttentionShape, Gemm
+
+Curve = Callable[[float], float]
+
+
+class RooflineGemms:
+    """max(FLOPs / (peak·eff·m/(m+ramp)), bytes / (bw·eff)) per GEMM, with the
+    weights read once per iteration and the activations read and written."""
+
+    def __init__(self, s_per_flop: float, s_per_byte: float, ramp_tokens: float, dtype_bytes: int):
+        self.s_per_flop, self.s_per_byte = s_per_flop, s_per_byte
+        self.ramp, self.dtype_bytes = ramp_tokens, dtype_bytes
+
+    def curve(self, gemms: Sequence[Gemm]) -> Curve:
+        b, ramp = self.dtype_bytes, self.ramp
+        consts = [(2.0 * g.n * g.k * g.layers * self.s_per_flop,       # s per (row + ramp)
+                   g.n * g.k * g.layers * b * self.s_per_byte,          # s to stream the weights
+                   (g.n + g.k) * g.layers * b * self.s_per_byte)        # s per row of activations
+                  for g in gemms]
+
+        def seconds(m: float) -> float:
+            total = 0.0
+            for per_row, weights, act in consts:
+                compute, memory = per_row * (m + ramp), weights + act * m
+                total += compute if compute > memory else memory
+            return total
+        return seconds
+
+
+def _interp(x: float, xs: list[float], ys: list[float]) -> float:
+    """Piecewise linear through (xs, ys), extended linearly past both ends."""
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+class ProfiledGemms:
+    """GEMM seconds interpolated over m from rows [m, n, k, seconds]. A shape
+    that was not profiled borrows the curve of the profiled shape nearest in
+    n·k, scaled by the ratio of n·k (same throughput for similar sizes)."""
+
+    def __init__(self, rows: Sequence[Sequence[float]]):
+        points: dict[tuple[int, int], list[tuple[float, float]]] = defaultdict(list)
+        for m, n, k, s in rows:
+            points[(int(n), int(k))].append((float(m), float(s)))
+        self._curves = {}
+        for shape, pts in points.items():
+            pts.sort()
+            if len(pts) < 2:
+                raise ValueError(f"hardware.gemm_profile: shape n,k={shape} has {len(pts)} row(s); "
+                                 "need at least two token counts to interpolate; rerun `testbed profile`")
+            self._curves[shape] = ([p[0] for p in pts], [p[1] for p in pts])
+
+    def _seconds_on(self, g: Gemm, ms: list[float]) -> list[float]:
+        nk = g.n * g.k
+        n, k = min(self._curves, key=lambda s: abs(np.log(s[0] * s[1] / nk)))
+        xs, ys = self._curves[(n, k)]
+        scale = g.layers * nk / (n * k)
+        return [scale * _interp(m, xs, ys) for m in ms]
+
+    def curve(self, gemms: Sequence[Gemm]) -> Curve:
+        grid = sorted({m for xs, _ in self._curves.values() for m in xs})
+        totals = [sum(col) for col in zip(*(self._seconds_on(g, grid) for g in gemms))] or [0.0] * len(grid)
+        return lambda m: _interp(m, grid, totals)
+
+
+class RooflineAttention:
+    """Per slice max(FLOPs / (peak·eff), KV and q/o bytes / (bw·eff)), summed
+    over the batch's slices and the layers."""
+
+    def __init__(self, shape: AttentionShape, num_layers: int, s_per_flop: float, s_per_byte: float):
+        self.shape, self.num_layers = shape, num_layers
+        self.s_per_flop, self.s_per_byte = s_per_flop, s_per_byte
+
+    def seconds(self, q: np.ndarray, ctx: np.ndarray) -> float:
+        compute = self.shape.flops(q, ctx) * self.s_per_flop
+        memory = self.shape.bytes(q, ctx) * self.s_per_byte
+        return self.num_layers * float(np.maximum(compute, memory).sum())
+
+
+def fit_attention(rows: Sequence[Sequence[float]]) -> tuple[float, float, float, float]:
+    """Fit rows [num_seqs, flops, bytes, seconds] of one attention call to
+    seconds = per_call + per_seq·num_seqs + per_flop·flops + per_byte·bytes,
+    minimising relative error, every coefficient >= 0 (a term that would come
+    out negative is dropped and the rest refitted)."""
+    data = np.asarray(rows, dtype=np.float64)
+    if data.ndim != 2 or data.shape[0] < 4:
+        raise ValueError("hardware.attention_profile: need at least 4 rows [num_seqs, flops, bytes, seconds]; "
+                         "rerun `testbed profile`")
+    features = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1], data[:, 2]])
+    weight = 1.0 / data[:, 3]
+    active = list(range(4))
+    while True:
+        coef, *_ = np.linalg.lstsq(features[:, active] * weight[:, None], data[:, 3] * weight, rcond=None)
+        if (coef >= 0).all() or len(active) == 1:
+            break
+        active.pop(int(np.argmin(coef)))
+    full = np.zeros(4)
+    full[active] = np.maximum(coef, 0.0)
+    return tuple(float(c) for c in full)
+
+
+class ProfiledAttention:
+    """The fitted linear model of one measured attention call per layer, which
+    carries the CPU backend's fixed per-call and per-sequence costs."""
+
+    def __init__(self, shape: AttentionShape, num_layers: int, rows: Sequence[Sequence[float]]):
+        self.shape, self.num_layers = shape, num_layers
+        self.per_call, self.per_seq, self.per_flop, self.per_byte = fit_attention(rows)
+
+    def seconds(self, q: np.ndarray, ctx: np.ndarray) -> float:
+        flops = float(self.shape.flops(q, ctx).sum())
+        nbytes = float(self.shape.bytes(q, ctx).sum())
+        return self.num_layers * (self.per_call + self.per_seq * len(q)
+                                  + self.per_flop * flops + self.per_byte * nbytes)
