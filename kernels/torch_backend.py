@@ -1,5 +1,8 @@
 """`attention_backend=torch`: gather each sequence's blocks and call
-scaled_dot_product_attention. The CPU default and the engine's reference path."""
+scaled_dot_product_attention. The CPU default and the engine's reference path.
+
+Decodes (one query each) are padded into one batched SDPA call; prefill chunks
+run one sequence at a time with a bottom-right causal mask."""
 from __future__ import annotations
 
 import torch
@@ -13,28 +16,53 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.empty_like(q)
-        block_size = meta.block_size
-        kv_shape = k_cache.shape[2:]
         gqa = q.shape[1] != k_cache.shape[2]
-        for b, seq_len in enumerate(meta.seq_lens):
-            s, e = meta.query_start_loc[b], meta.query_start_loc[b + 1]
-            q_len = e - s
-            table = meta.block_tables[b]
-            n = (seq_len + block_size - 1) // block_size
-            idx = torch.tensor(table[:n], dtype=torch.long)
-            k = k_cache.index_select(0, idx).view(-1, *kv_shape)[:seq_len]   # [seq_len, Hkv, D]
-            v = v_cache.index_select(0, idx).view(-1, *kv_shape)[:seq_len]
-            qb = q[s:e].transpose(0, 1)                                     # [Hq, q_len, D]
-            kb, vb = k.transpose(0, 1), v.transpose(0, 1)                   # [Hkv, seq_len, D]
-            if q_len == 1:
-                mask, causal = None, False
-            elif q_len == seq_len:
-                mask, causal = None, True
-            else:
-                # bottom-right causal: query i sits at position seq_len - q_len + i
-                q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-                mask, causal = torch.arange(seq_len).unsqueeze(0) <= q_pos, False
-            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=causal,
-                                               scale=scale, enable_gqa=gqa)
-            out[s:e] = o.transpose(0, 1)
+        decodes = [b for b in range(meta.num_seqs) if meta.query_len(b) == 1]
+        if len(decodes) > 1:
+            self._decodes(q, k_cache, v_cache, meta, scale, decodes, out, gqa)
+            decodes = set(decodes)
+        else:
+            decodes = set()
+        for b in range(meta.num_seqs):
+            if b not in decodes:
+                self._one(q, k_cache, v_cache, meta, scale, b, out, gqa)
         return out
+
+    @staticmethod
+    def _one(q, k_cache, v_cache, meta, scale, b, out, gqa) -> None:
+        seq_len = meta.seq_lens[b]
+        s, e = meta.query_start_loc[b], meta.query_start_loc[b + 1]
+        q_len = e - s
+        n = -(-seq_len // meta.block_size)
+        idx = torch.tensor(meta.block_tables[b][:n], dtype=torch.long, device=q.device)
+        kv_shape = k_cache.shape[2:]
+        k = k_cache.index_select(0, idx).view(-1, *kv_shape)[:seq_len].transpose(0, 1)  # [Hkv, seq_len, D]
+        v = v_cache.index_select(0, idx).view(-1, *kv_shape)[:seq_len].transpose(0, 1)
+        if q_len == 1:
+            mask, causal = None, False
+        elif q_len == seq_len:
+            mask, causal = None, True
+        else:
+            # bottom-right causal: query i sits at position seq_len - q_len + i
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
+            mask, causal = torch.arange(seq_len, device=q.device).unsqueeze(0) <= q_pos, False
+        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), k, v, attn_mask=mask,
+                                           is_causal=causal, scale=scale, enable_gqa=gqa)
+        out[s:e] = o.transpose(0, 1)
+
+    @staticmethod
+    def _decodes(q, k_cache, v_cache, meta, scale, decodes, out, gqa) -> None:
+        bs = meta.block_size
+        lens = [meta.seq_lens[b] for b in decodes]
+        width = -(-max(lens) // bs)
+        # pad block tables with block 0: padded keys are masked out below
+        table = torch.tensor([meta.block_tables[b][:width] + [0] * (width - len(meta.block_tables[b][:width]))
+                              for b in decodes], dtype=torch.long, device=q.device)
+        nd, kv_shape = len(decodes), k_cache.shape[2:]
+        k = k_cache.index_select(0, table.view(-1)).view(nd, width * bs, *kv_shape).transpose(1, 2)  # [nd, Hkv, L, D]
+        v = v_cache.index_select(0, table.view(-1)).view(nd, width * bs, *kv_shape).transpose(1, 2)
+        mask = torch.arange(width * bs, device=q.device).unsqueeze(0) < torch.tensor(lens, device=q.device).unsqueeze(1)
+        rows = torch.tensor([meta.query_start_loc[b] for b in decodes], dtype=torch.long, device=q.device)
+        qd = q.index_select(0, rows).unsqueeze(2)                                     # [nd, Hq, 1, D]
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa)
+        out.index_copy_(0, rows, o.squeeze(2))

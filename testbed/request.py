@@ -9,6 +9,7 @@ up, the step samples its next token.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -38,7 +39,7 @@ class SamplingParams:
 @dataclass(eq=False)
 class Request:
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: Sequence[int]      # a list, or a lazy synthetic sequence (testbed.workloads)
     max_tokens: int
     arrival_s: float = 0.0
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -84,11 +85,13 @@ class Request:
         """Tokens [start, end) of prompt + outputs."""
         p = self.prompt_len
         if end <= p:
-            return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+            return list(self.prompt_token_ids[start:end])
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return list(self.prompt_token_ids[start:p]) + self.output_token_ids[:end - p]
 
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        return list(self.prompt_token_ids) + self.output_token_ids
 
     def reset_for_recompute(self) -> None:
         """Preemption by recompute: forget the KV, keep the outputs; the outputs

@@ -26,6 +26,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
+    attention_bias: bool = False          # Qwen2 has q/k/v biases
     max_position_embeddings: int = 1_048_576
     dtype: str = "float32"
     path: str | None = None               # HF-style checkpoint dir; None: seeded random weights

@@ -1,0 +1,121 @@
+"""ModeController: the frontend's side of a run. It routes arriving requests
+to workers, reacts to their events, and keeps one RequestRecord per request.
+
+It talks to workers only through `send(worker_id, command)` and `on_event`, so
+the same controller drives real processes (testbed/runtime/real.py) and the
+simulator (testbed/runtime/sim.py)."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable
+
+from testbed.metrics import IterationRecord, RequestRecord
+from testbed.request import Request
+
+Send = Callable[[str, dict], None]
+
+
+@dataclass
+class WorkerInfo:
+    worker_id: str
+    role: str               # colocated | prefill | decode
+    num_blocks: int
+    block_size: int
+
+
+class ModeController(ABC):
+    def __init__(self, workers: list[WorkerInfo], send: Send):
+        self.workers = {w.worker_id: w for w in workers}
+        self.send = send
+        self.records: dict[str, RequestRecord] = {}
+        self.iterations: list[IterationRecord] = []
+        self.unresolved: set[str] = set()
+        self.location: dict[str, set[str]] = {}      # request id -> workers holding state for it
+        self.dead: set[str] = set()
+
+    # -- called by the runtime -------------------------------------------------
+    def on_arrival(self, req: Request, now: float) -> None:
+        self.records[req.request_id] = RequestRecord(
+            request_id=req.request_id, status="waiting", prompt_len=req.prompt_len, output_token_ids=[],
+            arrival_s=req.arrival_s, first_scheduled_s=None, first_token_s=None, token_times_s=[],
+            finish_s=None, num_preemptions=0, error=None)
+        self.unresolved.add(req.request_id)
+        self.location[req.request_id] = set()
+        self.route(req, now)
+
+    def on_event(self, ev: dict, now: float) -> None:
+        kind = ev["type"]
+        if kind == "tokens":
+            for rid, token, _engine_t in ev["items"]:
+                rec = self.records[rid]
+                rec.output_token_ids.append(token)
+                rec.token_times_s.append(now)
+                if rec.first_token_s is None:
+                    rec.first_token_s = now
+        elif kind == "iteration":
+            self.iterations.append(IterationRecord(
+                start_s=ev["start_s"], duration_s=ev["duration_s"], num_prefill_tokens=ev["num_prefill_tokens"],
+                num_decode_tokens=ev["num_decode_tokens"], kv_bytes_read=ev["kv_bytes_read"], worker=ev["worker"]))
+            self.on_free_blocks(ev["worker"], ev["free_blocks"], now)
+        elif kind == "finished":
+            self._finish(ev, now)
+        elif kind == "preempted":
+            self.records[ev["id"]].num_preemptions += 1
+        else:
+            self.on_mode_event(ev, now)
+
+    def abort(self, request_id: str, now: float) -> None:
+        """The client gave up on the request."""
+        if request_id not in self.unresolved:
+            return
+        for w in self.location[request_id]:
+            self.send(w, {"type": "abort", "id": request_id})
+        self.forget(request_id)
+        self._resolve(request_id, "aborted", "aborted by the client", now)
+
+    def on_worker_died(self, worker_id: str, now: float) -> None:
+        self.dead.add(worker_id)
+        for rid in [r for r in self.unresolved if worker_id in self.location[r]]:
+            for other in self.location[rid] - {worker_id}:
+                self.send(other, {"type": "abort", "id": rid})
+            self.forget(rid)
+            self._resolve(rid, "failed", f"worker {worker_id} died", now)
+
+    def done(self) -> bool:
+        return not self.unresolved
+
+    # -- shared helpers ----------------------------------------------------------
+    def _finish(self, ev: dict, now: float) -> None:
+        rid = ev["id"]
+        if rid not in self.unresolved:
+            return
+        rec = self.records[rid]
+        rec.num_preemptions = max(rec.num_preemptions, ev.get("num_preemptions") or 0)
+        if ev.get("first_scheduled_s") is not None and rec.first_scheduled_s is None:
+            rec.first_scheduled_s = ev["first_scheduled_s"]
+        self.on_request_end(rid, ev, now)
+        self._resolve(rid, ev["status"], ev.get("error"), now)
+
+    def _resolve(self, rid: str, status: str, error: str | None, now: float) -> None:
+        rec = self.records[rid]
+        rec.status, rec.error, rec.finish_s = status, error, now
+        self.unresolved.discard(rid)
+        self.location[rid] = set()
+
+    def forget(self, rid: str) -> None:
+        """Drop the mode's own bookkeeping for a request that ends early."""
+
+    def on_free_blocks(self, worker_id: str, free_blocks: int, now: float) -> None:
+        """A worker reported how many KV blocks it has free."""
+
+    def on_request_end(self, rid: str, ev: dict, now: float) -> None:
+        """A worker reported the request finished (or failed)."""
+
+    # -- the mode's policy ---------------------------------------------------------
+    @abstractmethod
+    def route(self, req: Request, now: float) -> None:
+        """Send a newly arrived request to its worker(s)."""
+
+    def on_mode_event(self, ev: dict, now: float) -> None:
+        raise ValueError(f"unexpected event type '{ev['type']}'")

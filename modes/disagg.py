@@ -1,0 +1,141 @@
+"""`mode=disagg` (Splitwise): P prefill workers and D decode workers.
+
+Hand-off, per request:
+  1. the router picks the decode worker with the most free KV blocks and asks
+     it to `reserve` blocks for the prompt; on `rejected` the request waits at
+     the head of the queue until a decode worker reports enough free blocks
+     (it is never dropped);
+  2. on `reserved`, the prefill worker with the fewest outstanding prefill
+     tokens computes the prompt and the first token (streamed to the client:
+     TTFT), and sends the KV straight into the reserved blocks;
+  3. on `kv_received`, the prefill worker is told to `release` its blocks; the
+     decode worker decodes the rest.
+"""
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass
+
+from testbed.modes.base import ModeController, Send, WorkerInfo
+from testbed.request import Request
+from testbed.runtime.protocol import request_to_msg
+
+
+@dataclass
+class _HandOff:
+    request: Request
+    decode: str | None = None
+    prefill: str | None = None
+    prefilled_s: float | None = None     # engine time the KV left (first token sampled)
+
+
+class DisaggController(ModeController):
+    def __init__(self, workers: list[WorkerInfo], send: Send):
+        super().__init__(workers, send)
+        self.prefill = sorted(w for w, i in self.workers.items() if i.role == "prefill")
+        self.decode = sorted(w for w, i in self.workers.items() if i.role == "decode")
+        if not self.prefill or not self.decode:
+            raise ValueError("mode=disagg needs prefill_workers >= 1 and decode_workers >= 1")
+        self.free_blocks = {w: self.workers[w].num_blocks for w in self.decode}
+        self.prefill_tokens: Counter[str] = Counter()
+        self.queue: deque[str] = deque()
+        self.reserving: str | None = None        # one reservation in flight keeps FCFS order
+        self.handoffs: dict[str, _HandOff] = {}
+
+    def _blocks_needed(self, req: Request) -> int:
+        return -(-(req.prompt_len + 1) // self.workers[self.decode[0]].block_size)
+
+    def route(self, req: Request, now: float) -> None:
+        need = self._blocks_needed(req)
+        if need > max(self.workers[w].num_blocks for w in self.decode):
+            self._resolve(req.request_id, "failed",
+                          f"prompt of {req.prompt_len} tokens needs {need} KV blocks, more than a decode worker "
+                          f"has (num_kv_blocks); raise num_kv_blocks or clip workload.max_prompt_len", now)
+            return
+        self.handoffs[req.request_id] = _HandOff(req)
+        self.queue.append(req.request_id)
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        while self.queue and self.reserving is None:
+            rid = self.queue[0]
+            ho = self.handoffs[rid]
+            alive = [w for w in self.decode if w not in self.dead]
+            if not alive:
+                return
+            best = max(alive, key=lambda w: (self.free_blocks[w], w))
+            if self.free_blocks[best] < self._blocks_needed(ho.request):
+                return                                    # wait for blocks to free up
+            self.queue.popleft()
+            self.reserving = rid
+            ho.decode = best
+            self.location[rid] = {best}
+            self.send(best, {"type": "reserve", "request": request_to_msg(ho.request)})
+
+    def on_free_blocks(self, worker_id: str, free_blocks: int, now: float) -> None:
+        if worker_id in self.free_blocks:
+            self.free_blocks[worker_id] = free_blocks
+            self._dispatch()
+
+    def on_mode_event(self, ev: dict, now: float) -> None:
+        kind, rid = ev["type"], ev["id"]
+        if kind in ("reserved", "rejected"):
+            self.reserving = None
+            self.free_blocks[ev["worker"]] = ev["free_blocks"]
+        ho = self.handoffs.get(rid)
+        if ho is None:                     # resolved meanwhile (aborted, a worker died)
+            if kind == "reserved":
+                self.send(ev["worker"], {"type": "release", "id": rid})
+            elif kind == "kv_received":
+                self.send(ev["worker"], {"type": "abort", "id": rid})
+            self._dispatch()
+            return
+        if kind == "reserved":
+            alive = [w for w in self.prefill if w not in self.dead]
+            p = min(alive, key=lambda w: (self.prefill_tokens[w], w))
+            ho.prefill = p
+            self.prefill_tokens[p] += ho.request.prompt_len
+            self.location[rid] = {ho.decode, p}
+            self.send(p, {"type": "prefill", "request": request_to_msg(ho.request),
+                          "peer": ho.decode, "dst_blocks": ev["blocks"]})
+        elif kind == "rejected":
+            ho.decode = None
+            self.location[rid] = set()
+            self.queue.appendleft(rid)
+        elif kind == "prefilled":
+            ho.prefilled_s = ev["t"]
+            rec = self.records[rid]
+            rec.kv_bytes_sent = ev["kv_bytes"]
+            rec.transfer_start_s = ev["t"]
+            self.prefill_tokens[ho.prefill] -= ho.request.prompt_len
+        elif kind == "kv_received":
+            rec = self.records[rid]
+            rec.transfer_end_s = ev["t"]
+            rec.exposed_transfer_s = max(0.0, ev["t"] - (ho.prefilled_s or ev["t"]))
+            self.send(ho.prefill, {"type": "release", "id": rid})
+            self.location[rid] = {ho.decode}
+        else:
+            raise ValueError(f"unexpected event type '{kind}'")
+        self._dispatch()
+
+    def on_request_end(self, rid: str, ev: dict, now: float) -> None:
+        ho = self.handoffs.get(rid)
+        if ho is None:
+            return
+        # the side that did not report may still hold blocks for it
+        if ev.get("worker") != ho.decode and ho.decode is not None:
+            self.send(ho.decode, {"type": "release", "id": rid})
+        if ho.prefill is not None:
+            self.send(ho.prefill, {"type": "release", "id": rid})
+            if ho.prefilled_s is None:
+                self.prefill_tokens[ho.prefill] -= ho.request.prompt_len
+        self.handoffs.pop(rid, None)
+
+    def forget(self, rid: str) -> None:
+        ho = self.handoffs.pop(rid, None)
+        if ho is not None and ho.prefill is not None and ho.prefilled_s is None:
+            self.prefill_tokens[ho.prefill] -= ho.request.prompt_len
+        if rid in self.queue:
+            self.queue.remove(rid)
+        if self.reserving == rid:
+            pass    # its reserved/rejected reply will still arrive and be released above

@@ -1,0 +1,67 @@
+"""`testbed`: the command line.
+
+  testbed run [hydra overrides]      one run (or a sweep with -m)
+  testbed report RUN_DIR...          tables and plots from run directories
+  testbed profile [--quick] [--out]  measure this machine for runtime=sim
+"""
+from __future__ import annotations
+
+import sys
+
+USAGE = __doc__
+
+
+def _hydra_run(argv: list[str]) -> int:
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import DictConfig, OmegaConf
+
+    from testbed.config import RunConfig, register_configs
+    from testbed.model.config import CONF_DIR
+    from testbed.run import execute
+
+    register_configs()
+
+    @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
+    def task(dcfg: DictConfig):
+        hc = HydraConfig.get()
+        multirun = hc.mode.name == "MULTIRUN"
+        out_dir = hc.runtime.output_dir
+        try:
+            cfg: RunConfig = OmegaConf.to_object(dcfg)
+            return execute(cfg, out_dir)
+        except (ValueError, TimeoutError, RuntimeError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            if not multirun:
+                raise SystemExit(2)
+            # a failed sweep point is recorded and the sweep goes on
+            import json
+            from pathlib import Path
+            Path(out_dir, "failed.json").write_text(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+            return None
+
+    sys.argv = [sys.argv[0]] + argv
+    task()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "run":
+        return _hydra_run(rest)
+    if cmd == "report":
+        from testbed.report import report_main
+        return report_main(rest)
+    if cmd == "profile":
+        from testbed.sim.profile import profile_main
+        return profile_main(rest)
+    print(f"testbed: unknown command '{cmd}'\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""RunConfig: the typed root of every Hydra config (conf/config.yaml).
+
+Every default lives in these dataclasses exactly once; YAML files only set
+values. `validate()` runs at start-up, before any process starts, and raises
+one clear error that names the field and the fix."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+
+from testbed.kv_transfer.config import TransferConfig
+from testbed.model.config import ModelConfig
+from testbed.sim.config import HardwareConfig, LinkConfig, ParallelConfig, load_hardware_preset, load_link_preset
+from testbed.workloads.config import WorkloadConfig
+
+MODES = ("colocated", "disagg")
+RUNTIMES = ("real", "sim")
+ROUTERS = ("round_robin", "least_outstanding")
+
+
+@dataclass
+class SLOConfig:
+    ttft_ms: float = 2000.0
+    tpot_ms: float = 100.0
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"          # offline | online | disabled
+    project: str = "pd-testbed"
+    entity: str | None = None
+    group: str | None = None
+
+
+@dataclass
+class RunConfig:
+    mode: str = "colocated"        # colocated | disagg
+    runtime: str = "real"          # real | sim
+    scheduler: str = "sarathi"     # request_level | vllm_v0 | orca | sarathi
+    token_budget: int = 256        # sarathi: tokens per iteration
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192   # whole-prefill schedulers: prompt tokens per iteration
+    num_kv_blocks: int = 2048      # KV memory per worker, in blocks
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    attention_backend: str = "torch"
+    device: str = "cpu"
+    torch_threads: int = 1         # per worker process; 2 cores here, so 1 each
+    seed: int = 0
+    temperature: float = 0.0
+    top_p: float = 1.0
+    ignore_eos: bool = True
+    # colocated
+    replicas: int = 1
+    router: str = "round_robin"    # round_robin | least_outstanding
+    # disagg
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    timeout_s: float = 120.0       # a run (or a worker that stops answering) fails after this
+    progress: bool = True
+    model: ModelConfig = field(default_factory=ModelConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    slo: SLOConfig = field(default_factory=SLOConfig)
+    # the presets conf/config.yaml selects (hardware=NAME, link=NAME)
+    hardware: HardwareConfig = field(default_factory=lambda: load_hardware_preset("cpu"))
+    link: LinkConfig = field(default_factory=lambda: load_link_preset("tcp-25"))
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+def _one_of(field_name: str, value: str, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{field_name}='{value}' is not known; choose one of: {', '.join(sorted(choices))}")
+
+
+def validate(cfg: RunConfig) -> None:
+    from testbed.kernels.attention import attention_backend_names
+    from testbed.schedulers import SCHEDULERS
+    _one_of("mode", cfg.mode, MODES)
+    _one_of("runtime", cfg.runtime, RUNTIMES)
+    _one_of("scheduler", cfg.scheduler, SCHEDULERS)
+    _one_of("router", cfg.router, ROUTERS)
+    _one_of("attention_backend", cfg.attention_backend, attention_backend_names())
+    _one_of("wandb.mode", cfg.wandb.mode, ("offline", "online", "disabled"))
+    for f in ("token_budget", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size",
+              "replicas", "prefill_workers", "decode_workers", "torch_threads"):
+        if getattr(cfg, f) < 1:
+            raise ValueError(f"{f}: must be >= 1, got {getattr(cfg, f)}")
+    if cfg.timeout_s <= 0:
+        raise ValueError(f"timeout_s: must be > 0, got {cfg.timeout_s}")
+    if not 0.0 < cfg.top_p <= 1.0:
+        raise ValueError(f"top_p: must be in (0, 1], got {cfg.top_p}")
+    for sub in (cfg.model, cfg.workload, cfg.transfer, cfg.hardware, cfg.link, cfg.parallel):
+        sub.validate()
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name="run_schema", node=RunConfig)
+
+
+def to_dict(cfg: RunConfig) -> dict:
+    from omegaconf import OmegaConf
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+
+
+def from_dict(d: dict) -> RunConfig:
+    """A RunConfig from plain values (worker processes, tests), type-checked
+    against the schema like a Hydra config."""
+    from omegaconf import OmegaConf
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), d))

@@ -1,0 +1,145 @@
+"""Engine: one iteration of the serving loop (DESIGN.md, "Two runtimes, one engine").
+
+    Scheduler.schedule() -> Batch -> Executor.execute(Batch) -> StepResult
+    -> update requests: computed tokens, sampled tokens, finished / handed off
+
+The engine is the same under the real runtime (wall clock, a model) and the
+simulator (virtual clock, a cost model): `Clock` says which time it reads.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from testbed.batch import Batch, StepResult
+from testbed.executor import Executor
+from testbed.request import Request, RequestStatus
+from testbed.schedulers.base import Scheduler
+
+
+class Clock(Protocol):
+    virtual: bool
+
+    def now(self) -> float: ...
+
+
+class WallClock:
+    """Seconds since `t0` on the machine's monotonic clock (shared by all
+    processes of one machine, so workers and the frontend agree)."""
+    virtual = False
+
+    def __init__(self, t0: float | None = None):
+        self.t0 = time.monotonic() if t0 is None else t0
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+
+class VirtualClock:
+    """The simulator's clock: set by the event loop, advanced by modeled durations."""
+    virtual = True
+
+    def __init__(self, t: float = 0.0):
+        self.t = t
+
+    def now(self) -> float:
+        return self.t
+
+
+@dataclass
+class Iteration:
+    start_s: float
+    duration_s: float
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    kv_bytes_read: int
+    num_preempted: int = 0
+
+
+@dataclass
+class StepOutput:
+    iteration: Iteration
+    new_tokens: list[tuple[Request, int]] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)
+    # prefill done and first token sampled: a prefill worker hands these off
+    prefill_completed: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def end_s(self) -> float:
+        return self.iteration.start_s + self.iteration.duration_s
+
+
+class Engine:
+    """`prefill_only`: a disaggregated prefill worker. A request leaves the
+    scheduler once its prompt is computed and its first token sampled, keeping
+    its KV blocks until the hand-off releases them (`release`)."""
+
+    def __init__(self, scheduler: Scheduler, executor: Executor, clock: Clock, prefill_only: bool = False):
+        self.scheduler = scheduler
+        self.executor = executor
+        self.clock = clock
+        self.prefill_only = prefill_only
+        self.bm = scheduler.bm
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add(request)
+
+    def add_prefilled(self, request: Request) -> None:
+        """A decode worker admits a request whose prompt KV already sits in its
+        blocks (written by the transport): it joins the running decodes."""
+        request.num_computed_tokens = request.prompt_len
+        request.status = RequestStatus.RUNNING
+        self.scheduler.running.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.scheduler.find(request_id)
+        if req is not None:
+            self.scheduler.remove(req)
+            req.status = RequestStatus.ABORTED
+            req.finish_s = self.clock.now()
+        return req
+
+    def release(self, request_id: str) -> None:
+        """Free the KV blocks of a request that left the scheduler (hand-off done)."""
+        self.bm.free(request_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self, on_layer_done: Callable[[int, Batch], None] | None = None) -> StepOutput | None:
+        """`on_layer_done(layer, batch)` runs after each layer of the forward pass."""
+        start = self.clock.now()
+        batch = self.scheduler.schedule()
+        if not batch:
+            return None
+        hook = None if on_layer_done is None else (lambda layer: on_layer_done(layer, batch))
+        result = self.executor.execute(batch, hook)
+        end = start + result.duration_s if self.clock.virtual else self.clock.now()
+        return self._update(batch, result, start, end)
+
+    def _update(self, batch: Batch, result: StepResult, start: float, end: float) -> StepOutput:
+        out = StepOutput(Iteration(start, end - start, batch.num_prefill_tokens, batch.num_decode_tokens,
+                                   result.kv_bytes_read, len(batch.preempted)), preempted=batch.preempted)
+        for sl in batch.slices:
+            req = sl.request
+            if req.first_scheduled_s is None:
+                req.first_scheduled_s = start
+            req.num_computed_tokens += sl.num_tokens
+            self.bm.commit(req)
+            token = result.sampled.get(req.request_id)
+            if token is None:
+                continue
+            req.output_token_ids.append(token)
+            req.token_times_s.append(end)
+            out.new_tokens.append((req, token))
+            if req.is_finished_generating():
+                req.status = RequestStatus.FINISHED
+                req.finish_s = end
+                self.scheduler.remove(req)
+                out.finished.append(req)
+            elif self.prefill_only and req.num_output_tokens == 1:
+                self.scheduler.running.remove(req)     # keeps its blocks for the hand-off
+                out.prefill_completed.append(req)
+        return out

@@ -1,0 +1,86 @@
+"""One run, from a RunConfig to a run directory: build the workload, run it on
+the chosen runtime and mode, write requests.jsonl, iterations.jsonl,
+summary.json and the resolved config, log to W&B, print a compact table."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from testbed.config import RunConfig, to_dict, validate
+from testbed.metrics import summarize, write_jsonl
+from testbed.runtime.build import apply_sampling
+from testbed.workloads.build import build_workload
+
+
+def run_workload(cfg: RunConfig, requests, progress=None):
+    if cfg.runtime == "sim":
+        from testbed.runtime.sim import SimRuntime
+        return SimRuntime(cfg).run(requests)
+    from testbed.runtime.real import RealRuntime
+    return RealRuntime(cfg, progress=progress).run(requests)
+
+
+def execute(cfg: RunConfig, out_dir: str | Path) -> dict:
+    """Run `cfg` and write its outputs into out_dir; returns summary.json's dict."""
+    validate(cfg)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    requests = build_workload(cfg.workload, cfg.model.vocab_size, cfg.seed)
+    apply_sampling(cfg, requests)
+    progress = _progress_printer() if cfg.progress and sys.stderr.isatty() else None
+    result = run_workload(cfg, requests, progress)
+    summary = summarize(result.records, result.iterations, cfg.slo.ttft_ms, cfg.slo.tpot_ms,
+                        duration_s=result.duration_s or None)
+    summary.update({
+        "mode": cfg.mode, "runtime": cfg.runtime, "scheduler": cfg.scheduler, "model": cfg.model.name,
+        "workload": cfg.workload.name, "token_budget": cfg.token_budget,
+        "interrupted": result.interrupted,
+        "kv_blocks_leaked": {w: s["num_blocks"] - s["num_free_blocks"]
+                             for w, s in result.worker_stats.items() if not s["all_free"]},
+        "workers": result.worker_stats,
+    })
+    (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg))))
+    write_jsonl(out / "requests.jsonl", result.records)
+    write_jsonl(out / "iterations.jsonl", result.iterations)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    if cfg.wandb.mode != "disabled":
+        from testbed.wandb_log import log_run
+        log_run(cfg, out, summary, result)
+    print_summary(summary, out)
+    return summary
+
+
+def _progress_printer():
+    last = [-1]
+
+    def show(done: int, total: int) -> None:
+        if done != last[0]:
+            last[0] = done
+            print(f"\r  {done}/{total} requests done", end="" if done < total else "\n", file=sys.stderr, flush=True)
+    return show
+
+
+def print_summary(summary: dict, out: Path) -> None:
+    rows = [("requests (finished/total)", f"{summary['num_finished']}/{summary['num_requests']}")]
+    for key in ("ttft_ms", "tbt_ms", "tpot_ms", "e2e_ms"):
+        s = summary[key]
+        if s and s.get("p50") is not None:
+            rows.append((key, f"p50 {s['p50']:9.1f}  p99 {s['p99']:9.1f}  max {s['max']:9.1f}"))
+    t = summary["throughput"]
+    rows.append(("throughput", f"{t['requests_per_s']:.2f} req/s  {t['output_tokens_per_s']:.1f} out tok/s"))
+    rows.append(("goodput", f"{summary['goodput']:.2f} req/s"))
+    if summary.get("fluidity_index") is not None:
+        rows.append(("fluidity_index", f"{summary['fluidity_index']:.3f}"))
+    rows.append(("preemptions", str(summary["num_preemptions"])))
+    if summary.get("kv_transfer"):
+        kt = summary["kv_transfer"]
+        rows.append(("kv_transfer", f"{kt.get('bytes', 0) / 2**20:.1f} MiB  {kt.get('gb_per_s') or 0:.2f} GB/s"))
+    if summary["kv_blocks_leaked"]:
+        rows.append(("KV BLOCKS LEAKED", str(summary["kv_blocks_leaked"])))
+    width = max(len(k) for k, _ in rows)
+    print(f"\n{summary['mode']} / {summary['scheduler']} / {summary['model']} / {summary['workload']}  ->  {out}")
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}")

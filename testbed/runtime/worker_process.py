@@ -1,0 +1,67 @@
+"""The body of a worker process in the real runtime: build the engine, then
+loop: take commands, step the engine, stream events back."""
+from __future__ import annotations
+
+import traceback
+
+import msgpack
+import zmq
+
+POLL_IDLE_MS = 5
+
+
+def worker_main(spec: dict) -> None:
+    import torch
+
+    from testbed.config import from_dict
+    from testbed.engine import WallClock
+    from testbed.runtime.build import build_engine
+    from testbed.worker import WorkerService
+
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 2000)
+    push.connect(spec["event_addr"])
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.IDENTITY, spec["worker_id"].encode())
+    dealer.connect(spec["cmd_addr"])
+
+    def emit(ev: dict) -> None:
+        push.send(msgpack.packb(ev))
+
+    kv_port = None
+    try:
+        cfg = from_dict(spec["cfg"])
+        torch.set_num_threads(cfg.torch_threads)
+        engine = build_engine(cfg, spec["role"], WallClock(spec["t0"]))
+        if cfg.mode == "disagg":
+            from testbed.runtime.real_kv_port import RealKVPort
+            kv_port = RealKVPort(cfg, spec, engine)
+        service = WorkerService(spec["worker_id"], spec["role"], engine, emit, kv_port, cfg.transfer.layerwise)
+        emit({"type": "ready", "worker": spec["worker_id"], "kv_address": kv_port.address if kv_port else ""})
+        while not service.stopping:
+            timeout = 0 if service.engine.has_work() else (1 if service.reserved else POLL_IDLE_MS)
+            if dealer.poll(timeout):
+                while True:
+                    try:
+                        msg = msgpack.unpackb(dealer.recv(zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+                    if msg["type"] != "ping":
+                        service.handle(msg)
+            if not service.stopping:
+                if kv_port is not None:
+                    kv_port.pump(service)
+                service.step()
+        emit(service.stats())
+    except Exception as e:  # report, then exit non-zero: the frontend fails this worker's requests
+        emit({"type": "error", "worker": spec["worker_id"], "error": f"{type(e).__name__}: {e}",
+              "traceback": traceback.format_exc()})
+        raise
+    finally:
+        if kv_port is not None:
+            kv_port.close()
+        dealer.close(0)
+        push.close()
+        ctx.term()

@@ -1,0 +1,158 @@
+"""Scheduler interface and the bookkeeping every policy shares: the waiting
+queue, the running list, KV allocation with preemption by recompute, and the
+invariants each `schedule()` ends by asserting.
+
+A policy decides which slices run in the next iteration; it never touches the
+model. The same classes run under the real engine and the simulator."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass
+from typing import ClassVar
+
+from testbed.batch import Batch, ScheduledSlice
+from testbed.block_manager import BlockManager
+from testbed.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """No defaults here: they live once, in testbed.config.RunConfig."""
+    token_budget: int             # sarathi / adaptive: tokens per iteration
+    max_num_seqs: int             # requests running at once
+    max_num_batched_tokens: int   # whole-prefill policies: prompt tokens per iteration
+
+    def validate(self) -> None:
+        for f in ("token_budget", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"{f}: must be >= 1, got {getattr(self, f)}")
+
+
+class Scheduler(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, cfg: SchedulerConfig, block_manager: BlockManager):
+        cfg.validate()
+        self.cfg = cfg
+        self.bm = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # -- queue management -------------------------------------------------
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def remove(self, request: Request) -> None:
+        """Take a request out (finished, aborted, failed or handed off) and free its KV."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.bm.free(request.request_id)
+
+    def find(self, request_id: str) -> Request | None:
+        for r in self.running:
+            if r.request_id == request_id:
+                return r
+        for r in self.waiting:
+            if r.request_id == request_id:
+                return r
+        return None
+
+    # -- shared mechanics -------------------------------------------------
+    def _preempt(self, victim: Request, batch: Batch) -> None:
+        """Preemption by recompute: drop the victim's KV, requeue it at the front."""
+        self.running.remove(victim)
+        self.bm.free(victim.request_id)
+        victim.reset_for_recompute()
+        self.waiting.appendleft(victim)
+        batch.preempted.append(victim)
+        self.num_preemptions += 1
+
+    def _grow_or_preempt(self, request: Request, num_new_tokens: int, batch: Batch) -> bool:
+        """Allocate KV for `num_new_tokens` more tokens of a running request,
+        preempting the newest other running requests while memory is short.
+        False when `request` itself had to be preempted."""
+        need = request.num_computed_tokens + num_new_tokens
+        while not self.bm.allocate(request, need):
+            victim = self.running[-1]
+            self._preempt(victim, batch)
+            if victim is request:
+                return False
+        return True
+
+    def _try_admit(self, request: Request, max_new_tokens: int | None) -> int:
+        """Give a waiting request its cached prefix and KV for its next slice of
+        at most max_new_tokens (None: the whole remainder). Returns the slice's
+        length, or 0 (and holds nothing) when memory is short."""
+        if not self.bm.block_table(request.request_id):
+            request.num_computed_tokens = self.bm.match_prefix(request)
+        n = request.num_uncomputed_tokens
+        if max_new_tokens is not None:
+            n = min(n, max_new_tokens)
+        if n < 1 or not self.bm.allocate(request, request.num_computed_tokens + n):
+            self.bm.free(request.request_id)
+            request.num_computed_tokens = 0
+            return 0
+        return n
+
+    def _start(self, request: Request) -> None:
+        """Move the head of the waiting queue (just admitted) to running."""
+        assert self.waiting[0] is request
+        self.waiting.popleft()
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def _check(self, batch: Batch, token_budget: int | None) -> Batch:
+        """Invariants every policy's schedule() ends with."""
+        ids = [s.request.request_id for s in batch.slices]
+        assert len(ids) == len(set(ids)), "a request was scheduled twice in one iteration"
+        if token_budget is not None:
+            assert batch.num_tokens <= token_budget, f"token budget exceeded: {batch.num_tokens} > {token_budget}"
+        assert len(self.running) <= self.cfg.max_num_seqs, "max_num_seqs exceeded"
+        bs = self.bm.block_size
+        for s in batch.slices:
+            assert s.num_tokens >= 1
+            assert s.end <= s.request.num_tokens
+            assert len(self.bm.block_table(s.request.request_id)) * bs >= s.end, \
+                f"{s.request.request_id}: KV blocks do not cover the slice"
+        return batch
+
+    @abstractmethod
+    def schedule(self) -> Batch:
+        """The slices to run in the next iteration."""
+
+    def _admit_whole_prefills(self, batch: Batch) -> None:
+        """FCFS whole prompts into `batch` while memory, max_num_seqs and
+        max_num_batched_tokens allow (a prompt longer than the cap runs alone)."""
+        tokens = batch.num_tokens
+        while self.waiting and len(self.running) < self.cfg.max_num_seqs and not batch.preempted:
+            req = self.waiting[0]
+            if tokens + req.num_uncomputed_tokens > self.cfg.max_num_batched_tokens and batch.slices:
+                break
+            n = self._try_admit(req, None)
+            if n == 0:
+                break
+            self._start(req)
+            batch.slices.append(ScheduledSlice(req, n))
+            tokens += n
+
+    def _continue_running(self, batch: Batch) -> None:
+        """Every running request's remaining tokens (1 for a decode), preempting
+        the newest when memory runs out."""
+        for req in list(self.running):
+            if req in self.running:
+                n = req.num_uncomputed_tokens
+                if self._grow_or_preempt(req, n, batch):
+                    batch.slices.append(ScheduledSlice(req, n))
+        if batch.preempted:
+            batch.slices = [s for s in batch.slices if s.request in self.running]

@@ -1,0 +1,19 @@
+"""`vllm_v0`: prefill-prioritizing iteration-level scheduling (vLLM V0 without
+chunked prefill). Whenever waiting prompts fit in memory, the iteration runs
+only their whole prefills and every running decode pauses: the generation stall
+that Sarathi-Serve removes."""
+from __future__ import annotations
+
+from testbed.batch import Batch
+from testbed.schedulers.base import Scheduler
+
+
+class VllmV0Scheduler(Scheduler):
+    name = "vllm_v0"
+
+    def schedule(self) -> Batch:
+        batch = Batch()
+        self._admit_whole_prefills(batch)
+        if not batch.slices:
+            self._continue_running(batch)
+        return self._check(batch, None)
