@@ -1,0 +1,248 @@
+"""Paged attention for a whole mixed batch (decodes and prefill chunks) in one
+Triton launch: the kernel behind `attention_backend=triton`.
+
+Data flow: the engine writes this step's K/V into the paged cache, builds one
+`AttentionMetadata` per step, and every layer calls the backend; the backend
+turns the metadata into an `AttentionPlan` once per step (`plan_attention`,
+host side) and launches `paged_attention` once per layer.
+
+How the work is cut. One program computes one *query tile* of one sequence for
+one KV head: up to BLOCK_M // GROUP consecutive queries of that sequence times
+the GROUP query heads that share the KV head, stacked as the BLOCK_M rows of a
+single matrix. Each KV tile is therefore loaded once per KV head, not once per
+query head (GQA), and a decode (one query) still fills GROUP rows of the dot.
+The host lists the (sequence, query tile) pairs, longest context first, so
+that the long programs start early and the short ones fill the tail.
+
+Causality is bottom-right aligned: query i of a q_len-query slice in a seq_len
+context sits at position seq_len - q_len + i and sees keys 0 .. that position.
+KV tiles every row of a program sees whole skip the mask; only the last few
+tiles (the chunk's own diagonal, a decode's last tile) pay for it.
+
+On a machine without a GPU the same kernel runs through Triton's interpreter
+(kernels/triton_interpret.py), for the tests and the CPU engine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from testbed.kernels.attention import AttentionMetadata
+from testbed.kernels.triton_interpret import check_runnable, interpret_without_gpu
+
+interpret_without_gpu()
+import triton  # noqa: E402  (after interpret_without_gpu: Triton reads the switch at import)
+import triton.language as tl  # noqa: E402
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, work_seq_ptr, work_q_first_ptr,
+    scale_log2e, num_kv_heads,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_ct, stride_ch,            # cache strides: block, token in block, head (dim is 1)
+    stride_bt,                                  # block table row stride
+    BLOCK_SIZE: tl.constexpr,                   # tokens per KV cache block
+    GROUP: tl.constexpr,                        # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,                      # HEAD_DIM rounded up to a power of two
+    BLOCK_M: tl.constexpr,                      # rows per program: queries x GROUP
+    BLOCK_N: tl.constexpr,                      # keys per inner-loop tile
+    DOT_FP32: tl.constexpr,                     # upcast dot operands (interpreter has no bf16 matmul)
+    DOT_PRECISION: tl.constexpr,                # "ieee" for fp32 inputs, else "tf32" (ignored for 16-bit)
+):
+    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
+    pid = tl.program_id(0)
+    item = pid // num_kv_heads
+    kv_head = pid % num_kv_heads
+    seq = tl.load(work_seq_ptr + item)
+    q_first = tl.load(work_q_first_ptr + item)          # first query of this tile, within the sequence
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_first + rows // GROUP                         # [BLOCK_M] query index within the sequence
+    head = kv_head * GROUP + rows % GROUP                 # [BLOCK_M] query head
+    row_valid = (rows < BLOCK_Q * GROUP) & (tok < q_len)
+    q_pos = context_len + tok                             # absolute position each row attends from
+    d = tl.arange(0, BLOCK_D)
+    d_valid = d < HEAD_DIM
+
+    q_offs = (q_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=row_valid[:, None] & d_valid[None, :], other=0.0)   # [BLOCK_M, BLOCK_D]
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # Keys [0, kv_end) are seen by some row; keys below full_end by every row.
+    kv_end = context_len + tl.minimum(q_first + BLOCK_Q, q_len)
+    full_end = (context_len + q_first + 1) // BLOCK_N * BLOCK_N
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for start in range(0, kv_end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)                 # [BLOCK_N] key positions
+        n_valid = n < kv_end
+        block = tl.load(block_table + n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        kv_offs = block * stride_cb + (n % BLOCK_SIZE) * stride_ct + kv_head * stride_ch   # [BLOCK_N]
+        k = tl.load(k_cache_ptr + kv_offs[None, :] + d[:, None],
+                    mask=n_valid[None, :] & d_valid[:, None], other=0.0)                  # [BLOCK_D, BLOCK_N]
+        if DOT_FP32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2e                   # [BLOCK_M, BLOCK_N]
+        if start + BLOCK_N > full_end:
+            s = tl.where((n[None, :] <= q_pos[:, None]) & n_valid[None, :], s, float("-inf"))
+        # Online softmax in base 2. Key 0 lies in the first tile and every row sees
+        # it, so m_i is finite after the first tile and alpha is never inf - inf.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_offs[:, None] + d[None, :],
+                    mask=n_valid[:, None] & d_valid[None, :], other=0.0)                  # [BLOCK_N, BLOCK_D]
+        if DOT_FP32:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    acc = acc / l_i[:, None]
+    o_offs = (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    tl.store(out_ptr + o_offs, acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Launch shape. block_m rows = (block_m // group) queries x group heads."""
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"TileConfig.{name}={v}: must be a power of two >= 16 (tl.dot's minimum)")
+
+
+def default_tile(max_query_len: int, group: int, device: torch.device) -> TileConfig:
+    """Decode-only batches get the fewest rows that hold one query's group
+    (memory-bound: rows are free, wasted ones are not); batches with chunks
+    get 128 rows (compute-bound). The interpreter costs per program and per
+    loop iteration, not per element, so on the CPU the tiles are as big as the
+    work allows."""
+    if device.type != "cuda":
+        rows = triton.next_power_of_2(max(16, group * max_query_len))
+        return TileConfig(block_m=min(rows, 256), block_n=256)
+    if max_query_len == 1:
+        return TileConfig(block_m=max(16, triton.next_power_of_2(group)), block_n=64, num_warps=4, num_stages=3)
+    return TileConfig(block_m=max(128, triton.next_power_of_2(group)), block_n=64, num_warps=8, num_stages=3)
+
+
+@dataclass
+class AttentionPlan:
+    """Device-side copy of one step's metadata plus the program work list;
+    built once per step, reused by every layer."""
+    query_start_loc: torch.Tensor   # [B + 1] int32
+    seq_lens: torch.Tensor          # [B] int32
+    block_tables: torch.Tensor      # [B, max_blocks] int32
+    work_seq: torch.Tensor          # [num_items] int32: sequence of each query tile
+    work_q_first: torch.Tensor      # [num_items] int32: its first query within the sequence
+    block_size: int
+    num_tokens: int
+    group: int
+    tile: TileConfig
+
+
+def plan_attention(meta: AttentionMetadata, num_heads: int, num_kv_heads: int,
+                   device: torch.device | str, tile: TileConfig | None = None) -> AttentionPlan:
+    device = torch.device(device)
+    qsl, seq_lens, tables, bs = meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.block_size
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    group = num_heads // num_kv_heads
+    num_seqs = len(seq_lens)
+    if len(qsl) != num_seqs + 1 or len(tables) != num_seqs or qsl[0] != 0:
+        raise ValueError(f"AttentionMetadata: query_start_loc needs B+1={num_seqs + 1} entries starting at 0 and "
+                         f"block_tables B={num_seqs} rows; got {len(qsl)} and {len(tables)}")
+    q_lens = [qsl[b + 1] - qsl[b] for b in range(num_seqs)]
+    for b in range(num_seqs):
+        if not 1 <= q_lens[b] <= seq_lens[b]:
+            raise ValueError(f"AttentionMetadata: sequence {b} has query length {q_lens[b]} and seq_len "
+                             f"{seq_lens[b]}; need 1 <= query length <= seq_len")
+        if len(tables[b]) * bs < seq_lens[b]:
+            raise ValueError(f"AttentionMetadata.block_tables[{b}] has {len(tables[b])} blocks of {bs} tokens "
+                             f"for seq_len {seq_lens[b]}; it needs ceil(seq_len / block_size) blocks")
+    tile = tile or default_tile(max(q_lens), group, device)
+    if group > tile.block_m:
+        raise ValueError(f"TileConfig.block_m={tile.block_m} is smaller than the GQA group {group}")
+    block_q = tile.block_m // group
+    items = [(seq_lens[b] - q_lens[b] + min(first + block_q, q_lens[b]), b, first)
+             for b in range(num_seqs) for first in range(0, q_lens[b], block_q)]
+    items.sort(key=lambda it: -it[0])      # longest programs first: they set the makespan
+    width = max(len(t) for t in tables)
+    padded = [x for t in tables for x in (list(t) + [0] * (width - len(t)))]
+    # One host-to-device copy for all of it, then views.
+    flat = torch.tensor(list(qsl) + list(seq_lens) + [it[1] for it in items] + [it[2] for it in items] + padded,
+                        dtype=torch.int32).to(device)
+    n = len(items)
+    cuts = [num_seqs + 1, num_seqs, n, n, num_seqs * width]
+    qsl_t, seq_t, ws_t, wq_t, bt_t = torch.split(flat, cuts)
+    return AttentionPlan(qsl_t, seq_t, bt_t.view(num_seqs, width), ws_t, wq_t, bs, qsl[-1], group, tile)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan,
+                    scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, Hq, D], caches [num_blocks, block_size, Hkv, D] -> out [T, Hq, D] (q's dtype)."""
+    if q.dim() != 3 or k_cache.dim() != 4:
+        raise ValueError(f"q must be [T, Hq, D] and k_cache [num_blocks, block_size, Hkv, D]; "
+                         f"got {tuple(q.shape)} and {tuple(k_cache.shape)}")
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_dim = k_cache.shape
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+        raise ValueError(f"v_cache {tuple(v_cache.shape)}/{v_cache.stride()} must match k_cache "
+                         f"{tuple(k_cache.shape)}/{k_cache.stride()} in shape and strides")
+    if cache_dim != head_dim or num_heads != plan.group * num_kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not fit the cache {tuple(k_cache.shape)} and the plan's "
+                         f"GQA group {plan.group} (need Hq = group * Hkv and the same head_dim)")
+    if num_tokens != plan.num_tokens or block_size != plan.block_size:
+        raise ValueError(f"q has {num_tokens} tokens and the cache block_size {block_size}; the plan was built "
+                         f"for {plan.num_tokens} tokens and block_size {plan.block_size}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype) or q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"q/k_cache/v_cache dtypes {q.dtype}/{k_cache.dtype}/{v_cache.dtype}: need one of "
+                         "float32, float16, bfloat16, the same for all three")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1:
+        raise ValueError("q and the caches need a contiguous head_dim (stride 1)")
+    if not (q.device == k_cache.device == v_cache.device == plan.seq_lens.device):
+        raise ValueError(f"q, caches and plan must share a device; got {q.device}, {k_cache.device}, "
+                         f"{plan.seq_lens.device}")
+    if out is None:
+        out = torch.empty_like(q)
+    num_items = plan.work_seq.numel()
+    if num_items == 0:
+        return out
+    check_runnable(_paged_attention_kernel, q.device)
+    interpreted = q.device.type != "cuda"
+    t = plan.tile
+    _paged_attention_kernel[(num_items * num_kv_heads,)](
+        out, q, k_cache, v_cache,
+        plan.block_tables, plan.seq_lens, plan.query_start_loc, plan.work_seq, plan.work_q_first,
+        scale * LOG2E, num_kv_heads,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        plan.block_tables.stride(0),
+        BLOCK_SIZE=block_size, GROUP=plan.group, HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(max(head_dim, 16)),
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+        DOT_FP32=interpreted,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )
+    return out
