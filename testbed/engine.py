@@ -116,7 +116,11 @@ class Engine:
             return None
         hook = None if on_layer_done is None else (lambda layer: on_layer_done(layer, batch))
         result = self.executor.execute(batch, hook)
-        end = start + result.duration_s if self.clock.virtual else self.clock.now()
+        if self.clock.virtual:
+            end = start + result.duration_s
+            self.clock.t = end          # what follows this step (hand-offs, events) happens at its end
+        else:
+            end = self.clock.now()
         return self._update(batch, result, start, end)
 
     def _update(self, batch: Batch, result: StepResult, start: float, end: float) -> StepOutput:

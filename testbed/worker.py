@@ -98,7 +98,7 @@ class WorkerService:
             self.handoff.pop(req.request_id, None)
             self.emit(finished_msg(req))
         for req in out.prefill_completed:
-            self._hand_off(req, now)
+            self._hand_off(req, now, out.iteration.duration_s)
         for req in out.preempted:
             self.emit({"type": "preempted", "id": req.request_id})
         it = out.iteration
@@ -120,9 +120,9 @@ class WorkerService:
             if sl.end == req.prompt_len and req.request_id in self.handoff:
                 self._send(req, (layer, layer + 1), last=False, meta={})
 
-    def _hand_off(self, req: Request, now: float) -> None:
+    def _hand_off(self, req: Request, now: float, last_iteration_s: float) -> None:
         first = (self.num_layers - 1) if self.layerwise else 0
-        meta = {"first_token": req.output_token_ids[0], "first_token_s": now,
+        meta = {"first_token": req.output_token_ids[0], "first_token_s": now, "last_iteration_s": last_iteration_s,
                 "first_scheduled_s": req.first_scheduled_s, "num_preemptions": req.num_preemptions}
         sent = self._send(req, (first, self.num_layers), last=True, meta=meta)
         self.awaiting_release.add(req.request_id)
