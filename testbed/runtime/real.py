@@ -100,10 +100,16 @@ class RealRuntime:
         ev_port = self.events.bind_to_random_port("tcp://127.0.0.1")
         mpctx = mp.get_context("spawn")
         cfg_dict = to_dict(self.cfg)
+        dist_addr = None
+        if self.cfg.mode == "disagg":
+            from testbed.runtime.real_kv_port import uses_torch_dist
+            if uses_torch_dist(self.cfg):
+                from testbed.kv_transfer import start_rendezvous
+                self._store, dist_addr = start_rendezvous(self.cfg.transfer.host, self.cfg.transfer.timeout_s)
         for rank, w in enumerate(self.workers):
             spec = {"worker_id": w.worker_id, "role": w.role, "cfg": cfg_dict, "rank": rank,
                     "world_size": len(self.workers), "cmd_addr": f"tcp://127.0.0.1:{cmd_port}",
-                    "event_addr": f"tcp://127.0.0.1:{ev_port}", "t0": self.clock.t0}
+                    "event_addr": f"tcp://127.0.0.1:{ev_port}", "t0": self.clock.t0, "dist_addr": dist_addr}
             p = mpctx.Process(target=worker_main, args=(spec,), name=w.worker_id, daemon=True)
             p.start()
             self.procs[w.worker_id] = p

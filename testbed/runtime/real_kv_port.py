@@ -1,0 +1,77 @@
+"""KVPort over a real kv_transfer transport (zmq, torch_dist, shaped): the
+prefill side packs a request's blocks out of its KV cache and sends them; the
+decode side writes verified arrivals straight into the reserved blocks and
+acknowledges them to the sender."""
+from __future__ import annotations
+
+import sys
+
+from testbed.config import RunConfig
+from testbed.engine import Engine
+from testbed.kv_transfer import TransferError, make_receiver, make_sender, pack_kv, unpack_kv
+from testbed.kv_transfer.torch_dist import TorchDistGroup
+from testbed.runtime.kv_port import KVArrival, KVPort
+
+
+def uses_torch_dist(cfg: RunConfig) -> bool:
+    t = cfg.transfer
+    return (t.shaped_inner if t.transport == "shaped" else t.transport) == "torch_dist"
+
+
+class RealKVPort(KVPort):
+    def __init__(self, cfg: RunConfig, spec: dict, engine: Engine):
+        self.cache = engine.executor.kv_cache
+        self.num_layers = engine.executor.num_layers
+        self.kv_bytes_per_token = engine.executor.kv_bytes_per_token
+        self.group = None
+        if uses_torch_dist(cfg):
+            self.group = TorchDistGroup(spec["dist_addr"], spec["rank"], spec["world_size"],
+                                        cfg.transfer.dist_backend, cfg.transfer.timeout_s)
+        role = spec["role"]
+        self.receiver = make_receiver(cfg.transfer, group=self.group) if role == "decode" else None
+        self.sender = make_sender(cfg.transfer, name=spec["worker_id"], group=self.group) if role == "prefill" else None
+
+    @property
+    def address(self) -> str:
+        return self.receiver.address if self.receiver is not None else ""
+
+    def connect(self, peer: str, address: str) -> None:
+        self.sender.connect(peer, address)
+
+    def send(self, request_id, peer, src_block_ids, dst_block_ids, num_tokens, layers, last, meta) -> int:
+        payload = pack_kv(self.cache, layers, src_block_ids, dst_block_ids, num_tokens, request_id,
+                          last=last, meta=meta)
+        try:
+            self.sender.send(peer, payload)
+        except TransferError as e:
+            # the peer is gone or stuck; the frontend's liveness check fails the request
+            print(f"kv send of {request_id} to {peer} failed: {e}", file=sys.stderr)
+            return 0
+        # the logical KV of the prompt (the wire also carries the last block's padding)
+        return num_tokens * self.kv_bytes_per_token * (layers[1] - layers[0]) // self.num_layers
+
+    def poll(self) -> list[KVArrival]:
+        out = []
+        for p in self.receiver.poll(0):
+            if p.error is not None:
+                self.receiver.ack(p.origin, p.request_id, ok=False, reason=p.error)
+                out.append(KVArrival(p.request_id, True, ok=False, error=p.error))
+                continue
+            unpack_kv(self.cache, p)
+            if p.last:
+                self.receiver.ack(p.origin, p.request_id, ok=True)
+            out.append(KVArrival(p.request_id, p.last, num_bytes=p.nbytes, meta=p.meta))
+        return out
+
+    def pump(self, service) -> None:
+        """Prefill side: drain acknowledgements (the frontend's `release` is what
+        frees the blocks; acks only keep the sender's queues short)."""
+        if self.sender is not None:
+            self.sender.poll_acks(0)
+
+    def close(self) -> None:
+        for t in (self.sender, self.receiver):
+            if t is not None:
+                t.close()
+        if self.group is not None:
+            self.group.close()
