@@ -182,17 +182,18 @@ def plot_tbt(run: Run, path: Path) -> None:
                    s=16, marker="x", color="tab:red", label="TTFT (at first token)")
     ax_tbt.set_ylabel("ms")
     ax_tbt.set_yscale("log")
-    ax_tbt.set_title(run.label)
-    ax_tbt.legend(loc="upper right", fontsize="small")
+    fig.suptitle(run.label)
+    # legends sit above the axes: a stall's few points are often in a corner
+    ax_tbt.legend(loc="lower left", bbox_to_anchor=(0, 1.0), ncol=2, fontsize="small", frameon=False)
     if iterations:
         starts = [it.start_s - t0 for it in iterations]
         decode = [it.num_decode_tokens for it in iterations]
         ax_it.bar(starts, decode, width=[it.duration_s for it in iterations], align="edge",
-                  color="tab:green", label="decode tokens")
+                  color="tab:green", edgecolor="black", linewidth=0.3, label="decode tokens")
         ax_it.bar(starts, [it.num_prefill_tokens for it in iterations], bottom=decode,
                   width=[it.duration_s for it in iterations], align="edge", color="tab:orange",
-                  label="prefill tokens")
-        ax_it.legend(loc="upper right", fontsize="small")
+                  edgecolor="black", linewidth=0.3, label="prefill tokens")
+        ax_it.legend(loc="lower left", bbox_to_anchor=(0, 1.0), ncol=2, fontsize="small", frameon=False)
     ax_it.set_ylabel("tokens/iter")
     ax_it.set_xlabel("time since first arrival (s)")
     fig.tight_layout()
