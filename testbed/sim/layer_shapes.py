@@ -70,6 +70,12 @@ class AttentionShape:
         decompress = (2 * self.mla_rank * self.num_heads * (self.qk_dim - self.rope_dim + self.v_dim)) * (ctx - q)
         return np.minimum(absorbed, plain + decompress)
 
+    def dense_flops(self, q: np.ndarray, ctx: np.ndarray) -> np.ndarray:
+        """FLOPs of a kernel that computes the whole q x ctx score rectangle
+        and masks it (the torch backend's SDPA on CPU), instead of skipping the
+        causally masked half as flash kernels do."""
+        return (2 * self.num_heads * (self.qk_dim + self.v_dim)) * q * ctx
+
     def bytes(self, q: np.ndarray, ctx: np.ndarray) -> np.ndarray:
         return self.kv_bytes_per_token * ctx + self.io_bytes_per_token * q
 

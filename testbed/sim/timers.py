@@ -95,7 +95,8 @@ class RooflineAttention:
 
 
 def fit_attention(rows: Sequence[Sequence[float]]) -> tuple[float, float, float, float]:
-    """Fit rows [num_seqs, flops, bytes, seconds] of one attention call to
+    """Fit rows [num_seqs, flops, bytes, seconds] of one attention call (flops
+    as AttentionShape.dense_flops counts them) to
     seconds = per_call + per_seq·num_seqs + per_flop·flops + per_byte·bytes,
     minimising relative error, every coefficient >= 0 (a term that would come
     out negative is dropped and the rest refitted)."""
@@ -118,14 +119,15 @@ def fit_attention(rows: Sequence[Sequence[float]]) -> tuple[float, float, float,
 
 class ProfiledAttention:
     """The fitted linear model of one measured attention call per layer, which
-    carries the CPU backend's fixed per-call and per-sequence costs."""
+    carries the CPU backend's fixed per-call and per-sequence costs. Its FLOPs
+    are the dense q x ctx rectangle, as the profiled torch backend computes."""
 
     def __init__(self, shape: AttentionShape, num_layers: int, rows: Sequence[Sequence[float]]):
         self.shape, self.num_layers = shape, num_layers
         self.per_call, self.per_seq, self.per_flop, self.per_byte = fit_attention(rows)
 
     def seconds(self, q: np.ndarray, ctx: np.ndarray) -> float:
-        flops = float(self.shape.flops(q, ctx).sum())
+        flops = float(self.shape.dense_flops(q, ctx).sum())
         nbytes = float(self.shape.bytes(q, ctx).sum())
         return self.num_layers * (self.per_call + self.per_seq * len(q)
                                   + self.per_flop * flops + self.per_byte * nbytes)

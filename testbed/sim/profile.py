@@ -1,0 +1,153 @@
+"""`testbed profile`: measure this CPU with the real engine's kernels and write
+a hardware config the cost model reads, so that `runtime=sim hardware=cpu`
+predicts what `runtime=real` does here.
+
+Measures, with one torch thread per worker as the real engine runs:
+- GEMM seconds for every GEMM shape of a model preset (F.linear, as the
+  model's layers call it) at several token counts -> gemm_profile rows
+  [m, n, k, seconds], interpolated over m by the cost model;
+- one attention call of the torch backend over a grid of (query length,
+  prefix) and of decode batches -> attention_profile rows [num_seqs, flops,
+  bytes, seconds], fitted by the cost model (timers.fit_attention); flops
+  count the whole q x ctx rectangle, which SDPA computes before masking;
+- memcpy bandwidth -> hbm_bw_gbps (read plus written bytes), and the best GEMM
+  throughput -> peak_tflops, for whatever the tables do not cover.
+The engine's per-iteration overhead is not measured here (overhead_ms = 0)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import yaml
+
+from testbed.kernels.attention import AttentionMetadata
+from testbed.kernels.torch_backend import TorchAttentionBackend
+from testbed.model.config import ModelConfig, load_model_preset
+from testbed.sim.config import HardwareConfig
+from testbed.sim.layer_shapes import layer_shapes
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclasses.dataclass
+class _Plan:
+    token_counts: list[int]
+    single_seq: list[tuple[int, int]]      # (q_len, prefix)
+    decode_batches: list[tuple[int, int]]  # (num_seqs, ctx)
+    min_time_s: float
+
+
+_QUICK = _Plan([1, 16, 64, 256, 1024], [(q, p) for q in (1, 64, 512) for p in (0, 512, 2048)],
+               [(8, 512), (32, 512)], 0.02)
+_FULL = _Plan([1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096],
+              [(q, p) for q in (1, 16, 128, 512, 2048) for p in (0, 512, 2048, 8192)],
+              [(4, 256), (16, 256), (64, 256), (4, 2048), (16, 2048), (64, 2048)], 0.2)
+
+
+def seconds_per_call(fn: Callable[[], object], min_time_s: float, repeats: int = 3) -> float:
+    """Best of `repeats` averages, each over enough calls to last
+    min_time_s / repeats (the minimum resists other processes' noise)."""
+    fn()
+    calls, budget = 1, min_time_s / repeats
+    while True:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        elapsed = time.perf_counter() - t0
+        if elapsed >= budget:
+            break
+        calls = max(calls * 2, int(calls * budget / max(elapsed, 1e-9)) + 1)
+    best = elapsed / calls
+    for _ in range(repeats - 1):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return best
+
+
+def profile_gemms(model: ModelConfig, token_counts: list[int], min_time_s: float) -> list[list[float]]:
+    dtype = _TORCH_DTYPES[model.dtype]
+    shapes = layer_shapes(model)
+    rows = []
+    for n, k in sorted({(g.n, g.k) for g in (*shapes.gemms, shapes.lm_head)}):
+        weight = torch.randn(n, k, dtype=dtype)                      # [out, in] as nn.Linear holds it
+        for m in token_counts:
+            x = torch.randn(m, k, dtype=dtype)
+            rows.append([m, n, k, seconds_per_call(lambda: F.linear(x, weight), min_time_s)])
+    return rows
+
+
+def profile_attention(model: ModelConfig, plan: _Plan, block_size: int = 16) -> list[list[float]]:
+    dtype = _TORCH_DTYPES[model.dtype]
+    shape = layer_shapes(model).attention
+    heads, kv_heads, d = model.num_heads, model.num_kv_heads, model.resolved_head_dim
+    batches = [[(q, q + p)] for q, p in plan.single_seq] + [[(1, c)] * b for b, c in plan.decode_batches]
+    max_blocks = max(sum(-(-c // block_size) for _, c in batch) for batch in batches)
+    k_cache = torch.randn(max_blocks, block_size, kv_heads, d, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    backend, scale = TorchAttentionBackend(), d ** -0.5
+    rows = []
+    for batch in batches:
+        starts, tables, next_block = [0], [], 0
+        for q, ctx in batch:
+            starts.append(starts[-1] + q)
+            nblocks = -(-ctx // block_size)
+            tables.append(list(range(next_block, next_block + nblocks)))
+            next_block += nblocks
+        meta = AttentionMetadata(query_start_loc=starts, seq_lens=[c for _, c in batch], block_tables=tables,
+                                 slot_mapping=torch.zeros(starts[-1], dtype=torch.int64), block_size=block_size)
+        query = torch.randn(starts[-1], heads, d, dtype=dtype)
+        secs = seconds_per_call(lambda: backend.forward(query, k_cache, v_cache, meta, scale), plan.min_time_s)
+        q_arr = np.array([q for q, _ in batch], dtype=np.float64)
+        c_arr = np.array([c for _, c in batch], dtype=np.float64)
+        rows.append([len(batch), float(shape.dense_flops(q_arr, c_arr).sum()), float(shape.bytes(q_arr, c_arr).sum()), secs])
+    return rows
+
+
+def memcpy_gbps(nbytes: int = 64 << 20, min_time_s: float = 0.1) -> float:
+    """Copy bandwidth counting bytes read plus bytes written, GB/s."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / seconds_per_call(lambda: dst.copy_(src), min_time_s) / 1e9
+
+
+def profile_cpu(out_path: str | Path, model_name: str = "tiny", quick: bool = False, name: str = "cpu",
+                num_threads: int = 1) -> HardwareConfig:
+    """Measure this machine on the GEMM and attention shapes of `model_name`,
+    write the hardware YAML to out_path (e.g. conf/hardware/cpu.yaml) and
+    return it. quick=True takes a few seconds (tests), the full grid ~a minute."""
+    model, plan = load_model_preset(model_name), _QUICK if quick else _FULL
+    if model.dtype not in _TORCH_DTYPES or model.attention != "gqa":
+        raise ValueError(f"model='{model_name}': profile a GQA model in float32/bfloat16/float16 "
+                         "that the real engine runs (e.g. tiny, mid)")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        gemm_rows = profile_gemms(model, plan.token_counts, plan.min_time_s)
+        attention_rows = profile_attention(model, plan)
+        bandwidth = memcpy_gbps(min_time_s=plan.min_time_s * 5)
+    finally:
+        torch.set_num_threads(threads)
+    peak = max(2.0 * m * n * k / s for m, n, k, s in gemm_rows) / 1e12
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    hardware = HardwareConfig(
+        name=name, peak_tflops=peak, peak_tflops_fp32=peak, hbm_bw_gbps=bandwidth, memory_gib=round(memory, 1),
+        compute_efficiency=1.0, memory_efficiency=1.0, gemm_ramp_tokens=0.0, overhead_ms=0.0,
+        gemm_profile=[[int(m), int(n), int(k), float(f"{s:.4g}")] for m, n, k, s in gemm_rows],
+        attention_profile=[[int(b), float(fl), float(by), float(f"{s:.4g}")] for b, fl, by, s in attention_rows])
+    header = (f"# Measured on this machine by testbed.sim.profile.profile_cpu ({time.strftime('%Y-%m-%d %H:%M')}):\n"
+              f"# model={model_name} ({model.dtype}), torch threads={num_threads}, quick={quick}.\n"
+              "# peak_tflops: best GEMM throughput seen; hbm_bw_gbps: memcpy, read plus written bytes.\n"
+              "# gemm_profile rows [m, n, k, seconds]; attention_profile rows [num_seqs, flops, bytes, seconds]\n"
+              "# of one torch-backend attention call (one layer). overhead_ms: not measured here.\n")
+    body = yaml.safe_dump(dataclasses.asdict(hardware), sort_keys=False, default_flow_style=None, width=120)
+    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(out_path).write_text(header + body)
+    return hardware
