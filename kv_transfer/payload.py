@@ -127,7 +127,7 @@ def decode_header(raw: bytes | memoryview, max_header_bytes: int, max_message_by
     try:
         h = msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except Exception as e:  # msgpack raises several unrelated types on garbage
-        raise PayloadError(f"header is not valid msgpack: {e}") from None
+        raise PayloadError(f"header is not valid msgpack ({type(e).__name__}: {e})") from None
     if not isinstance(h, dict):
         raise PayloadError(f"header is a {type(h).__name__}, expected a map")
     rid = h.get("request_id")

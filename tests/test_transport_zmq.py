@@ -1,0 +1,191 @@
+"""The zmq transport over real sockets: round trips to a receiver in a spawned
+process (tcp and ipc), acks, a payload corrupted in flight, hand-built hostile
+messages from a raw zmq socket, and close() leaving no port, file or thread."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+sys.path.insert(0, str(Path(__file__).parent))     # spawned children find the peer module the same way
+import test_transport_peers as peers  # noqa: E402
+
+from testbed.kv_transfer import TransferConfig, TransferError, make_receiver, make_sender, pack_kv  # noqa: E402
+
+SPAWN = mp.get_context("spawn")
+
+
+def make_cache(seed: int) -> torch.Tensor:
+    return torch.randn(4, 2, 64, 16, 2, 8, generator=torch.Generator().manual_seed(seed))  # 16 KiB/block-layer
+
+
+def expect(q, kind: str):
+    got_kind, value = q.get(timeout=60)
+    assert got_kind == kind, (got_kind, value)
+    return value
+
+
+def start_receiver(cfg: TransferConfig, num_payloads: int, **kw):
+    out_q, ctl_q = SPAWN.Queue(), SPAWN.Queue()
+    proc = SPAWN.Process(target=peers.run_receiver, args=(cfg, num_payloads, out_q, ctl_q), kwargs=kw)
+    proc.start()
+    return proc, out_q, ctl_q, expect(out_q, "address")
+
+
+def wait_acks(sender, n: int) -> list:
+    acks, deadline = [], time.monotonic() + 60
+    while len(acks) < n and time.monotonic() < deadline:
+        acks += sender.poll_acks(100)
+    return acks
+
+
+@pytest.mark.parametrize("protocol", ["tcp", "ipc"])
+def test_round_trip_to_another_process(protocol):
+    # 5000-byte frames: payloads are cut into many frames, the last one short
+    cfg = TransferConfig(protocol=protocol, frame_bytes=5000)
+    cache = make_cache(1)
+    payloads = [
+        pack_kv(cache, (0, 2), [3, 4, 5, 9], [10, 11, 2, 20], 60, "req-a", last=False, meta={"first_token": 7}),
+        pack_kv(cache, (2, 4), [3, 4, 5, 9], [10, 11, 2, 20], 60, "req-a", last=True),
+        pack_kv(cache, (0, 4), list(range(40, 50)), list(range(10)), 150, "req-b"),
+    ]
+    proc, out_q, ctl_q, address = start_receiver(cfg, len(payloads))
+    assert address.startswith(f"{protocol}://")
+    with make_sender(cfg, name="prefill-0") as sender:
+        sender.connect("decode-0", address)
+        for p in payloads:
+            sender.send("decode-0", p)
+        sender.flush()
+        got = [expect(out_q, "payload") for _ in payloads]
+        acks = wait_acks(sender, len(payloads))
+    ctl_q.put("close")
+    assert expect(out_q, "closed") == len(payloads)
+    proc.join(30)
+    assert proc.exitcode == 0
+    for sent, r in zip(payloads, got):      # one connection: arrival order is send order
+        assert r["error"] is None and r["origin"] == "prefill-0"
+        assert (r["request_id"], r["last"], r["meta"], r["block_ids"], r["num_tokens"]) == \
+            (sent.request_id, sent.last, sent.meta, sent.block_ids, sent.num_tokens)
+        assert r["layers"] == (sent.layer_start, sent.layer_end)
+        assert torch.equal(r["data"], sent.data)
+    assert [(a.peer, a.request_id, a.ok) for a in acks] == [("decode-0", "req-a", True)] * 2 + [("decode-0", "req-b", True)]
+
+
+def test_corrupted_payload_fails_that_request_only():
+    cfg = TransferConfig(fault_corrupt_nth=2)
+    cache = make_cache(2)
+    payloads = [pack_kv(cache, (0, 4), [i], [i], 16, f"req-{i}") for i in range(3)]
+    proc, out_q, ctl_q, address = start_receiver(cfg, 3)
+    with make_sender(cfg, name="p") as sender:
+        sender.connect("d", address)
+        for p in payloads:
+            sender.send("d", p)
+        got = [expect(out_q, "payload") for _ in payloads]
+        acks = wait_acks(sender, 3)
+    ctl_q.put("close")
+    expect(out_q, "closed")
+    proc.join(30)
+    assert [r["error"] is None for r in got] == [True, False, True]
+    assert "request req-1: checksum mismatch" in got[1]["error"] and got[1]["data"] is None
+    assert torch.equal(got[2]["data"], payloads[2].data)
+    assert [(a.request_id, a.ok) for a in acks] == [("req-0", True), ("req-1", False), ("req-2", True)]
+    assert "corrupted in transit" in acks[1].reason
+    assert torch.equal(payloads[1].data, cache[:, :, [1]])     # the injector corrupted a copy
+
+
+def _raw_header(request_id: str, nbytes: int, **extra) -> bytes:
+    n = nbytes // 4
+    h = {"v": 1, "request_id": request_id, "layer_start": 0, "layer_end": 1, "block_ids": [0],
+         "num_tokens": 1, "dtype": "float32", "shape": [1, 2, 1, n // 2, 1, 1], "checksum": 0,
+         "nbytes": nbytes, "last": True, "meta": {}}
+    h.update(extra)
+    return msgpack.packb(h)
+
+
+def test_hostile_messages_are_reported_not_fatal():
+    cfg = TransferConfig(max_header_bytes=4096, max_message_bytes=1 << 20, frame_bytes=64 * 1024)
+    receiver = make_receiver(cfg)
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.ROUTING_ID, b"mallory")
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(receiver.address)
+
+    def poll_all(n: int) -> list:
+        got, deadline = [], time.monotonic() + 10
+        while len(got) < n and time.monotonic() < deadline:
+            got += receiver.poll(100)
+        return got
+    try:
+        raw.send_multipart([b"x" * 5000, b"data"])                          # oversize header
+        raw.send_multipart([b"\xc1\xc1\xc1", b"data"])                      # not msgpack
+        raw.send_multipart([_raw_header("r-huge", 1 << 30), b"data"])      # declares 1 GiB
+        raw.send_multipart([_raw_header("r-long", 8), b"\0" * 8, b"\0"])   # one byte too many
+        raw.send_multipart([_raw_header("r-short", 8), b"\0" * 4])         # truncated
+        good = torch.ones(1, 2, 1, 1, 1, 1)
+        raw.send_multipart([_raw_header("r-good", 8, checksum=pack_kv(good, (0, 1), [0], [0], 1, "r").checksum),
+                            good.numpy().tobytes()])
+        got = poll_all(4)
+        assert receiver.num_rejected == 2
+        errors = {p.request_id: p.error for p in got}
+        assert errors["r-huge"].startswith("request r-huge: payload of 1073741824 bytes exceeds max_message_bytes")
+        assert errors["r-long"] == "request r-long: more data than the 8 bytes declared"
+        assert errors["r-short"] == "request r-short: truncated: 4 of 8 bytes arrived"
+        assert errors["r-good"] is None and got[-1].data.tolist() == good.tolist()
+        assert all(p.origin == "mallory" for p in got)
+        assert receiver._buffers.nbytes_held <= 4 << 20    # 1 MiB buffers; the 1 GiB claim got none
+        # a frame over max_message_bytes: zmq drops the connection before allocating it
+        raw.send_multipart([_raw_header("r-frame", 8), b"\0" * (2 << 20)])
+        assert poll_all(1) == []
+        assert receiver.ack("mallory-gone", "r", ok=False, reason="x") is False
+    finally:
+        raw.close()
+        ctx.term()
+        receiver.close()
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _one_round_trip(cfg: TransferConfig) -> tuple[str, str]:
+    receiver = make_receiver(cfg)
+    sender = make_sender(cfg)
+    sender.connect("d", receiver.address)
+    sender.send("d", pack_kv(make_cache(3), (0, 4), [1, 2], [1, 2], 20, "r"))
+    got = []
+    while not got:
+        got = receiver.poll(1000)
+    assert got[0].ok
+    receiver.ack(got[0].origin, "r")
+    assert [a.request_id for a in wait_acks(sender, 1)] == ["r"]
+    sender.flush()
+    sender.close()
+    receiver.close()
+    with pytest.raises(TransferError, match="is closed"):
+        sender.send("d", pack_kv(make_cache(3), (0, 1), [1], [1], 1, "r"))
+    return receiver.address, sender.name
+
+
+@pytest.mark.parametrize("protocol", ["tcp", "ipc"])
+def test_close_releases_port_socket_file_and_threads(protocol):
+    cfg = TransferConfig(protocol=protocol)
+    _one_round_trip(cfg)       # warm up pyzmq's process-wide zero-copy garbage collector thread
+    threads = _os_threads()
+    address, _ = _one_round_trip(cfg)
+    assert _os_threads() == threads
+    if protocol == "tcp":
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.bind(address)         # the same port is free again
+        sock.close(linger=0)
+        ctx.term()
+    else:
+        assert not Path(address.removeprefix("ipc://")).parent.exists()
