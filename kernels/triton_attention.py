@@ -39,6 +39,50 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _attend_tiles(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_table, kv_head_off,
+                  lo, hi, kv_end, scale_log2e, stride_cb, stride_ct, d, d_valid,
+                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                  DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online softmax over key tiles [lo, hi). MASKED: the tiles where some
+    row's causal limit or the context's end falls; unmasked tiles are seen
+    whole by every row and skip all per-key tests."""
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)                 # [BLOCK_N] key positions
+        if MASKED:
+            n_valid = n < kv_end
+            block = tl.load(block_table + n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        else:
+            block = tl.load(block_table + n // BLOCK_SIZE).to(tl.int64)
+        kv_offs = block * stride_cb + (n % BLOCK_SIZE) * stride_ct + kv_head_off        # [BLOCK_N]
+        if MASKED:
+            k = tl.load(k_cache_ptr + kv_offs[None, :] + d[:, None],
+                        mask=n_valid[None, :] & d_valid[:, None], other=0.0)           # [BLOCK_D, BLOCK_N]
+        else:
+            k = tl.load(k_cache_ptr + kv_offs[None, :] + d[:, None], mask=d_valid[:, None], other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2e                # [BLOCK_M, BLOCK_N]
+        if MASKED:
+            s = tl.where((n[None, :] <= q_pos[:, None]) & n_valid[None, :], s, float("-inf"))
+        # Base-2 online softmax. Key 0 lies in the first tile and every row sees
+        # it, so m_i is finite after the first tile and alpha is never inf - inf.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(v_cache_ptr + kv_offs[:, None] + d[None, :],
+                        mask=n_valid[:, None] & d_valid[None, :], other=0.0)           # [BLOCK_N, BLOCK_D]
+        else:
+            v = tl.load(v_cache_ptr + kv_offs[:, None] + d[None, :], mask=d_valid[None, :], other=0.0)
+        if DOT_FP32:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, work_seq_ptr, work_q_first_ptr,
@@ -87,30 +131,13 @@ def _paged_attention_kernel(
     kv_end = context_len + tl.minimum(q_first + BLOCK_Q, q_len)
     full_end = (context_len + q_first + 1) // BLOCK_N * BLOCK_N
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for start in range(0, kv_end, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)                 # [BLOCK_N] key positions
-        n_valid = n < kv_end
-        block = tl.load(block_table + n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-        kv_offs = block * stride_cb + (n % BLOCK_SIZE) * stride_ct + kv_head * stride_ch   # [BLOCK_N]
-        k = tl.load(k_cache_ptr + kv_offs[None, :] + d[:, None],
-                    mask=n_valid[None, :] & d_valid[:, None], other=0.0)                  # [BLOCK_D, BLOCK_N]
-        if DOT_FP32:
-            k = k.to(tl.float32)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2e                   # [BLOCK_M, BLOCK_N]
-        if start + BLOCK_N > full_end:
-            s = tl.where((n[None, :] <= q_pos[:, None]) & n_valid[None, :], s, float("-inf"))
-        # Online softmax in base 2. Key 0 lies in the first tile and every row sees
-        # it, so m_i is finite after the first tile and alpha is never inf - inf.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_offs[:, None] + d[None, :],
-                    mask=n_valid[:, None] & d_valid[None, :], other=0.0)                  # [BLOCK_N, BLOCK_D]
-        if DOT_FP32:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    kv_head_off = kv_head * stride_ch
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_table, kv_head_off,
+                                  0, full_end, kv_end, scale_log2e, stride_cb, stride_ct, d, d_valid,
+                                  BLOCK_SIZE, BLOCK_N, False, DOT_FP32, DOT_PRECISION)
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_table, kv_head_off,
+                                  full_end, kv_end, kv_end, scale_log2e, stride_cb, stride_ct, d, d_valid,
+                                  BLOCK_SIZE, BLOCK_N, True, DOT_FP32, DOT_PRECISION)
 
     acc = acc / l_i[:, None]
     o_offs = (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
