@@ -46,9 +46,10 @@ class TorchAttentionBackend(AttentionBackend):
             # bottom-right causal: query i sits at position seq_len - q_len + i
             q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
             mask, causal = torch.arange(seq_len, device=q.device).unsqueeze(0) <= q_pos, False
-        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), k, v, attn_mask=mask,
+        # 4-D inputs: with 3-D ones PyTorch's CPU SDPA falls back to its math path (5x slower)
+        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
                                            is_causal=causal, scale=scale, enable_gqa=gqa)
-        out[s:e] = o.transpose(0, 1)
+        out[s:e] = o[0].transpose(0, 1)
 
     @staticmethod
     def _decodes(q, k_cache, v_cache, meta, scale, decodes, out, gqa) -> None:
@@ -63,6 +64,8 @@ class TorchAttentionBackend(AttentionBackend):
         v = v_cache.index_select(0, table.view(-1)).view(nd, width * bs, *kv_shape).transpose(1, 2)
         mask = torch.arange(width * bs, device=q.device).unsqueeze(0) < torch.tensor(lens, device=q.device).unsqueeze(1)
         rows = torch.tensor([meta.query_start_loc[b] for b in decodes], dtype=torch.long, device=q.device)
-        qd = q.index_select(0, rows).unsqueeze(2)                                     # [nd, Hq, 1, D]
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa)
-        out.index_copy_(0, rows, o.squeeze(2))
+        num_kv_heads, head_dim = kv_shape[0], kv_shape[1]
+        # fold each KV head's query group into the query axis: no GQA expansion of K/V
+        qd = q.index_select(0, rows).view(nd, num_kv_heads, -1, head_dim)            # [nd, Hkv, group, D]
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+        out.index_copy_(0, rows, o.reshape(nd, -1, head_dim))
