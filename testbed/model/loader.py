@@ -38,6 +38,19 @@ def config_from_checkpoint(cfg: ModelConfig) -> ModelConfig:
     model_type = hf.get("model_type", "llama")
     if model_type not in ("llama", "mistral", "qwen2"):
         raise ValueError(f"model.path: model_type '{model_type}' in {cfg_file} is not one of llama, mistral, qwen2")
+    # transformers >= 5 writes the rotary base inside rope_parameters, older
+    # versions as top-level rope_theta (+ rope_scaling); missing it silently
+    # means theta=10000 and wrong logits for every position but the first
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_theta") is not None:
+        values["rope_theta"] = rope["rope_theta"]
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"model.path: rope_type '{rope_type}' in {cfg_file} is not supported; "
+                         "the model implements plain rotary embeddings (rope_type 'default') only")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"model.path: hidden_act '{hf['hidden_act']}' in {cfg_file} is not supported; "
+                         "the MLP is SwiGLU (silu)")
     values["attention_bias"] = bool(hf.get("attention_bias", model_type == "qwen2"))
     return dataclasses.replace(cfg, name=hf.get("_name_or_path") or path.name, **values)
 
@@ -58,39 +71,43 @@ def _hf_state_dict(model: LlamaModel, tensors: dict[str, torch.Tensor], path: Pa
     tensors are errors that name the tensor."""
     used: set[str] = set()
 
-    def take(name: str) -> torch.Tensor:
+    def take(name: str, *shape: int) -> torch.Tensor:
+        # each checkpoint tensor is checked on its own: once q|k|v are fused, rows
+        # moved from k_proj to q_proj would still give the right total shape
         if name not in tensors:
             raise ValueError(f"model.path: checkpoint '{path}' is missing tensor '{name}'")
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(f"model.path: tensor '{name}' in '{path}' has shape {tuple(tensors[name].shape)}, "
+                             f"expected {shape} from config.json")
         used.add(name)
         return tensors[name]
 
     cfg = model.cfg
-    state: dict[str, torch.Tensor] = {"embed_tokens.weight": take("model.embed_tokens.weight"),
-                                      "norm.weight": take("model.norm.weight")}
+    hidden, inter, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q_size, kv_size = cfg.num_heads * cfg.resolved_head_dim, cfg.num_kv_heads * cfg.resolved_head_dim
+    proj_rows = {"q": q_size, "k": kv_size, "v": kv_size}
+    state: dict[str, torch.Tensor] = {"embed_tokens.weight": take("model.embed_tokens.weight", vocab, hidden),
+                                      "norm.weight": take("model.norm.weight", hidden)}
     if not cfg.tie_word_embeddings:
-        state["lm_head.weight"] = take("lm_head.weight")
+        state["lm_head.weight"] = take("lm_head.weight", vocab, hidden)
     for i in range(cfg.num_layers):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
         attn = hf + "self_attn."
         state[ours + "self_attn.qkv_proj.weight"] = torch.cat(
-            [take(attn + f"{p}_proj.weight") for p in "qkv"], dim=0)
+            [take(attn + f"{p}_proj.weight", proj_rows[p], hidden) for p in "qkv"], dim=0)
         if cfg.attention_bias:
-            state[ours + "self_attn.qkv_proj.bias"] = torch.cat([take(attn + f"{p}_proj.bias") for p in "qkv"])
-        state[ours + "self_attn.o_proj.weight"] = take(attn + "o_proj.weight")
+            state[ours + "self_attn.qkv_proj.bias"] = torch.cat(
+                [take(attn + f"{p}_proj.bias", proj_rows[p]) for p in "qkv"])
+        state[ours + "self_attn.o_proj.weight"] = take(attn + "o_proj.weight", hidden, q_size)
         state[ours + "mlp.gate_up_proj.weight"] = torch.cat(
-            [take(hf + "mlp.gate_proj.weight"), take(hf + "mlp.up_proj.weight")], dim=0)
-        state[ours + "mlp.down_proj.weight"] = take(hf + "mlp.down_proj.weight")
-        state[ours + "input_layernorm.weight"] = take(hf + "input_layernorm.weight")
-        state[ours + "post_attention_layernorm.weight"] = take(hf + "post_attention_layernorm.weight")
+            [take(hf + "mlp.gate_proj.weight", inter, hidden), take(hf + "mlp.up_proj.weight", inter, hidden)], dim=0)
+        state[ours + "mlp.down_proj.weight"] = take(hf + "mlp.down_proj.weight", hidden, inter)
+        state[ours + "input_layernorm.weight"] = take(hf + "input_layernorm.weight", hidden)
+        state[ours + "post_attention_layernorm.weight"] = take(hf + "post_attention_layernorm.weight", hidden)
     unexpected = [n for n in tensors if n not in used and "rotary_emb" not in n
                   and not (cfg.tie_word_embeddings and n == "lm_head.weight")]
     if unexpected:
         raise ValueError(f"model.path: checkpoint '{path}' has unexpected tensor(s) {unexpected[:5]}")
-    expected = dict(model.named_parameters())
-    for name, t in state.items():
-        if tuple(t.shape) != tuple(expected[name].shape):
-            raise ValueError(f"model.path: tensor for '{name}' in '{path}' has shape {tuple(t.shape)}, "
-                             f"expected {tuple(expected[name].shape)} from config.json")
     return state
 
 
