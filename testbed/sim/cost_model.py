@@ -141,11 +141,14 @@ def _arrays(slices: Slices) -> tuple[np.ndarray, np.ndarray]:
     else:
         if not slices:
             raise ValueError("slices: an iteration needs at least one (num_new_tokens, context_len) slice")
-        qs, cs = zip(*slices)
-        q, ctx = np.array(qs, dtype=np.float64), np.array(cs, dtype=np.float64)
+        if len(slices) < 32:    # one conversion is cheaper for few slices, two columns for many
+            q, ctx = np.array(slices, dtype=np.float64).reshape(-1, 2).T
+        else:
+            qs, cs = zip(*slices)
+            q, ctx = np.array(qs, dtype=np.float64), np.array(cs, dtype=np.float64)
     if len(q) == 0:
         raise ValueError("slices: an iteration needs at least one (num_new_tokens, context_len) slice")
-    if q.min() < 1 or (ctx < q).any():
+    if q.min() < 1 or (ctx - q).min() < 0:
         raise ValueError("slices: each (num_new_tokens, context_len) needs num_new_tokens >= 1 and "
                          "context_len >= num_new_tokens (the context includes the new tokens)")
     return q, ctx

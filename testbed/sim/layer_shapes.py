@@ -59,7 +59,7 @@ class AttentionShape:
     rope_dim: int = 0
 
     def flops(self, q: np.ndarray, ctx: np.ndarray) -> np.ndarray:
-        pairs = q * (ctx - q) + 0.5 * q * (q + 1)
+        pairs = q * (ctx - 0.5 * q + 0.5)                  # q·(ctx - q) + q(q+1)/2
         plain = (2 * self.num_heads * (self.qk_dim + self.v_dim)) * pairs
         if not self.mla_rank:
             return plain

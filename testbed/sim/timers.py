@@ -89,9 +89,11 @@ class RooflineAttention:
         self.s_per_flop, self.s_per_byte = s_per_flop, s_per_byte
 
     def seconds(self, q: np.ndarray, ctx: np.ndarray) -> float:
-        compute = self.shape.flops(q, ctx) * self.s_per_flop
-        memory = self.shape.bytes(q, ctx) * self.s_per_byte
-        return self.num_layers * float(np.maximum(compute, memory).sum())
+        compute = self.shape.flops(q, ctx)
+        compute *= self.s_per_flop
+        memory = self.shape.bytes(q, ctx)
+        memory *= self.s_per_byte
+        return self.num_layers * float(np.maximum(compute, memory, out=compute).sum())
 
 
 def fit_attention(rows: Sequence[Sequence[float]]) -> tuple[float, float, float, float]:
