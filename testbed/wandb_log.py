@@ -1,0 +1,50 @@
+"""Weights & Biases logging of a finished run: the resolved config, the
+summary, the per-iteration series and a per-request table. Offline by default
+(`wandb.mode=offline`: no network; `wandb sync <run dir>/wandb/...` uploads
+later); the files land in the run directory."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from testbed.config import RunConfig, to_dict
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flat(v, key + "/"))
+        elif isinstance(v, (int, float, str, bool)) or v is None:
+            out[key] = v
+    return out
+
+
+def log_run(cfg: RunConfig, out_dir: Path, summary: dict, result) -> str | None:
+    """Returns the wandb run's directory (None when disabled)."""
+    if cfg.wandb.mode == "disabled":
+        return None
+    import wandb
+    os.environ.setdefault("WANDB_SILENT", "true")
+    run = wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, group=cfg.wandb.group,
+                     mode=cfg.wandb.mode, dir=str(out_dir), config=to_dict(cfg),
+                     name=f"{cfg.mode}-{cfg.scheduler}-{cfg.model.name}-{cfg.workload.name}", reinit="finish_previous")
+    try:
+        for it in result.iterations:
+            run.log({"iteration/start_s": it.start_s, "iteration/duration_ms": it.duration_s * 1e3,
+                     "iteration/num_prefill_tokens": it.num_prefill_tokens,
+                     "iteration/num_decode_tokens": it.num_decode_tokens,
+                     "iteration/kv_bytes_read": it.kv_bytes_read})
+        columns = ["request_id", "status", "prompt_len", "num_output_tokens", "ttft_ms", "tpot_ms", "e2e_ms",
+                   "num_preemptions", "kv_bytes_sent", "exposed_transfer_ms"]
+        table = wandb.Table(columns=columns)
+        for r in result.records:
+            ms = lambda s: None if s is None else s * 1e3  # noqa: E731
+            table.add_data(r.request_id, r.status, r.prompt_len, len(r.output_token_ids), ms(r.ttft_s),
+                           ms(r.tpot_s), ms(r.e2e_s), r.num_preemptions, r.kv_bytes_sent, ms(r.exposed_transfer_s))
+        run.log({"requests": table})
+        run.summary.update(_flat({k: v for k, v in summary.items() if k != "workers"}))
+        return run.dir
+    finally:
+        run.finish()
