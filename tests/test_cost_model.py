@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 
 from testbed.kernels.attention import AttentionMetadata
 from testbed.kernels.torch_backend import TorchAttentionBackend
@@ -227,6 +228,8 @@ def test_profiled_cpu_predicts_a_real_prefill_within_a_sane_factor(tmp_path):
     hardware = profile_cpu(tmp_path / "cpu.yaml", model_name="tiny", quick=True)
     assert hardware.gemm_profile and hardware.attention_profile
     assert load_hardware_preset(str(tmp_path / "cpu.yaml")) == hardware       # the YAML round-trips
+    typed = OmegaConf.merge(OmegaConf.structured(HardwareConfig), OmegaConf.load(tmp_path / "cpu.yaml"))
+    assert HardwareConfig(**OmegaConf.to_container(typed)) == hardware         # and passes Hydra's typing
     model = load_model_preset("tiny")
     cost = CostModel(model, hardware)
     measured = seconds_per_call(_tiny_forward(model, 512), min_time_s=0.3)

@@ -140,8 +140,9 @@ def profile_cpu(out_path: str | Path, model_name: str = "tiny", quick: bool = Fa
     hardware = HardwareConfig(
         name=name, peak_tflops=peak, peak_tflops_fp32=peak, hbm_bw_gbps=bandwidth, memory_gib=round(memory, 1),
         compute_efficiency=1.0, memory_efficiency=1.0, gemm_ramp_tokens=0.0, overhead_ms=0.0,
-        gemm_profile=[[int(m), int(n), int(k), float(f"{s:.4g}")] for m, n, k, s in gemm_rows],
-        attention_profile=[[int(b), float(fl), float(by), float(f"{s:.4g}")] for b, fl, by, s in attention_rows])
+        # all floats: Hydra's typed list[list[float]] rejects ints
+        gemm_profile=[[float(m), float(n), float(k), float(f"{s:.4g}")] for m, n, k, s in gemm_rows],
+        attention_profile=[[float(b), float(fl), float(by), float(f"{s:.4g}")] for b, fl, by, s in attention_rows])
     header = (f"# Measured on this machine by testbed.sim.profile.profile_cpu ({time.strftime('%Y-%m-%d %H:%M')}):\n"
               f"# model={model_name} ({model.dtype}), torch threads={num_threads}, quick={quick}.\n"
               "# peak_tflops: best GEMM throughput seen; hbm_bw_gbps: memcpy, read plus written bytes.\n"
