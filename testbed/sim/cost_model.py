@@ -76,8 +76,8 @@ class CostModel:
         return sum(self._terms(slices, num_sampled))
 
     def breakdown(self, slices: Slices, num_sampled: int | None = None) -> dict[str, float]:
-        """The iteration's seconds by part, plus its FLOP-free facts (tokens,
-        KV bytes read) for plots and debugging."""
+        """The iteration's seconds by part (keys ending in _s, and total_s),
+        plus num_tokens and kv_bytes_read; for plots and debugging."""
         terms = self._terms(slices, num_sampled)
         out = dict(zip(("gemm_s", "experts_s", "attention_s", "elementwise_s", "lm_head_s",
                         "allreduce_s", "pp_transfer_s", "overhead_s"), terms))
