@@ -38,6 +38,9 @@ class ModelConfig:
     num_experts: int = 0                  # MoE: 0 means dense MLP
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
+    num_shared_experts: int = 0           # MoE: experts every token uses (DeepSeek)
+    first_dense_layers: int = 0           # MoE: leading layers with a dense MLP (DeepSeek)
+    gated_mlp: bool = True                # SwiGLU (3 matrices); False: a plain 2-matrix MLP (Falcon)
 
     def __post_init__(self) -> None:
         self.validate()

@@ -104,7 +104,7 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        if cfg.attention != "gqa" or cfg.num_experts:
+        if cfg.attention != "gqa" or cfg.num_experts or not cfg.gated_mlp:
             raise ValueError(f"model '{cfg.name}': the real engine runs dense GQA/MHA models; "
                              f"attention={cfg.attention}, num_experts={cfg.num_experts} only run with runtime=sim")
         self.cfg = cfg
