@@ -47,8 +47,10 @@ class ModelExecutor(Executor):
             req, start, end = sl.request, sl.start, sl.end
             table = self.block_table(req.request_id)
             if end - start == 1:
-                token_ids.append(req.output_token_ids[-1] if start >= req.prompt_len
-                                 else req.prompt_token_ids[start])
+                # not always the last token: a preempted request recomputes its
+                # earlier outputs, 1 token at a time when the budget leaves 1
+                token_ids.append(req.prompt_token_ids[start] if start < req.prompt_len
+                                 else req.output_token_ids[start - req.prompt_len])
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:
