@@ -11,7 +11,7 @@ from testbed.request import SamplingParams
 def _generator(params: SamplingParams, request_id: str, token_index: int) -> torch.Generator:
     # a fresh stream per (request, position): independent of batch composition
     # and of how many other requests were sampled before
-    key = xxhash.xxh3_64_intdigest(f"{params.seed}:{request_id}:{token_index}") & 0x7FFF_FFFF_FFFF_FFFF
+    key = xxhash.xxh3_64_intdigest(f"{params.seed}:{request_id}:{token_index}".encode()) & 0x7FFF_FFFF_FFFF_FFFF
     return torch.Generator().manual_seed(key)
 
 
