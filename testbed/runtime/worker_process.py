@@ -2,6 +2,7 @@
 loop: take commands, step the engine, stream events back."""
 from __future__ import annotations
 
+import signal
 import traceback
 
 import msgpack
@@ -11,6 +12,10 @@ POLL_IDLE_MS = 5
 
 
 def worker_main(spec: dict) -> None:
+    # Ctrl-C in a terminal signals the whole process group. The frontend owns
+    # shutdown (abort, stop, collect stats); a worker interrupted mid-step would
+    # die with a traceback and never report its final block counts.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     import torch
 
     from testbed.config import from_dict
