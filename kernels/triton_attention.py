@@ -94,12 +94,12 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr,                        # query heads per KV head
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,                      # HEAD_DIM rounded up to a power of two
-    BLOCK_M: tl.constexpr,                      # rows per program: queries x GROUP
+    BLOCK_M: tl.constexpr,                      # rows per program: BLOCK_Q queries x GROUP (+ padding)
+    BLOCK_Q: tl.constexpr,                      # BLOCK_M // GROUP
     BLOCK_N: tl.constexpr,                      # keys per inner-loop tile
     DOT_FP32: tl.constexpr,                     # upcast dot operands (interpreter has no bf16 matmul)
     DOT_PRECISION: tl.constexpr,                # "ieee" for fp32 inputs, else "tf32" (ignored for 16-bit)
 ):
-    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
     pid = tl.program_id(0)
     item = pid // num_kv_heads
     kv_head = pid % num_kv_heads
@@ -267,7 +267,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         plan.block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=plan.group, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(max(head_dim, 16)),
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+        BLOCK_M=t.block_m, BLOCK_Q=t.block_m // plan.group, BLOCK_N=t.block_n,
         DOT_FP32=interpreted,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=t.num_warps, num_stages=t.num_stages,

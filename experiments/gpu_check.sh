@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# One GPU, no network, under 8 minutes: the attention kernels' checks and figures.
+#
+#   experiments/gpu_check.sh OUT_DIR
+#
+# Writes into OUT_DIR (six files, so that a file-count-limited copy-back keeps them all):
+#   gpu_check.log   environment, set-up, and every step's output
+#   tests.log       pytest -m "gpu or not slow" over tests/test_kernels*.py on CUDA
+#   kernels.csv     Triton paged attention vs SDPA / flash-attn, KV gather/scatter, measured peaks
+#   targets.csv     the two performance targets, pass/fail
+#   tile_sweep.csv  launch shapes tried on the two target cases
+#   prefill.csv     whole vs chunked prefill, llama3-8b bf16 random weights, 4K-128K prompts
+#
+# Needs a CUDA build of torch and triton. Sets the repo up with `pip install -e . --no-deps`
+# (falling back to a symlinked package tree); packages the image lacks (omegaconf and
+# antlr4-python3-runtime, for the engine) are installed from wheels in .whl/ when present.
+# flash-attn is optional: its baselines and backend are skipped without it.
+set -uo pipefail
+OUT=${1:?usage: experiments/gpu_check.sh OUT_DIR}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+LOG="$OUT/gpu_check.log"
+export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
+T0=$(date +%s)
+step() { echo "=== [$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
+
+step "environment"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+  "$PY" -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"
+  "$PY" -c "import flash_attn; print('flash_attn', flash_attn.__version__)" 2>/dev/null || echo "flash_attn: not installed"
+} >>"$LOG" 2>&1
+
+step "set-up"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/pdt-site .whl/*.whl >>"$LOG" 2>&1 \
+    && export PYTHONPATH=/tmp/pdt-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+"$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . >>"$LOG" 2>&1
+if ! "$PY" -c "import testbed.kernels.attention" >>"$LOG" 2>&1; then
+  # no editable install: rebuild the package-dir mapping of pyproject.toml with symlinks
+  shadow=/tmp/pdt-shadow/testbed
+  mkdir -p "$shadow"
+  for f in testbed/*; do ln -sfn "$PWD/$f" "$shadow/"; done
+  for d in kernels modes kv_transfer; do ln -sfn "$PWD/$d" "$shadow/$d"; done
+  export PYTHONPATH=/tmp/pdt-shadow${PYTHONPATH:+:$PYTHONPATH}
+  echo "using the symlinked tree /tmp/pdt-shadow" >>"$LOG"
+fi
+"$PY" -c "import testbed.kernels.triton_attention, testbed.model.config; print('imports ok')" >>"$LOG" 2>&1
+
+step "kernel tests on CUDA -> tests.log"
+timeout 120 "$PY" -m pytest -m "gpu or not slow" tests/test_kernels*.py -q -rs -p no:cacheprovider \
+  >"$OUT/tests.log" 2>&1
+echo "pytest exit $?" | tee -a "$LOG"; tail -n 3 "$OUT/tests.log" >>"$LOG"
+
+step "bench_kernels -> kernels.csv targets.csv tile_sweep.csv"
+timeout 140 "$PY" experiments/benchmarks/bench_kernels.py --out "$OUT" --sweep >>"$LOG" 2>&1
+echo "bench_kernels exit $?" | tee -a "$LOG"
+
+step "bench_gpu_prefill -> prefill.csv"
+timeout 190 "$PY" experiments/benchmarks/bench_gpu_prefill.py --out "$OUT" --budget-s 140 >>"$LOG" 2>&1
+echo "bench_gpu_prefill exit $?" | tee -a "$LOG"
+
+step "done"
+ls -l "$OUT" >>"$LOG"
