@@ -11,7 +11,29 @@ import sys
 USAGE = __doc__
 
 
+def _unknown_preset(argv: list[str]) -> str | None:
+    """Hydra answers an unknown group choice (`model=nope`) with a dozen lines
+    of search paths; say it in one line, like every other config error."""
+    from testbed.model.config import CONF_DIR
+    for arg in argv:
+        group, sep, value = arg.partition("=")
+        if not sep or not group.isidentifier() or not (CONF_DIR / group).is_dir():
+            continue
+        if any(c in value for c in "()[]$*"):
+            continue  # sweep syntax (choice(...), range(...), globs): Hydra's to judge
+        for choice in value.split(","):
+            if choice and choice != "null" and not (CONF_DIR / group / f"{choice}.yaml").exists():
+                names = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+                return (f"{group}='{choice}' is not a known preset (conf/{group}/); "
+                        f"choose one of: {', '.join(names) or '(none yet)'}")
+    return None
+
+
 def _hydra_run(argv: list[str]) -> int:
+    unknown = _unknown_preset(argv)
+    if unknown:
+        print(f"error: {unknown}", file=sys.stderr)
+        return 2
     import hydra
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import DictConfig, OmegaConf
