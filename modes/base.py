@@ -12,6 +12,7 @@ from typing import Callable
 
 from testbed.metrics import IterationRecord, RequestRecord
 from testbed.request import Request
+from testbed.runtime.protocol import request_to_msg
 
 Send = Callable[[str, dict], None]
 
@@ -28,6 +29,10 @@ class ModeController(ABC):
     def __init__(self, workers: list[WorkerInfo], send: Send):
         self.workers = {w.worker_id: w for w in workers}
         self.send = send
+        # how a request rides in a command: msgpack-able fields for worker
+        # processes; the simulator, whose workers share this process, swaps in
+        # one that passes the (possibly lazy, 1M-token) prompt without copying it
+        self.request_msg: Callable[[Request], dict] = request_to_msg
         self.records: dict[str, RequestRecord] = {}
         self.iterations: list[IterationRecord] = []
         self.unresolved: set[str] = set()

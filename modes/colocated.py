@@ -6,7 +6,6 @@ from collections import Counter
 
 from testbed.modes.base import ModeController, Send, WorkerInfo
 from testbed.request import Request
-from testbed.runtime.protocol import request_to_msg
 
 
 class ColocatedController(ModeController):
@@ -40,7 +39,7 @@ class ColocatedController(ModeController):
         w = self._pick()
         self.outstanding[w] += 1
         self.location[req.request_id] = {w}
-        self.send(w, {"type": "add", "request": request_to_msg(req)})
+        self.send(w, {"type": "add", "request": self.request_msg(req)})
 
     def _resolve(self, rid, status, error, now):
         for w in self.location.get(rid, ()):

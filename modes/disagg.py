@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 from testbed.modes.base import ModeController, Send, WorkerInfo
 from testbed.request import Request
-from testbed.runtime.protocol import request_to_msg
 
 
 @dataclass
@@ -70,7 +69,7 @@ class DisaggController(ModeController):
             self.reserving = rid
             ho.decode = best
             self.location[rid] = {best}
-            self.send(best, {"type": "reserve", "request": request_to_msg(ho.request)})
+            self.send(best, {"type": "reserve", "request": self.request_msg(ho.request)})
 
     def on_free_blocks(self, worker_id: str, free_blocks: int, now: float) -> None:
         if worker_id in self.free_blocks:
@@ -96,7 +95,7 @@ class DisaggController(ModeController):
             ho.prefill = p
             self.prefill_tokens[p] += ho.request.prompt_len
             self.location[rid] = {ho.decode, p}
-            self.send(p, {"type": "prefill", "request": request_to_msg(ho.request),
+            self.send(p, {"type": "prefill", "request": self.request_msg(ho.request),
                           "peer": ho.decode, "dst_blocks": ev["blocks"]})
         elif kind == "rejected":
             ho.decode = None
