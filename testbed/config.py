@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
 
+from testbed.experiments.config import ExperimentConfig
 from testbed.kv_transfer.config import TransferConfig
 from testbed.model.config import ModelConfig
 from testbed.sim.config import HardwareConfig, LinkConfig, ParallelConfig, load_hardware_preset, load_link_preset
@@ -68,6 +69,7 @@ class RunConfig:
     link: LinkConfig = field(default_factory=lambda: load_link_preset("tcp-25"))
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
 
 
 def _one_of(field_name: str, value: str, choices) -> None:
@@ -92,7 +94,7 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError(f"timeout_s: must be > 0, got {cfg.timeout_s}")
     if not 0.0 < cfg.top_p <= 1.0:
         raise ValueError(f"top_p: must be in (0, 1], got {cfg.top_p}")
-    for sub in (cfg.model, cfg.workload, cfg.transfer, cfg.hardware, cfg.link, cfg.parallel):
+    for sub in (cfg.model, cfg.workload, cfg.transfer, cfg.hardware, cfg.link, cfg.parallel, cfg.experiment):
         sub.validate()
 
 

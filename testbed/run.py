@@ -28,6 +28,9 @@ def execute(cfg: RunConfig, out_dir: str | Path) -> dict:
     validate(cfg)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if cfg.experiment.name:
+        from testbed.experiments import run_experiment
+        return run_experiment(cfg, out)
     requests = build_workload(cfg.workload, cfg.model.vocab_size, cfg.seed)
     apply_sampling(cfg, requests)
     progress = _progress_printer() if cfg.progress and sys.stderr.isatty() else None

@@ -48,3 +48,26 @@ def log_run(cfg: RunConfig, out_dir: Path, summary: dict, result) -> str | None:
         return run.dir
     finally:
         run.finish()
+
+
+def log_experiment(cfg: RunConfig, out_dir: Path, result: dict, rows: list[dict] | None) -> str | None:
+    """An experiment's result table (one wandb.Table, so a dashboard can draw
+    line plots from it with no custom code), its figures and its summary."""
+    import wandb
+    run = wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, group=cfg.wandb.group or cfg.experiment.name,
+                     mode=cfg.wandb.mode, dir=str(out_dir), config=to_dict(cfg), job_type="experiment",
+                     name=f"experiment-{cfg.experiment.name}", reinit="finish_previous")
+    try:
+        if rows:
+            columns = list(rows[0])
+            table = wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows])
+            run.log({f"{cfg.experiment.name}/table": table})
+            if {"context_len", "reread_ms", "transfer_ms"} <= set(columns):
+                run.log({f"{cfg.experiment.name}/reread_ms": wandb.plot.scatter(table, "context_len", "reread_ms"),
+                         f"{cfg.experiment.name}/transfer_ms": wandb.plot.scatter(table, "context_len", "transfer_ms")})
+        for png in sorted(out_dir.glob("*.png")):
+            run.log({f"figures/{png.stem}": wandb.Image(str(png))})
+        run.summary.update(_flat({k: v for k, v in result.items() if not isinstance(v, list)}))
+        return run.dir
+    finally:
+        run.finish()

@@ -1,0 +1,30 @@
+"""The studies (experiments/README.md): `testbed run experiment=NAME` runs one
+into its run directory: its tables (CSV/JSON), figures (PNG) and an
+experiment.json summary, logged to W&B like any run."""
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+# name -> "module:function(cfg, out_dir, log) -> dict"
+_STUDIES = {
+    "crossover": "testbed.experiments.crossover:run_crossover",
+    "capacity": "testbed.experiments.serving:run_capacity",
+    "stall": "testbed.experiments.serving:run_stall",
+    "chunk_overhead": "testbed.experiments.prefill:run_chunk_overhead",
+    "hybrid_batch": "testbed.experiments.prefill:run_hybrid_batch",
+}
+
+
+def run_experiment(cfg, out_dir: str | Path) -> dict:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    module, fn = _STUDIES[cfg.experiment.name].split(":")
+    result = getattr(importlib.import_module(module), fn)(cfg, out, print)
+    rows = result.pop("rows", None)
+    (out / "experiment.json").write_text(json.dumps(result, indent=2, default=str))
+    if cfg.wandb.mode != "disabled":
+        from testbed.wandb_log import log_experiment
+        log_experiment(cfg, out, result, rows)
+    return result
