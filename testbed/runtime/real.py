@@ -217,6 +217,10 @@ class RealRuntime:
             for ev in self._recv(50):
                 if ev["type"] == "stats":
                     self.stats[ev["worker"]] = ev
+                elif ev["type"] == "iteration" and self.controller is not None:
+                    # the last step's record trails its requests' "finished" events
+                    # (and precedes the stats on the same socket): keep it
+                    self.controller.on_event(ev, self.clock.now())
         for p in self.procs.values():
             p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
