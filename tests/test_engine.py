@@ -16,6 +16,9 @@ import torch
 
 from testbed.block_manager import BlockManager
 from testbed.engine import Engine, Iteration, WallClock
+from testbed.kernels.attention import AttentionMetadata
+from testbed.kernels.reference import ref_paged_attention
+from testbed.kernels.torch_backend import TorchAttentionBackend
 from testbed.model.config import load_model_preset
 from testbed.model_executor import ModelExecutor
 from testbed.request import Request, RequestStatus, SamplingParams
@@ -108,6 +111,34 @@ def assert_same_outputs(got: Run, ref: Run, ids) -> None:
                                    atol=LOGIT_TOL, rtol=LOGIT_TOL)
 
 
+# ---- the attention backend the engine runs on ------------------------------------------
+
+def test_torch_backend_reuses_its_gather_buffers_correctly():
+    """One backend instance over calls that grow and shrink (its gather buffers
+    are reused across calls): decodes of unequal and equal lengths, a chunk
+    after a cached prefix, a whole prompt, GQA 8:2, shuffled block tables."""
+    gen = torch.Generator().manual_seed(0)
+    num_blocks, hq, hkv, d = 40, 8, 2, 32
+    k_cache, v_cache = (torch.randn(num_blocks, BLOCK_SIZE, hkv, d, generator=gen) for _ in range(2))
+    backend = TorchAttentionBackend()
+    for q_lens, seq_lens in [([1, 1, 1], [17, 50, 3]), ([40], [40]), ([1, 1], [33, 33]),
+                             ([1, 1, 7, 1], [120, 9, 70, 64]), ([1, 1, 1], [5, 16, 2]), ([16, 1], [160, 1])]:
+        perm = torch.randperm(num_blocks, generator=gen).tolist()
+        tables, used = [], 0
+        for n in seq_lens:
+            need = -(-n // BLOCK_SIZE)
+            tables.append(perm[used:used + need])
+            used += need
+        cu = [0]
+        for n in q_lens:
+            cu.append(cu[-1] + n)
+        q = torch.randn(cu[-1], hq, d, generator=gen)
+        meta = AttentionMetadata(cu, seq_lens, tables, torch.zeros(cu[-1], dtype=torch.long), BLOCK_SIZE)
+        torch.testing.assert_close(backend.forward(q, k_cache, v_cache, meta, 0.3),
+                                   ref_paged_attention(q, k_cache, v_cache, cu, seq_lens, tables, 0.3),
+                                   atol=2e-5, rtol=2e-5)
+
+
 # ---- chunked prefill -------------------------------------------------------------
 
 @pytest.mark.parametrize("prompt_len", [37, 100, 129])
@@ -150,6 +181,19 @@ def test_mixed_batch_equals_each_request_alone():
     assert all(it.num_prefill_tokens + it.num_decode_tokens <= 24 for it in h.run_.iterations)
     for rid, p in prompts.items():
         assert_same_outputs(h.run_, alone(p, max_tokens, rid), [rid])
+
+
+def test_decodes_of_equal_and_unequal_lengths_batch_like_alone():
+    """Batched decodes gather every request's blocks into one padded tensor:
+    equal context lengths (nothing to mask) and lengths 1 apart, 15 apart and
+    across a block boundary (padding masked) all give each request's solo outputs."""
+    lens = {"a": 40, "b": 40, "c": 41, "d": 55, "e": 17}
+    prompts = {rid: prompt(n, seed=30 + i) for i, (rid, n) in enumerate(lens.items())}
+    for group in (["a", "b"], list(lens)):
+        got = Harness().run([Request(rid, prompts[rid], 6) for rid in group])
+        assert max(it.num_decode_tokens for it in got.iterations) == len(group)
+        for rid in group:
+            assert_same_outputs(got, alone(prompts[rid], 6, rid), [rid])
 
 
 # ---- prefix caching ------------------------------------------------------------------
