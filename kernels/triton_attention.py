@@ -19,6 +19,11 @@ context sits at position seq_len - q_len + i and sees keys 0 .. that position.
 KV tiles every row of a program sees whole skip the mask; only the last few
 tiles (the chunk's own diagonal, a decode's last tile) pay for it.
 
+When the query tiles alone would leave most SMs idle (a few long decodes),
+each tile's keys are also split NUM_SPLITS ways (flash-decoding): the programs
+write normalised partial outputs and their log-sum-exp, and a small second
+kernel merges them. One kernel source either way; NUM_SPLITS is a constexpr.
+
 On a machine without a GPU the same kernel runs through Triton's interpreter
 (kernels/triton_interpret.py), for the tests and the CPU engine.
 """
@@ -64,9 +69,13 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_table
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2e                # [BLOCK_M, BLOCK_N]
         if MASKED:
             s = tl.where((n[None, :] <= q_pos[:, None]) & n_valid[None, :], s, float("-inf"))
-        # Base-2 online softmax. Key 0 lies in the first tile and every row sees
-        # it, so m_i is finite after the first tile and alpha is never inf - inf.
+        # Base-2 online softmax. Every row sees every key of an unmasked tile, so
+        # only masked tiles can leave a row with nothing yet (a key split that
+        # starts past its causal limit): shift by 0 there, not -inf, so that such
+        # a row keeps l = 0 and acc = 0 instead of NaN.
         m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASKED:
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -86,7 +95,8 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_table
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, work_seq_ptr, work_q_first_ptr,
-    scale_log2e, num_kv_heads,
+    part_ptr, lse_ptr,                          # NUM_SPLITS > 1: fp32 [splits, T, Hq, D] and [splits, T, Hq]
+    scale_log2e, num_kv_heads, num_heads, num_tokens,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ct, stride_ch,            # cache strides: block, token in block, head (dim is 1)
     stride_bt,                                  # block table row stride
@@ -99,10 +109,12 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,                      # keys per inner-loop tile
     DOT_FP32: tl.constexpr,                     # upcast dot operands (interpreter has no bf16 matmul)
     DOT_PRECISION: tl.constexpr,                # "ieee" for fp32 inputs, else "tf32" (ignored for 16-bit)
+    NUM_SPLITS: tl.constexpr,                   # key-range splits per program's work (1: no split)
 ):
     pid = tl.program_id(0)
-    item = pid // num_kv_heads
-    kv_head = pid % num_kv_heads
+    split = pid % NUM_SPLITS
+    item = pid // NUM_SPLITS // num_kv_heads
+    kv_head = pid // NUM_SPLITS % num_kv_heads
     seq = tl.load(work_seq_ptr + item)
     q_first = tl.load(work_q_first_ptr + item)          # first query of this tile, within the sequence
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -130,18 +142,65 @@ def _paged_attention_kernel(
     # Keys [0, kv_end) are seen by some row; keys below full_end by every row.
     kv_end = context_len + tl.minimum(q_first + BLOCK_Q, q_len)
     full_end = (context_len + q_first + 1) // BLOCK_N * BLOCK_N
+    unmasked_lo, unmasked_hi, masked_lo, masked_hi = 0, full_end, full_end, kv_end
+    if NUM_SPLITS > 1:           # this program's share of the keys, in whole tiles
+        split_len = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, kv_end)
+        unmasked_lo, unmasked_hi = lo, tl.minimum(full_end, hi)
+        masked_lo, masked_hi = tl.maximum(full_end, lo), hi
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kv_head_off = kv_head * stride_ch
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_table, kv_head_off,
-                                  0, full_end, kv_end, scale_log2e, stride_cb, stride_ct, d, d_valid,
-                                  BLOCK_SIZE, BLOCK_N, False, DOT_FP32, DOT_PRECISION)
+                                  unmasked_lo, unmasked_hi, kv_end, scale_log2e, stride_cb, stride_ct,
+                                  d, d_valid, BLOCK_SIZE, BLOCK_N, False, DOT_FP32, DOT_PRECISION)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_table, kv_head_off,
-                                  full_end, kv_end, kv_end, scale_log2e, stride_cb, stride_ct, d, d_valid,
-                                  BLOCK_SIZE, BLOCK_N, True, DOT_FP32, DOT_PRECISION)
+                                  masked_lo, masked_hi, kv_end, scale_log2e, stride_cb, stride_ct,
+                                  d, d_valid, BLOCK_SIZE, BLOCK_N, True, DOT_FP32, DOT_PRECISION)
 
-    acc = acc / l_i[:, None]
-    o_offs = (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-    tl.store(out_ptr + o_offs, acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
+    store_mask = row_valid[:, None] & d_valid[None, :]
+    if NUM_SPLITS > 1:
+        # normalised partial output and its log2-sum-exp2; rows with no keys here weigh 0
+        seen = l_i > 0
+        row = (split * num_tokens + q_start + tok).to(tl.int64) * num_heads + head     # [BLOCK_M]
+        part = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
+        tl.store(part_ptr + row[:, None] * HEAD_DIM + d[None, :], part, mask=store_mask)
+        tl.store(lse_ptr + row, tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf")),
+                 mask=row_valid)
+    else:
+        acc = acc / l_i[:, None]
+        o_offs = (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptr + o_offs, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
+
+
+@triton.jit
+def _combine_splits_kernel(out_ptr, part_ptr, lse_ptr, num_rows, num_heads, stride_ot, stride_oh,
+                           NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                           BLOCK_R: tl.constexpr):
+    """Merge the key splits of BLOCK_R (token, head) rows: the same online
+    softmax step as the main loop, with whole splits as the tiles."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_valid = r < num_rows
+    d = tl.arange(0, BLOCK_D)
+    mask = r_valid[:, None] & (d < HEAD_DIM)[None, :]
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for s in range(NUM_SPLITS):
+        row = s * num_rows + r.to(tl.int64)
+        lse = tl.load(lse_ptr + row, mask=r_valid, other=float("-inf"))
+        part = tl.load(part_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0)
+        m_new = tl.maximum(m, lse)
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        acc = acc * alpha[:, None] + w[:, None] * part
+        l = l * alpha + w
+        m = m_new
+    token, head = r // num_heads, r % num_heads
+    o_offs = token.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    l = tl.where(r_valid, l, 1.0)            # every real row saw key 0 in split 0: l > 0
+    tl.store(out_ptr + o_offs, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @dataclass(frozen=True)
@@ -151,12 +210,15 @@ class TileConfig:
     block_n: int
     num_warps: int = 4
     num_stages: int = 2
+    num_splits: int = 0          # key-range splits per query tile; 0: chosen by the plan from the GPU's size
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"TileConfig.{name}={v}: must be a power of two >= 16 (tl.dot's minimum)")
+        if self.num_splits < 0:
+            raise ValueError(f"TileConfig.num_splits={self.num_splits}: must be >= 0 (0 chooses)")
 
 
 def default_tile(max_query_len: int, group: int, device: torch.device) -> TileConfig:
@@ -186,6 +248,19 @@ class AttentionPlan:
     num_tokens: int
     group: int
     tile: TileConfig
+    num_splits: int                 # key-range splits (flash-decoding) per query tile
+
+
+def choose_num_splits(num_programs: int, longest_kv: int, device: torch.device) -> int:
+    """Split the keys only when the query tiles alone leave most of the GPU
+    idle (a few long decodes): enough splits to give every SM about two
+    programs, each at least 512 keys long."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if 2 * num_programs > sms:
+        return 1
+    return max(1, min(16, triton.cdiv(2 * sms, num_programs), longest_kv // 512))
 
 
 def plan_attention(meta: AttentionMetadata, num_heads: int, num_kv_heads: int,
@@ -222,7 +297,8 @@ def plan_attention(meta: AttentionMetadata, num_heads: int, num_kv_heads: int,
     n = len(items)
     cuts = [num_seqs + 1, num_seqs, n, n, num_seqs * width]
     qsl_t, seq_t, ws_t, wq_t, bt_t = torch.split(flat, cuts)
-    return AttentionPlan(qsl_t, seq_t, bt_t.view(num_seqs, width), ws_t, wq_t, bs, qsl[-1], group, tile)
+    splits = tile.num_splits or choose_num_splits(n * num_kv_heads, items[0][0] if items else 0, device)
+    return AttentionPlan(qsl_t, seq_t, bt_t.view(num_seqs, width), ws_t, wq_t, bs, qsl[-1], group, tile, splits)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan,
@@ -257,19 +333,31 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     check_runnable(_paged_attention_kernel, q.device)
     interpreted = q.device.type != "cuda"
-    t = plan.tile
-    _paged_attention_kernel[(num_items * num_kv_heads,)](
+    t, splits = plan.tile, plan.num_splits
+    block_d = triton.next_power_of_2(max(head_dim, 16))
+    part = lse = out                # unused without splits
+    if splits > 1:
+        part = torch.empty(splits, num_tokens, num_heads, head_dim, device=q.device, dtype=torch.float32)
+        lse = torch.empty(splits, num_tokens, num_heads, device=q.device, dtype=torch.float32)
+    _paged_attention_kernel[(num_items * num_kv_heads * splits,)](
         out, q, k_cache, v_cache,
         plan.block_tables, plan.seq_lens, plan.query_start_loc, plan.work_seq, plan.work_q_first,
-        scale * LOG2E, num_kv_heads,
+        part, lse,
+        scale * LOG2E, num_kv_heads, num_heads, num_tokens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         plan.block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=plan.group, HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(max(head_dim, 16)),
-        BLOCK_M=t.block_m, BLOCK_Q=t.block_m // plan.group, BLOCK_N=t.block_n,
+        BLOCK_D=block_d, BLOCK_M=t.block_m, BLOCK_Q=t.block_m // plan.group, BLOCK_N=t.block_n,
         DOT_FP32=interpreted,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        NUM_SPLITS=splits,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
+    if splits > 1:
+        rows = num_tokens * num_heads
+        block_r = 16 if not interpreted else triton.next_power_of_2(rows)
+        _combine_splits_kernel[(triton.cdiv(rows, block_r),)](
+            out, part, lse, rows, num_heads, out.stride(0), out.stride(1),
+            NUM_SPLITS=splits, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_R=block_r, num_warps=4)
     return out

@@ -70,6 +70,7 @@ def test_mixed_batch_in_one_launch(device, dtype):
     # decode, chunk crossing block boundaries mid-context, context of 1, whole prompt
     plan = check([1, 37, 1, 20], [300, 100, 1, 20], num_heads=8, num_kv_heads=2, dtype=dtype, device=device)
     assert plan.work_seq.numel() == 4          # one query tile per sequence at these sizes
+    assert plan.num_splits == 1 or device == "cuda"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -122,6 +123,16 @@ def test_many_query_tiles_and_key_tiles(device):
     assert plan.work_seq.numel() == 12 + 1 + 5
     # longest programs first: sequence 0's last tile (all 110 keys) leads
     assert plan.work_seq[0].item() == 0 and plan.work_q_first[0].item() == 44
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_key_splits(device, dtype):
+    # flash-decoding: 3 splits of a 16-key-tile range; the 20-query chunk's first rows
+    # (positions 10..15) see no key of its second split [16, 30) and must weigh 0 there
+    plan = check([1, 1, 20], [100, 7, 30], num_heads=8, num_kv_heads=2, dtype=dtype, device=device,
+                 tile=TileConfig(block_m=64, block_n=16, num_splits=3))
+    assert plan.num_splits == 3
 
 
 def test_plan_rejects_bad_metadata():

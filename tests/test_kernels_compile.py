@@ -20,7 +20,8 @@ SCRIPT = textwrap.dedent("""
     import torch, triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from testbed.kernels.triton_attention import _paged_attention_kernel as attn, default_tile
+    from testbed.kernels.triton_attention import _combine_splits_kernel as combine, _paged_attention_kernel as attn
+    from testbed.kernels.triton_attention import default_tile
     from testbed.kernels.triton_kv import _copy_blocks_kernel as copy
 
     TL = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -42,22 +43,26 @@ SCRIPT = textwrap.dedent("""
 
     results = {}
     ptrs = ["out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr", "block_tables_ptr", "seq_lens_ptr",
-            "query_start_loc_ptr", "work_seq_ptr", "work_q_first_ptr"]
+            "query_start_loc_ptr", "work_seq_ptr", "work_q_first_ptr", "part_ptr", "lse_ptr"]
     strides = ["stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb", "stride_ct", "stride_ch"]
-    for name, dtype, head_dim, group, max_q in [("decode_bf16_d128_g4", torch.bfloat16, 128, 4, 1),
-                                                ("chunk_bf16_d128_g4", torch.bfloat16, 128, 4, 512),
-                                                ("chunk_fp16_d64_g8", torch.float16, 64, 8, 2048),
-                                                ("decode_fp32_d32_g1", torch.float32, 32, 1, 1),
-                                                ("chunk_fp32_d128_g1", torch.float32, 128, 1, 64)]:
+    for name, dtype, head_dim, group, max_q, splits in [("decode_bf16_d128_g4", torch.bfloat16, 128, 4, 1, 1),
+                                                        ("decode_split8_bf16_d128_g4", torch.bfloat16, 128, 4, 1, 8),
+                                                        ("chunk_bf16_d128_g4", torch.bfloat16, 128, 4, 512, 1),
+                                                        ("chunk_fp16_d64_g8", torch.float16, 64, 8, 2048, 1),
+                                                        ("decode_fp32_d32_g1", torch.float32, 32, 1, 1, 1),
+                                                        ("chunk_fp32_d128_g1", torch.float32, 128, 1, 64, 1)]:
         tile = default_tile(max_q, group, torch.device("cuda"))
         types = {n: "*" + TL[dtype] for n in ptrs[:4]}
-        types.update({n: "*i32" for n in ptrs[4:]}, scale_log2e="fp32")
+        types.update({n: "*i32" for n in ptrs[4:9]}, part_ptr="*fp32", lse_ptr="*fp32", scale_log2e="fp32")
         const = dict(BLOCK_SIZE=16, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=tile.block_m,
                      BLOCK_Q=tile.block_m // group,
                      BLOCK_N=tile.block_n, DOT_FP32=False,
-                     DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32")
+                     DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", NUM_SPLITS=splits)
         results[name] = build(attn, types, const, ptrs + strides,
                               num_warps=tile.num_warps, num_stages=tile.num_stages)
+    results["combine_splits_bf16"] = build(combine, {"out_ptr": "*bf16", "part_ptr": "*fp32", "lse_ptr": "*fp32"},
+                                           dict(NUM_SPLITS=8, HEAD_DIM=128, BLOCK_D=128, BLOCK_R=16),
+                                           ["out_ptr", "part_ptr", "lse_ptr", "stride_ot", "stride_oh"], num_warps=4)
     results["copy_blocks_i16"] = build(copy, {"src_ptr": "*i16", "dst_ptr": "*i16", "block_ids_ptr": "*i64"},
                                        dict(GATHER=True, BLOCK=4096), ["src_ptr", "dst_ptr", "inner"], num_warps=4)
     print(json.dumps(results))
@@ -72,7 +77,7 @@ def test_kernels_compile_for_sm90(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     print(results)
-    assert len(results) == 6
+    assert len(results) == 8
     for name, r in results.items():
         assert r["local"] == 0, f"{name} spills registers to local memory: {r}"
         assert r["shared"] <= 227 * 1024, f"{name} needs more shared memory than an SM has: {r}"

@@ -171,7 +171,7 @@ def run_case(case: Case, dev, peaks, tile: TileConfig | None = None, with_baseli
                      "frac_peak": round(gbps / peaks["copy_GBps"] if case.is_decode
                                         else tflops / peaks["bf16_matmul_TFLOPs"], 3),
                      "tile": f"{plan.tile.block_m}x{plan.tile.block_n}w{plan.tile.num_warps}s{plan.tile.num_stages}"
-                     if name == "triton_paged" else ""})
+                             f"k{plan.num_splits}" if name == "triton_paged" else ""})
         print("  ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
     del q, kc, vc, impls
     torch.cuda.empty_cache()
@@ -216,11 +216,12 @@ def bench_kv_copy(dev, peaks) -> list[dict]:
 
 
 SWEEP = {
-    "decode_64x4k": [TileConfig(16, n, w, s) for n, w, s in
-                     [(32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 8, 3)]],
+    "decode_64x4k": [TileConfig(16, n, w, s, k) for n, w, s, k in
+                     [(32, 4, 3, 1), (64, 4, 2, 1), (64, 4, 4, 1), (64, 8, 3, 1), (128, 4, 2, 1), (64, 4, 3, 2)]],
+    "decode_8x32k": [TileConfig(16, 64, 4, 3, k) for k in (1, 2, 4, 8, 16)],
     "chunk_512_over_32k": [TileConfig(m, n, w, s) for m, n, w, s in
-                           [(64, 64, 4, 3), (128, 32, 8, 3), (128, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 4),
-                            (128, 128, 8, 2), (128, 128, 8, 3), (256, 64, 8, 3)]],
+                           [(64, 64, 4, 3), (128, 32, 8, 3), (128, 64, 4, 3), (128, 64, 8, 2),
+                            (128, 128, 8, 2), (128, 128, 8, 3)]],
 }
 
 
