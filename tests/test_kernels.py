@@ -201,8 +201,18 @@ def test_flash_attn_backend(block_size, dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_long_context_on_gpu():
-    # what the engine meets: 16-token blocks, a 2K chunk over a 6K prefix, 8 decodes, llama3-8b heads
+    # what the engine meets: 16-token blocks, a 1K chunk over a 5K prefix, 8 decodes, llama3-8b heads
     random.seed(0)
     decodes = [random.randint(1, 5000) for _ in range(8)]
-    check([2048] + [1] * 8, [8192] + decodes, num_heads=32, num_kv_heads=8, head_dim=128,
-          dtype=torch.bfloat16, device="cuda")
+    plan = check([1024] + [1] * 8, [6144] + decodes, num_heads=32, num_kv_heads=8, head_dim=128,
+                 dtype=torch.bfloat16, device="cuda")
+    assert plan.tile.block_m == 128 and plan.num_splits == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_few_long_decodes_split_keys_on_gpu():
+    # 2 decodes x 8 KV heads = 16 programs: far fewer than SMs, so the plan splits the keys
+    plan = check([1, 1], [5000, 3001], num_heads=32, num_kv_heads=8, head_dim=128,
+                 dtype=torch.bfloat16, device="cuda")
+    assert plan.num_splits > 1
