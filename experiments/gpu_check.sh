@@ -50,7 +50,9 @@ fi
 "$PY" -c "import testbed.kernels.triton_attention, testbed.model.config; print('imports ok')" >>"$LOG" 2>&1
 
 step "kernel tests on CUDA -> tests.log"
-timeout 120 "$PY" -m pytest -m "gpu or not slow" tests/test_kernels*.py -q -rs -p no:cacheprovider \
+# Triton compiles each test's specialisation on the CPU: spread them over processes when xdist is there
+parallel=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 6" || true)
+timeout 120 "$PY" -m pytest -m "gpu or not slow" tests/test_kernels*.py -q -rs -p no:cacheprovider $parallel \
   >"$OUT/tests.log" 2>&1
 echo "pytest exit $?" | tee -a "$LOG"; tail -n 3 "$OUT/tests.log" >>"$LOG"
 
