@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import math
 import random
 import sys
 from dataclasses import dataclass
@@ -87,7 +86,6 @@ def measure_peaks(dev) -> dict[str, float]:
     n = 1 << 30                                                      # 2 GiB of bf16
     src, dst = torch.randn(n, device=dev, dtype=torch.bfloat16), torch.empty(n, device=dev, dtype=torch.bfloat16)
     copy_ms = median_ms(lambda: dst.copy_(src))
-    del src, dst
     a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     mm_ms = median_ms(lambda: a @ b)
@@ -173,8 +171,6 @@ def run_case(case: Case, dev, peaks, tile: TileConfig | None = None, with_baseli
                      "tile": f"{plan.tile.block_m}x{plan.tile.block_n}w{plan.tile.num_warps}s{plan.tile.num_stages}"
                              f"k{plan.num_splits}" if name == "triton_paged" else ""})
         print("  ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
-    del q, kc, vc, impls
-    torch.cuda.empty_cache()
     return rows
 
 
@@ -210,8 +206,6 @@ def bench_kv_copy(dev, peaks) -> list[dict]:
         rows.append({"case": "kv_copy_32k_tokens_32_layers", "impl": name, "ms": round(ms, 4),
                      "KV_GBps": round(gbps, 1), "frac_peak": round(gbps / peaks["copy_GBps"], 3)})
         print("  ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
-    del cache, buf
-    torch.cuda.empty_cache()
     return rows
 
 
@@ -255,7 +249,12 @@ def main() -> None:
                         {"case": "peak", "impl": "bf16_matmul_8192", "TFLOPs": round(peaks["bf16_matmul_TFLOPs"], 1)}]
     for case in CASES:
         if not wanted or case.name in wanted:
-            rows += run_case(case, dev, peaks)
+            try:
+                rows += run_case(case, dev, peaks)
+            except Exception as e:        # one failing case (out of memory, say) must not lose the others
+                rows.append({"case": case.name, "impl": "triton_paged", "error": f"{type(e).__name__}: {e}"[:200]})
+                print(rows[-1], flush=True)
+            torch.cuda.empty_cache()                            # each case's tensors died with run_case
             write_csv(args.out / "kernels.csv", rows)          # after each case: a timeout keeps what ran
     rows += bench_kv_copy(dev, peaks)
     write_csv(args.out / "kernels.csv", rows)
@@ -283,6 +282,7 @@ def main() -> None:
             for tile in SWEEP.get(case.name, []):
                 try:
                     sweep_rows += run_case(case, dev, peaks, tile, with_baselines=False)
+                    torch.cuda.empty_cache()
                 except Exception as e:       # e.g. a shape that needs more shared memory than an SM has
                     sweep_rows.append({"case": case.name, "impl": "triton_paged", "tile": str(tile),
                                        "error": f"{type(e).__name__}: {e}"[:200]})
