@@ -106,6 +106,12 @@ def alone(p: list[int], max_tokens: int, rid: str = "r", sampling: SamplingParam
 
 def assert_same_outputs(got: Run, ref: Run, ids) -> None:
     for rid in ids:
+        diverged = next((i for i, (a, b) in enumerate(zip(got.tokens[rid], ref.tokens[rid])) if a != b), None)
+        if diverged is not None:
+            # a flip at a near tie is fp32 rounding, not a bug: the message says which
+            top = torch.topk(ref.logits[rid][diverged], 2).values
+            pytest.fail(f"{rid}: token {diverged} differs ({got.tokens[rid][diverged]} vs {ref.tokens[rid][diverged]}); "
+                        f"reference top-2 logit margin there {float(top[0] - top[1]):.2e}")
         assert got.tokens[rid] == ref.tokens[rid], rid
         torch.testing.assert_close(torch.stack(got.logits[rid]), torch.stack(ref.logits[rid]),
                                    atol=LOGIT_TOL, rtol=LOGIT_TOL)
@@ -244,7 +250,7 @@ def test_schedulers_generate_the_same_tokens(scheduler, reference_run):
     got = Harness(scheduler, token_budget=32, max_num_batched_tokens=128).run(workload())
     assert_same_outputs(got, reference_run, [f"r{i}" for i in range(len(WORKLOAD))])
     assert got.num_preemptions == 0
-    assert max(len(got.iterations), 1) < sum(m for _, m in WORKLOAD)   # it did batch requests together
+    assert len(got.iterations) < sum(m for _, m in WORKLOAD)   # fewer than one request at a time would take
 
 
 @pytest.mark.parametrize("budget", [1, 7, 32])
