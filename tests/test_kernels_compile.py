@@ -49,7 +49,6 @@ SCRIPT = textwrap.dedent("""
                                                         ("decode_split8_bf16_d128_g4", torch.bfloat16, 128, 4, 1, 8),
                                                         ("chunk_bf16_d128_g4", torch.bfloat16, 128, 4, 512, 1),
                                                         ("chunk_fp16_d64_g8", torch.float16, 64, 8, 2048, 1),
-                                                        ("decode_fp32_d32_g1", torch.float32, 32, 1, 1, 1),
                                                         ("chunk_fp32_d128_g1", torch.float32, 128, 1, 64, 1)]:
         tile = default_tile(max_q, group, torch.device("cuda"))
         types = {n: "*" + TL[dtype] for n in ptrs[:4]}
@@ -71,13 +70,13 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton's bundled ptxas is a Linux binary")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the CUDA tests compile and run the kernels")
-def test_kernels_compile_for_sm90(tmp_path):
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+def test_kernels_compile_for_sm90():
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     print(results)
-    assert len(results) == 8
+    assert len(results) == 7
     for name, r in results.items():
         assert r["local"] == 0, f"{name} spills registers to local memory: {r}"
         assert r["shared"] <= 227 * 1024, f"{name} needs more shared memory than an SM has: {r}"
