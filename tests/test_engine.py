@@ -119,14 +119,19 @@ def assert_same_outputs(got: Run, ref: Run, ids) -> None:
 
 # ---- the attention backend the engine runs on ------------------------------------------
 
-def test_torch_backend_reuses_its_gather_buffers_correctly():
+@pytest.mark.parametrize("group_bytes", [None, 1, 20_000])
+def test_torch_backend_against_reference(group_bytes):
     """One backend instance over calls that grow and shrink (its gather buffers
     are reused across calls): decodes of unequal and equal lengths, a chunk
-    after a cached prefix, a whole prompt, GQA 8:2, shuffled block tables."""
+    after a cached prefix, a whole prompt, GQA 8:2, shuffled block tables.
+    Batched decodes are cut into groups by KV bytes: default (one group here),
+    one request per group, and groups of about 2 requests."""
     gen = torch.Generator().manual_seed(0)
     num_blocks, hq, hkv, d = 40, 8, 2, 32
     k_cache, v_cache = (torch.randn(num_blocks, BLOCK_SIZE, hkv, d, generator=gen) for _ in range(2))
     backend = TorchAttentionBackend()
+    if group_bytes is not None:
+        backend.cpu_decode_group_bytes = group_bytes
     for q_lens, seq_lens in [([1, 1, 1], [17, 50, 3]), ([40], [40]), ([1, 1], [33, 33]),
                              ([1, 1, 7, 1], [120, 9, 70, 64]), ([1, 1, 1], [5, 16, 2]), ([16, 1], [160, 1])]:
         perm = torch.randperm(num_blocks, generator=gen).tolist()
