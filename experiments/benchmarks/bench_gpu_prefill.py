@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import math
 import random
 import sys
 import time
@@ -27,42 +26,14 @@ from pathlib import Path
 
 import torch
 
-import testbed.model_executor as model_executor
 from testbed.batch import Batch, ScheduledSlice
 from testbed.kernels.attention import get_attention_backend
-from testbed.model.config import ModelConfig, load_model_preset
-from testbed.model.llama import LlamaModel, RotaryEmbedding
-from testbed.model.loader import TORCH_DTYPES
+from testbed.model.config import load_model_preset
 from testbed.model_executor import ModelExecutor
 from testbed.request import Request
 
 FIELDS = ["model", "backend", "prompt_len", "chunk", "num_steps", "ttft_s", "slowdown_vs_whole",
           "mean_step_ms", "kv_read_GB", "prefill_tok_per_s", "first_token", "status"]
-
-
-def random_model_on_device(cfg: ModelConfig, device: str | torch.device) -> tuple[LlamaModel, ModelConfig]:
-    """What load_model builds for random weights, made on the GPU: load_model
-    draws 8B values on the CPU in fp32 (minutes, 32 GB of host memory), this
-    materialises bf16 tensors on the device and fills them there with the same
-    per-tensor scales (different values; the timings do not depend on them)."""
-    dtype = TORCH_DTYPES[cfg.dtype]
-    with torch.device("meta"):
-        model = LlamaModel(cfg)
-    model = model.to(dtype).to_empty(device=device)
-    model.rotary = RotaryEmbedding(cfg.resolved_head_dim, cfg.rope_theta).to(device=device, dtype=dtype)
-    gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
-                p.fill_(1.0)
-            elif name.endswith(".bias"):
-                p.normal_(0.0, 0.1, generator=gen)
-            elif name == "embed_tokens.weight":
-                p.normal_(0.0, 1.0, generator=gen)
-            else:
-                scale = 4.0 if name == "lm_head.weight" else 1.0
-                p.normal_(0.0, scale / math.sqrt(p.shape[1]), generator=gen)
-    return model.eval(), cfg
 
 
 def prefill(executor: ModelExecutor, tables: dict[str, list[int]], prompt_len: int, chunk: int,
@@ -117,7 +88,6 @@ def main() -> None:
     num_blocks = -(-max(prompts) // args.block_size) + 16
     tables: dict[str, list[int]] = {}
     t0 = time.perf_counter()
-    model_executor.load_model = random_model_on_device      # see random_model_on_device's docstring
     executor = ModelExecutor(cfg, num_blocks, args.block_size, tables.__getitem__, "torch", "cuda")
     print(f"{cfg.name}: built on {torch.cuda.get_device_name()} in {time.perf_counter() - t0:.1f}s; KV cache "
           f"{executor.kv_cache.numel() * executor.kv_cache.element_size() / 2**30:.1f} GiB "

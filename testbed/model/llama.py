@@ -35,12 +35,19 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head_dim, self.theta = head_dim, theta
+        self._inv_freq: torch.Tensor | None = None
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        # kept in fp32 and out of the module's buffers: .to(bfloat16) must not round it
+        if self._inv_freq is None or self._inv_freq.device != device:
+            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
+            self._inv_freq = 1.0 / (self.theta ** exponents)
+        return self._inv_freq
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)   # [num_tokens, head_dim/2]
-        emb = torch.cat((freqs, freqs), dim=-1)                               # [num_tokens, head_dim]
+        freqs = positions.float().unsqueeze(1) * self.inv_freq(positions.device).unsqueeze(0)  # [num_tokens, head_dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)                                                # [num_tokens, head_dim]
         return emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)
 
 
@@ -139,16 +146,20 @@ def init_random_weights(model: LlamaModel, seed: int) -> None:
     """Seeded weights scaled so that activations keep unit size through the
     layers and the logits are peaked: greedy decoding then has clear top-2
     margins, so exact-token comparisons do not hinge on fp32 rounding."""
-    gen = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(shape):   # drawn in fp32, so a CPU model's weights do not depend on its dtype
+        return torch.randn(shape, generator=gen, device=device)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
                 p.fill_(1.0)
             elif name.endswith(".bias"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+                p.copy_(randn(p.shape) * 0.1)
             elif name == "embed_tokens.weight":
-                p.copy_(torch.randn(p.shape, generator=gen))
+                p.copy_(randn(p.shape))
             elif name == "lm_head.weight":
-                p.copy_(torch.randn(p.shape, generator=gen) * (4.0 / math.sqrt(p.shape[1])))
+                p.copy_(randn(p.shape) * (4.0 / math.sqrt(p.shape[1])))
             else:
-                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+                p.copy_(randn(p.shape) / math.sqrt(p.shape[1]))

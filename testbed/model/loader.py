@@ -114,13 +114,17 @@ def _hf_state_dict(model: LlamaModel, tensors: dict[str, torch.Tensor], path: Pa
 def load_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> tuple[LlamaModel, ModelConfig]:
     """Returns the model (eval mode, cfg.dtype, on device) and the effective
     config (from config.json when cfg.path is set)."""
+    dtype = TORCH_DTYPES[cfg.dtype]
     if cfg.path:
         cfg = config_from_checkpoint(cfg)
-    model = LlamaModel(cfg)
-    if cfg.path:
+        model = LlamaModel(cfg)
         path = Path(cfg.path)
         state = _hf_state_dict(model, _checkpoint_tensors(path), path)
         model.load_state_dict(state, strict=False)  # tied lm_head shares embed_tokens
-    else:
-        init_random_weights(model, cfg.seed)
-    return model.to(device=device, dtype=TORCH_DTYPES[cfg.dtype]).eval(), cfg
+        return model.to(device=device, dtype=dtype).eval(), cfg
+    # random weights are drawn where the model lives, in its dtype: an 8B model
+    # never takes 32 GB of host fp32 on its way to a GPU (seeded per device type)
+    with torch.device(device):
+        model = LlamaModel(cfg).to(dtype)
+    init_random_weights(model, cfg.seed)
+    return model.eval(), cfg
