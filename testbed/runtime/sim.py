@@ -3,15 +3,18 @@ and block managers as the real runtime, in one process, driven by a
 discrete-event loop over a virtual clock. Only the executor (cost model) and
 the KV transport (link model) are models.
 
-Events are (time, seq, action) in a heap. A worker steps whenever it is idle
-and has work; the events it emits reach the controller when its iteration
-ends. Commands from the controller reach workers at once (control messages are
-small next to iterations)."""
+Events are (time, seq, action, arg) in a heap; arrivals wait in their own
+sorted list beside it (a 100K-request workload never sits in the heap). A
+worker steps whenever it is idle and has work; the events it emits reach the
+controller when its iteration ends. Commands from the controller reach workers
+at once (control messages are small next to iterations), and carry the
+request's prompt as it is: a lazy 1M-token prompt is never copied."""
 from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Callable
+import sys
+from typing import Any, Callable
 
 from testbed.config import RunConfig
 from testbed.engine import VirtualClock
@@ -22,7 +25,33 @@ from testbed.runtime.real import RunResult, make_controller, worker_layout
 from testbed.sim.cost_executor import CostModelExecutor
 from testbed.sim.cost_model import CostModel
 from testbed.sim.link_model import LinkModel
+from testbed.sim.memory import format_footprint, kv_footprint
 from testbed.worker import WorkerService
+
+
+def in_process_request_msg(req: Request) -> dict:
+    """protocol.request_to_msg's fields, with the prompt passed as is (no
+    list copy): the simulator's workers live in this process and never mutate
+    it. tests/test_sim.py checks both build the same Request."""
+    return _request_msg(req, req.prompt_token_ids)
+
+
+def materialized_request_msg(req: Request) -> dict:
+    """With prefix caching on, the block manager hashes every full block and
+    reads its tokens 16 at a time; a lazy prompt computes each such slice
+    with a dozen numpy calls (~15 µs), a list slices in ~0.1 µs. So the
+    prompt is materialized once per worker, as a run with prefix caching
+    reads it all anyway."""
+    prompt = req.prompt_token_ids
+    numpy = getattr(prompt, "numpy", None)
+    return _request_msg(req, prompt if numpy is None else numpy().tolist())
+
+
+def _request_msg(req: Request, prompt) -> dict:
+    sp = req.sampling
+    return {"id": req.request_id, "prompt": prompt, "max_tokens": req.max_tokens,
+            "arrival_s": req.arrival_s, "temperature": sp.temperature, "top_p": sp.top_p,
+            "seed": sp.seed, "ignore_eos": sp.ignore_eos, "eos": sp.eos_token_id}
 
 
 class SimKVPort(KVPort):
@@ -45,17 +74,16 @@ class SimKVPort(KVPort):
             # layer-wise: layers 0..L-2 left during the final iteration, layer i at (i+1)/L of it
             iter_s = meta.get("last_iteration_s", 0.0)
             start = now - iter_s
-            arrive = start
             for i in range(self.num_layers - 1):
-                _, arrive = self.link.reserve(start + (i + 1) * iter_s / self.num_layers, per_layer)
+                self.link.reserve(start + (i + 1) * iter_s / self.num_layers, per_layer)
             _, arrive = self.link.reserve(now, num_bytes)
             total = per_layer * self.num_layers
         else:
             _, arrive = self.link.reserve(now, num_bytes)
             total = num_bytes
         if last:
-            arrival = KVArrival(request_id, True, num_bytes=total, meta=meta)
-            self.runtime.at(arrive, lambda: self.runtime.deliver_kv(peer, arrival))
+            self.runtime.at(arrive, self.runtime.deliver_kv, (peer, KVArrival(request_id, True, num_bytes=total,
+                                                                               meta=meta)))
         return total
 
     def poll(self) -> list[KVArrival]:
@@ -64,13 +92,15 @@ class SimKVPort(KVPort):
 
 
 class SimRuntime:
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: RunConfig, log: Callable[[str], None] | None = None):
         self.cfg = cfg
         self.clock = VirtualClock()
-        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._heap: list[tuple[float, int, Callable[[Any], None], Any]] = []
         self._seq = itertools.count()
         self.workers = worker_layout(cfg)
         cost = CostModel(cfg.model, cfg.hardware, cfg.parallel)
+        self.footprint = kv_footprint(cfg, cost)
+        (log or _stderr)(format_footprint(self.footprint))
         self.services: dict[str, WorkerService] = {}
         self.ports: dict[str, SimKVPort] = {}
         self.busy_until: dict[str, float] = {}
@@ -88,17 +118,19 @@ class SimRuntime:
                                                        port, cfg.transfer.layerwise)
             self.busy_until[w.worker_id] = 0.0
         self.controller = make_controller(cfg, self.workers, self._send)
+        self.controller.request_msg = (materialized_request_msg if cfg.enable_prefix_caching
+                                       else in_process_request_msg)
 
     # -- event plumbing ------------------------------------------------------------
-    def at(self, t: float, action: Callable[[], None]) -> None:
-        heapq.heappush(self._heap, (t, next(self._seq), action))
+    def at(self, t: float, action: Callable[[Any], None], arg: Any = None) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), action, arg))
 
     def _flush(self, worker_id: str) -> None:
         box = self.outbox[worker_id]
         if box:
             events = list(box)
             box.clear()
-            now = self.clock.now()
+            now = self.clock.t
             for ev in events:
                 self.controller.on_event(ev, now)
 
@@ -111,43 +143,67 @@ class SimRuntime:
         if worker_id in self.step_scheduled or not self.services[worker_id].has_work():
             return
         self.step_scheduled.add(worker_id)
-        self.at(max(self.clock.now(), self.busy_until[worker_id]), lambda: self._step(worker_id))
+        self.at(max(self.clock.t, self.busy_until[worker_id]), self._step, worker_id)
 
     def _step(self, worker_id: str) -> None:
         self.step_scheduled.discard(worker_id)
-        svc = self.services[worker_id]
-        out = svc.step()
+        out = self.services[worker_id].step()
         if out is None:
             self._flush(worker_id)
             return
         end = out.end_s
         self.busy_until[worker_id] = end
         # the iteration's events reach the frontend when it ends
-        events = list(self.outbox[worker_id])
-        self.outbox[worker_id].clear()
-        self.at(end, lambda: self._deliver(worker_id, events))
+        box = self.outbox[worker_id]
+        self.at(end, self._deliver, (worker_id, list(box)))
+        box.clear()
 
-    def _deliver(self, worker_id: str, events: list[dict]) -> None:
-        now = self.clock.now()
+    def _deliver(self, arg: tuple[str, list[dict]]) -> None:
+        worker_id, events = arg
+        now = self.clock.t
+        on_event = self.controller.on_event
         for ev in events:
-            self.controller.on_event(ev, now)
-        self._kick(worker_id)
+            on_event(ev, now)
+        if worker_id in self.step_scheduled or not self.services[worker_id].has_work():
+            return
+        heap = self._heap
+        if not heap or heap[0][0] > now:
+            # nothing else happens at this instant: step now rather than
+            # through the heap (the same order, one push and pop fewer)
+            self._step(worker_id)
+        else:
+            self._kick(worker_id)
 
-    def deliver_kv(self, worker_id: str, arrival: KVArrival) -> None:
+    def deliver_kv(self, arg: tuple[str, KVArrival]) -> None:
+        worker_id, arrival = arg
         self.ports[worker_id].inbox.append(arrival)
         self._kick(worker_id)
 
     # -- the loop --------------------------------------------------------------------
     def run(self, requests: list[Request]) -> RunResult:
-        for req in requests:
-            self.at(req.arrival_s, lambda r=req: self.controller.on_arrival(r, self.clock.now()))
-        ctl = self.controller
-        while self._heap:
-            t, _, action = heapq.heappop(self._heap)
-            self.clock.t = t
-            action()
+        arrivals = sorted(requests, key=lambda r: r.arrival_s)
+        ctl, clock, heap, pop = self.controller, self.clock, self._heap, heapq.heappop
+        i, n = 0, len(arrivals)
+        while i < n or heap:
+            # an arrival goes before a worker event at the same instant
+            if i < n and (not heap or arrivals[i].arrival_s <= heap[0][0]):
+                req = arrivals[i]
+                i += 1
+                clock.t = req.arrival_s
+                ctl.on_arrival(req, req.arrival_s)
+                continue
+            t, _, action, arg = pop(heap)
+            clock.t = t
+            action(arg)
         stats = {w: svc.stats() for w, svc in self.services.items()}
+        stuck = [w for w, svc in self.services.items() if svc.has_work()]
         for rid in list(ctl.unresolved):     # nothing left to happen: these can never finish
-            ctl.records[rid].status, ctl.records[rid].error = "failed", "simulation ended with the request unfinished"
+            ctl.records[rid].status = "failed"
+            ctl.records[rid].error = ("simulation ended with the request unfinished (workers with work they "
+                                      f"could not schedule: {stuck or 'none'})")
         records = [ctl.records[r.request_id] for r in requests if r.request_id in ctl.records]
         return RunResult(records, ctl.iterations, stats, self.clock.now())
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)

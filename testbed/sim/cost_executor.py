@@ -1,6 +1,8 @@
 """The simulator's executor: no forward pass, the cost model says how long the
 batch takes. Sampled tokens are placeholders (0): the simulator measures
-time, not text."""
+time, not text. The per-layer hook is not called: the simulated KV port
+(testbed/runtime/sim.py) models layer-wise streaming from the iteration's
+duration instead."""
 from __future__ import annotations
 
 from testbed.batch import Batch, StepResult
@@ -15,7 +17,16 @@ class CostModelExecutor(Executor):
         self.num_layers = cost_model.model.num_layers
 
     def execute(self, batch: Batch, on_layer_done: LayerHook | None = None) -> StepResult:
-        slices = [(s.num_tokens, s.end) for s in batch.slices]
-        sampled = {s.request.request_id: 0 for s in batch.slices if s.samples}
-        duration = self.cost_model.iteration_time_s(slices, len(sampled))
-        return StepResult(sampled=sampled, duration_s=duration, kv_bytes_read=self.kv_bytes_read(batch))
+        # one pass over the slices (this runs ~10^5 times per simulated run):
+        # (new tokens, context after the step) pairs, the sampled requests, and
+        # the KV read (Executor.kv_bytes_read: every slice's whole context)
+        pairs, sampled, context = [], {}, 0
+        for s in batch.slices:
+            req, n = s.request, s.num_tokens
+            end = req.num_computed_tokens + n
+            pairs.append((n, end))
+            context += end
+            if end == req.num_tokens:
+                sampled[req.request_id] = 0
+        duration = self.cost_model.iteration_time_s(pairs, len(sampled))
+        return StepResult(sampled=sampled, duration_s=duration, kv_bytes_read=context * self.kv_bytes_per_token)

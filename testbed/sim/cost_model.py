@@ -24,8 +24,9 @@ MoE: FLOPs count the routed tokens' active experts; bytes count the weights of
 every expert the batch touches, expected_experts_touched() under uniform
 routing (1-2 experts for one decode, all of them for a large batch).
 
-Speed: everything that does not depend on the batch is precomputed; a call is
-two numpy arrays and a handful of float operations (~tens of µs at 256 slices).
+Speed: everything that does not depend on the batch is precomputed; a short
+batch is priced in plain Python (a few µs), a long one with two numpy arrays
+(~tens of µs at 256 slices).
 """
 from __future__ import annotations
 
@@ -40,6 +41,10 @@ from testbed.sim.link_model import LinkModel
 from testbed.sim.timers import ProfiledAttention, ProfiledGemms, RooflineAttention, RooflineGemms
 
 Slices = Sequence[tuple[int, int]] | np.ndarray
+# Below this many slices an iteration is priced in plain Python: numpy's
+# per-call overhead costs more than the arithmetic (the sim prices ~10^5
+# iterations of a few slices each per run).
+_SMALL_BATCH = 32
 
 
 class CostModel:
@@ -92,14 +97,19 @@ class CostModel:
         return self.model.kv_bytes_per_token * sum(int(c) for _, c in _pairs(slices))
 
     def _terms(self, slices: Slices, num_sampled: int | None) -> tuple[float, ...]:
-        q, ctx = _arrays(slices)
-        m = float(q.sum())
-        sampled = len(q) if num_sampled is None else num_sampled
+        if isinstance(slices, (list, tuple)) and 0 < len(slices) < _SMALL_BATCH:
+            m = float(_check_pairs(slices))
+            attention = self._attention.seconds_pairs(slices)
+        else:
+            q, ctx = _arrays(slices)
+            m = float(q.sum())
+            attention = self._attention.seconds(q, ctx)
+        sampled = len(slices) if num_sampled is None else num_sampled
         hidden = m * self.shapes.hidden_bytes_per_token
         allreduce = (2 * self.shapes.num_layers * self._tp_link.allreduce_time_s(hidden, self.parallel.tp)
                      if self._tp_link else 0.0)
         pp = (self.parallel.pp - 1) * self._pp_link.transfer_time_s(hidden) if self._pp_link else 0.0
-        return (self._gemms_s(m), self._experts_s(m), self._attention.seconds(q, ctx),
+        return (self._gemms_s(m), self._experts_s(m), attention,
                 m * self._elementwise_s_per_token, self._lm_head_s(sampled) if sampled else 0.0,
                 allreduce, pp, self._overhead_s)
 
@@ -128,6 +138,17 @@ class CostModel:
         return int(free // self.shapes.kv_bytes_per_token)
 
 
+def _check_pairs(slices: Sequence[tuple[int, int]]) -> int:
+    """Σ new tokens of a short batch, each slice checked as _arrays checks them."""
+    m = 0
+    for q, ctx in slices:
+        if q < 1 or ctx < q:
+            raise ValueError("slices: each (num_new_tokens, context_len) needs num_new_tokens >= 1 and "
+                             "context_len >= num_new_tokens (the context includes the new tokens)")
+        m += q
+    return m
+
+
 def _pairs(slices: Slices):
     return slices.tolist() if isinstance(slices, np.ndarray) else slices
 
@@ -141,7 +162,7 @@ def _arrays(slices: Slices) -> tuple[np.ndarray, np.ndarray]:
     else:
         if not slices:
             raise ValueError("slices: an iteration needs at least one (num_new_tokens, context_len) slice")
-        if len(slices) < 32:    # one conversion is cheaper for few slices, two columns for many
+        if len(slices) < _SMALL_BATCH:    # one conversion is cheaper for few slices, two columns for many
             q, ctx = np.array(slices, dtype=np.float64).reshape(-1, 2).T
         else:
             qs, cs = zip(*slices)

@@ -59,6 +59,7 @@ class AttentionShape:
     rope_dim: int = 0
 
     def flops(self, q: np.ndarray, ctx: np.ndarray) -> np.ndarray:
+        """Per slice; q and ctx are arrays, or floats for one slice."""
         pairs = q * (ctx - 0.5 * q + 0.5)                  # q·(ctx - q) + q(q+1)/2
         plain = (2 * self.num_heads * (self.qk_dim + self.v_dim)) * pairs
         if not self.mla_rank:
@@ -68,7 +69,9 @@ class AttentionShape:
         # to full heads first. Engines pick the cheaper one per slice; so do we.
         absorbed = (2 * self.num_heads * (2 * self.mla_rank + self.rope_dim)) * pairs
         decompress = (2 * self.mla_rank * self.num_heads * (self.qk_dim - self.rope_dim + self.v_dim)) * (ctx - q)
-        return np.minimum(absorbed, plain + decompress)
+        if isinstance(absorbed, np.ndarray):
+            return np.minimum(absorbed, plain + decompress)
+        return min(absorbed, plain + decompress)
 
     def dense_flops(self, q: np.ndarray, ctx: np.ndarray) -> np.ndarray:
         """FLOPs of a kernel that computes the whole q x ctx score rectangle

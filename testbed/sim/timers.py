@@ -95,6 +95,18 @@ class RooflineAttention:
         memory *= self.s_per_byte
         return self.num_layers * float(np.maximum(compute, memory, out=compute).sum())
 
+    def seconds_pairs(self, slices: Sequence[tuple[int, int]]) -> float:
+        """`seconds` for a short batch in plain Python: a few slices cost less
+        than numpy's per-call overhead."""
+        shape, s_per_flop, s_per_byte = self.shape, self.s_per_flop, self.s_per_byte
+        kv, io = shape.kv_bytes_per_token, shape.io_bytes_per_token
+        total = 0.0
+        for q, ctx in slices:
+            compute = shape.flops(q, ctx) * s_per_flop
+            memory = (kv * ctx + io * q) * s_per_byte
+            total += compute if compute > memory else memory
+        return self.num_layers * total
+
 
 def fit_attention(rows: Sequence[Sequence[float]]) -> tuple[float, float, float, float]:
     """Fit rows [num_seqs, flops, bytes, seconds] of one attention call (flops
@@ -132,4 +144,17 @@ class ProfiledAttention:
         flops = float(self.shape.dense_flops(q, ctx).sum())
         nbytes = float(self.shape.bytes(q, ctx).sum())
         return self.num_layers * (self.per_call + self.per_seq * len(q)
+                                  + self.per_flop * flops + self.per_byte * nbytes)
+
+    def seconds_pairs(self, slices: Sequence[tuple[int, int]]) -> float:
+        """`seconds` in plain Python: the model is linear in Σ q·ctx, Σ ctx and Σ q."""
+        sum_qc = sum_c = sum_q = 0
+        for q, ctx in slices:
+            sum_qc += q * ctx
+            sum_c += ctx
+            sum_q += q
+        shape = self.shape
+        flops = 2 * shape.num_heads * (shape.qk_dim + shape.v_dim) * sum_qc
+        nbytes = shape.kv_bytes_per_token * sum_c + shape.io_bytes_per_token * sum_q
+        return self.num_layers * (self.per_call + self.per_seq * len(slices)
                                   + self.per_flop * flops + self.per_byte * nbytes)

@@ -1,0 +1,51 @@
+"""The KV footprint of a run: bytes one token's KV takes, how many tokens a
+worker's `num_kv_blocks` hold, and how many the accelerator could hold after
+the model's weights (CostModel.kv_capacity_tokens). The simulator prints it at
+start-up; a configuration whose KV memory exceeds the accelerator's is
+flagged there (it still runs: num_kv_blocks is the modeled memory)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from testbed.config import RunConfig
+from testbed.sim.cost_model import CostModel
+
+
+@dataclass
+class KVFootprint:
+    model: str
+    hardware: str
+    tp: int
+    kv_bytes_per_token: int           # one token, all layers, on one GPU of the replica
+    block_size: int
+    num_kv_blocks: int
+    capacity_tokens: int              # num_kv_blocks * block_size, per worker
+    weight_gib: float                 # per GPU
+    gpu_capacity_tokens: int | None   # what the accelerator holds after weights; None: weights do not fit
+    note: str | None = None
+
+    @property
+    def kv_gib(self) -> float:
+        return self.capacity_tokens * self.kv_bytes_per_token / 2**30
+
+
+def kv_footprint(cfg: RunConfig, cost: CostModel) -> KVFootprint:
+    try:
+        gpu_tokens, note = cost.kv_capacity_tokens(), None
+    except ValueError as e:
+        gpu_tokens, note = None, str(e)
+    capacity = cfg.num_kv_blocks * cfg.block_size
+    if gpu_tokens is not None and capacity > gpu_tokens:
+        note = (f"num_kv_blocks={cfg.num_kv_blocks} holds {capacity} tokens, more than {cfg.hardware.name} "
+                f"can ({gpu_tokens} after weights); the simulation assumes memory the GPU does not have")
+    return KVFootprint(cfg.model.name, cfg.hardware.name, cfg.parallel.tp, cost.shapes.kv_bytes_per_token,
+                       cfg.block_size, cfg.num_kv_blocks, capacity, cost.shapes.weight_bytes / 2**30,
+                       gpu_tokens, note)
+
+
+def format_footprint(f: KVFootprint) -> str:
+    gpu = "n/a" if f.gpu_capacity_tokens is None else f"{f.gpu_capacity_tokens:,}"
+    line = (f"KV footprint: {f.kv_bytes_per_token:,} B/token ({f.model}, tp={f.tp}); num_kv_blocks="
+            f"{f.num_kv_blocks} x {f.block_size} = {f.capacity_tokens:,} tokens/worker ({f.kv_gib:.1f} GiB); "
+            f"{f.hardware} holds {gpu} tokens after {f.weight_gib:.1f} GiB of weights")
+    return line if f.note is None else f"{line}\n  warning: {f.note}"
