@@ -5,6 +5,7 @@ One flat dataclass: each study reads the fields it needs."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 EXPERIMENTS = ("crossover", "capacity", "stall", "chunk_overhead", "hybrid_batch")
 
@@ -33,6 +34,19 @@ class ExperimentConfig:
     schedulers: list[str] = field(default_factory=lambda: ["vllm_v0", "orca", "sarathi"])
     token_budgets: list[int] = field(default_factory=lambda: [512, 2048])
     disagg_splits: list[str] = field(default_factory=lambda: ["1P1D"])
+    disagg_scheduler: str = "vllm_v0"        # both pools of a disagg point: whole prefills, as in Splitwise
+    # capacity: name -> {preset: a conf/workload name (optional), slo: {ttft_ms, tbt_ms},
+    # workload: WorkloadConfig fields over the preset}; conf/experiment/capacity.yaml sets them
+    capacity_workloads: dict[str, Any] = field(default_factory=dict)
+    capacity_rate_lo: float = 0.05           # requests/s per GPU, the search's starting bracket
+    capacity_rate_hi: float = 8.0
+    capacity_rel_tol: float = 0.1            # stop when hi/lo - 1 is below this
+    capacity_max_probes: int = 10            # runs per search at most
+    real_capacity_policies: list[str] = field(default_factory=lambda: ["sarathi"])
+    real_capacity_workload: dict[str, Any] = field(default_factory=dict)
+    # prefill studies (chunk_overhead, hybrid_batch)
+    num_decodes: int = 16                    # hybrid_batch: running decodes in every batch
+    decode_context_len: int = 1024           # hybrid_batch: each decode's context (prompt + outputs)
     repeats: int = 3                         # timing repetitions per real measurement
 
     def validate(self) -> None:
@@ -41,5 +55,24 @@ class ExperimentConfig:
         for f in ("chunk_sizes", "context_lens", "real_context_lens", "real_chunk_sizes", "token_budgets"):
             if any(v < 1 for v in getattr(self, f)):
                 raise ValueError(f"experiment.{f}: every value must be >= 1, got {getattr(self, f)}")
+        for f in ("num_decodes", "decode_context_len", "capacity_max_probes"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"experiment.{f}: must be >= 1, got {getattr(self, f)}")
+        if not 0 < self.capacity_rate_lo < self.capacity_rate_hi:
+            raise ValueError(f"experiment.capacity_rate_lo/hi: need 0 < lo < hi, got {self.capacity_rate_lo}, "
+                             f"{self.capacity_rate_hi}")
+        if self.capacity_rel_tol <= 0:
+            raise ValueError(f"experiment.capacity_rel_tol: must be > 0, got {self.capacity_rel_tol}")
+        for s in self.disagg_splits:
+            parse_split(s)
         if self.repeats < 1:
             raise ValueError(f"experiment.repeats: must be >= 1, got {self.repeats}")
+
+
+def parse_split(split: str) -> tuple[int, int]:
+    """'2P1D' -> (2, 1): prefill and decode workers of a disaggregated point."""
+    import re
+    m = re.fullmatch(r"(\d+)P(\d+)D", split)
+    if not m or int(m[1]) < 1 or int(m[2]) < 1:
+        raise ValueError(f"experiment.disagg_splits: '{split}' is not of the form xPyD with x, y >= 1 (e.g. 1P1D)")
+    return int(m[1]), int(m[2])
