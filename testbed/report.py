@@ -1,11 +1,18 @@
-"""`testbed report RUN_DIR...`: run directories -> a side-by-side table, a CSV
-and a TBT-over-time plot per run.
+"""`testbed report DIR...`: run, sweep and experiment directories -> a
+side-by-side table, a CSV, a TBT-over-time plot per run, and self-contained
+HTML pages.
 
 The end of the data flow (DESIGN.md "Outputs"): each run directory holds
 summary.json, requests.jsonl, iterations.jsonl (metrics.py) and Hydra's
 .hydra/ folder. The table has one row per metric and one column per run; the
 plot shows every inter-token gap at the time its token arrived, above the
 iterations' prefill and decode tokens, which is where a prefill stall shows.
+
+A sweep directory (`testbed run -m`: multirun/DATE/TIME) stands for its
+numbered point directories; a point that failed (failed.json) is listed with
+its error. An experiment directory (experiment.json) gets its own HTML page:
+its summary, figures and CSV tables, and the runs below it. The runs given
+together get one page: the table, the failed points and their TBT plots.
 """
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from testbed.experiments import html as H
 from testbed.metrics import IterationRecord, RequestRecord, read_iterations, read_requests
 
 # (row label, path into summary.json)
@@ -208,34 +216,138 @@ def _plot_name(run: Run, index: int, shared_out: bool) -> str:
     return f"{index}_{safe}_tbt.png"
 
 
+@dataclass
+class Inputs:
+    """The directories named on the command line, sorted by kind."""
+    runs: list[Path]
+    failed: list[tuple[Path, str]]          # sweep points that failed, with their error
+    experiments: list[Path]
+    runs_home: Path | None = None           # the first run or sweep directory: where the runs' page goes
+
+
+def _sweep_points(sweep_dir: Path) -> list[Path]:
+    """A sweep's point directories in job order (Hydra names them NUM-overrides)."""
+    points = [d for d in sweep_dir.iterdir() if d.is_dir() and ((d / "summary.json").is_file()
+                                                               or (d / "failed.json").is_file())]
+    return sorted(points, key=lambda d: (int(d.name.split("-", 1)[0]) if d.name.split("-", 1)[0].isdigit()
+                                         else 1 << 30, d.name))
+
+
+def classify(dirs: list[Path]) -> Inputs:
+    inputs = Inputs([], [], [])
+    for d in dirs:
+        if (d / "experiment.json").is_file():
+            inputs.experiments.append(d)
+            continue
+        inputs.runs_home = inputs.runs_home or d
+        if (d / "summary.json").is_file():
+            inputs.runs.append(d)
+        elif d.is_dir() and _sweep_points(d):
+            for point in _sweep_points(d):
+                if (point / "summary.json").is_file():
+                    inputs.runs.append(point)
+                else:
+                    error = json.loads((point / "failed.json").read_text()).get("error", "?")
+                    inputs.failed.append((point, error))
+        else:
+            raise ValueError(f"{d}: no summary.json here; is this a run directory?")
+    return inputs
+
+
+def experiment_page(exp_dir: Path) -> str:
+    """One experiment's page: summary, figures, tables, and its runs side by side."""
+    summary = json.loads((exp_dir / "experiment.json").read_text())
+    name = summary.get("experiment", exp_dir.name)
+    sections = [H.note(f"directory: {exp_dir}")]
+    overrides = exp_dir / ".hydra" / "overrides.yaml"
+    if overrides.is_file():
+        items = OmegaConf.to_container(OmegaConf.load(overrides)) or []
+        sections.append(H.note("command: testbed run " + " ".join(str(x) for x in items)))
+    sections.append(H.section("Summary", *H.summary_parts(summary)))
+    figures = sorted(exp_dir.glob("*.png"))
+    if figures:
+        sections.append(H.section("Figures", *[H.image(p) for p in figures]))
+    tables = [p for p in sorted(exp_dir.glob("*.csv")) if p.name != "report.csv"]
+    if tables:
+        sections.append(H.section("Tables", *[f"<h3>{p.name}</h3>" + H.csv_table(p) for p in tables]))
+    # in the order they ran
+    sub_runs = [load_run(d) for d in sorted((d for d in exp_dir.iterdir() if (d / "summary.json").is_file()),
+                                            key=lambda d: (d / "summary.json").stat().st_mtime)]
+    if sub_runs:
+        sections.append(H.section("Runs", _runs_table(sub_runs)))
+    return H.page(f"experiment: {name}", sections)
+
+
+def _runs_table(runs: list[Run]) -> str:
+    headers = _headers(runs)
+    return H.table(["metric", *headers], [[label, *values] for label, values in table_rows(runs)]) + \
+        H.note("; ".join(f"[{i}] {r.label} ({r.path})" for i, r in enumerate(runs, start=1)))
+
+
+def runs_page(runs: list[Run], failed: list[tuple[Path, str]], plots: list[Path]) -> str:
+    sections = []
+    if runs:
+        sections.append(H.section("Runs side by side", _runs_table(runs)))
+    if failed:
+        sections.append(H.section("Failed points", H.table(["point", "error"], [[str(d), e] for d, e in failed])))
+    if plots:
+        sections.append(H.section("TBT over time", *[H.image(p, str(p)) for p in plots]))
+    return H.page("testbed report", sections)
+
+
+def _write_pages(pages: list[tuple[str, str, Path]], out: Path | None) -> None:
+    """pages: (slug, html, default dir). Without --out each page is report.html
+    in its default directory; with --out they all go there, as report.html
+    when there is one page, else report-SLUG.html."""
+    for slug, text, default_dir in pages:
+        if out is None:
+            path = default_dir / "report.html"
+        else:
+            path = out / ("report.html" if len(pages) == 1 else f"report-{slug}.html")
+        path.write_text(text)
+        print(f"wrote {path}")
+
+
 def report_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="testbed report",
-                                     description="Compare run directories side by side; write report.csv "
-                                                 "and a TBT-over-time plot per run.")
-    parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
+                                     description="Compare run directories side by side (sweep directories stand "
+                                                 "for their points); write report.csv, a TBT-over-time plot per "
+                                                 "run and report.html pages, one per experiment directory.")
+    parser.add_argument("run_dirs", nargs="+", type=Path, metavar="DIR")
     parser.add_argument("--out", type=Path, default=None,
-                        help="write report.csv and the plots here instead of into each run directory")
+                        help="write report.csv, the plots and the pages here instead of into the directories")
     args = parser.parse_args(argv)
     try:
-        runs = [load_run(d) for d in args.run_dirs]
+        inputs = classify(args.run_dirs)
+        runs = [load_run(d) for d in inputs.runs]
     except (OSError, ValueError) as e:
         print(f"testbed report: {e}", file=sys.stderr)
         return 2
-    print(format_table(runs))
-
-    out_dirs = [args.out] * len(runs) if args.out else [r.path for r in runs]
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-    for out in dict.fromkeys(out_dirs):
-        write_csv(out / "report.csv", runs)
-        print(f"wrote {out / 'report.csv'}")
-    for i, (run, out) in enumerate(zip(runs, out_dirs), start=1):
-        if run.requests is None:
-            print(f"{run.path}: no requests.jsonl, so no TBT plot", file=sys.stderr)
-            continue
-        path = out / _plot_name(run, i, args.out is not None)
-        plot_tbt(run, path)
-        print(f"wrote {path}")
+    for point, error in inputs.failed:
+        print(f"failed: {point}: {error}")
+    pages: list[tuple[str, str, Path]] = []
+    if runs:
+        print(format_table(runs))
+        out_dirs = [args.out] * len(runs) if args.out else [r.path for r in runs]
+        for out in dict.fromkeys(out_dirs):
+            write_csv(out / "report.csv", runs)
+            print(f"wrote {out / 'report.csv'}")
+        plots = []
+        for i, (run, out) in enumerate(zip(runs, out_dirs), start=1):
+            if run.requests is None:
+                print(f"{run.path}: no requests.jsonl, so no TBT plot", file=sys.stderr)
+                continue
+            path = out / _plot_name(run, i, args.out is not None)
+            plot_tbt(run, path)
+            plots.append(path)
+            print(f"wrote {path}")
+    if runs or inputs.failed:
+        pages.append(("runs", runs_page(runs, inputs.failed, plots if runs else []), inputs.runs_home))
+    for i, d in enumerate(inputs.experiments, start=1):
+        pages.append((f"{i}-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", d.resolve().name), experiment_page(d), d))
+    _write_pages(pages, args.out)
     return 0
 
 
