@@ -230,8 +230,11 @@ def default_tile(max_query_len: int, group: int, device: torch.device) -> TileCo
     if device.type != "cuda":
         rows = triton.next_power_of_2(max(16, group * max_query_len))
         return TileConfig(block_m=min(rows, 256), block_n=256)
+    # from the H200 tile sweep (experiments/gpu_check.sh, tile_sweep.csv): decode 64x4K reached 96% of the
+    # copy bandwidth with 2 stages (69% with 3). 128x128 chunk tiles won on a 512-chunk over 32K but made
+    # 512-chunk prefills of 4K-16K prompts slower and overflow shared memory for fp32 at head dim 128.
     if max_query_len == 1:
-        return TileConfig(block_m=max(16, triton.next_power_of_2(group)), block_n=64, num_warps=4, num_stages=3)
+        return TileConfig(block_m=max(16, triton.next_power_of_2(group)), block_n=64, num_warps=4, num_stages=2)
     return TileConfig(block_m=max(128, triton.next_power_of_2(group)), block_n=64, num_warps=8, num_stages=3)
 
 

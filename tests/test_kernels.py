@@ -68,8 +68,11 @@ def check(q_lens, seq_lens, num_heads=4, num_kv_heads=1, head_dim=64, block_size
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_mixed_batch_in_one_launch(device, dtype):
     # decode, chunk crossing block boundaries mid-context, context of 1, whole prompt
-    plan = check([1, 37, 1, 20], [300, 100, 1, 20], num_heads=8, num_kv_heads=2, dtype=dtype, device=device)
-    assert plan.work_seq.numel() == 4          # one query tile per sequence at these sizes
+    q_lens = [1, 37, 1, 20]
+    plan = check(q_lens, [300, 100, 1, 20], num_heads=8, num_kv_heads=2, dtype=dtype, device=device)
+    # one program per query tile: a tile holds block_m rows of (query, head-in-group)
+    rows_per_tile = plan.tile.block_m // plan.group
+    assert sorted(plan.work_seq.tolist()) == [b for b, n in enumerate(q_lens) for _ in range(-(-n // rows_per_tile))]
     assert plan.num_splits == 1 or device == "cuda"
 
 
