@@ -137,15 +137,15 @@ def table_rows(runs: list[Run]) -> list[tuple[str, list]]:
     return [(label, [_lookup(r.summary, keys) for r in runs]) for label, keys in rows]
 
 
-def _headers(runs: list[Run]) -> list[str]:
+def _headers(runs: list[Run], max_len: int | None = _MAX_HEADER) -> list[str]:
     """Column headers: each label without the words every run shares (so
     'scheduler=sarathi workload=stall' vs '... vllm_v0 ...' reads 'scheduler=sarathi'),
-    or [i] when that is still too long for a column."""
+    or [i] when that is still longer than max_len (None: no limit)."""
     common = set.intersection(*(set(r.label.split()) for r in runs)) if len(runs) > 1 else set()
     headers = []
     for i, r in enumerate(runs, start=1):
         short = " ".join(w for w in r.label.split() if w not in common) or r.label
-        headers.append(short if len(short) <= _MAX_HEADER else f"[{i}]")
+        headers.append(short if max_len is None or len(short) <= max_len else f"[{i}]")
     return headers
 
 
@@ -279,7 +279,7 @@ def experiment_page(exp_dir: Path) -> str:
 
 
 def _runs_table(runs: list[Run]) -> str:
-    headers = _headers(runs)
+    headers = _headers(runs, max_len=None)      # an HTML table wraps long headers
     return H.table(["metric", *headers], [[label, *values] for label, values in table_rows(runs)]) + \
         H.note("; ".join(f"[{i}] {r.label} ({r.path})" for i, r in enumerate(runs, start=1)))
 

@@ -71,21 +71,19 @@ class RealBench:
         requests do not advance: each run computes the same tokens)."""
         return min(self.executor.execute(batch).duration_s for _ in range(repeats))
 
-    def prefill_s(self, prompt_len: int, chunk: int | None, repeats: int) -> float:
-        """A prompt prefilled alone, the least of `repeats` runs: one iteration,
-        or ceil(L/C) iterations of C tokens, each attending over the KV the
-        previous ones wrote."""
-        req = self.request(prompt_len, 0)
-        step = chunk or prompt_len
+    def prefill_s(self, req: Request, chunk: int | None, repeats: int) -> float:
+        """`req`'s prompt prefilled alone, the least of `repeats` runs: one
+        iteration, or ceil(L/C) iterations of C tokens, each attending over
+        the KV the previous ones wrote. Leaves the prompt computed."""
+        step = chunk or req.prompt_len
         times = []
         for _ in range(repeats):
             req.num_computed_tokens, total = 0, 0.0
-            while req.num_computed_tokens < prompt_len:
-                n = min(step, prompt_len - req.num_computed_tokens)
+            while req.num_computed_tokens < req.prompt_len:
+                n = min(step, req.prompt_len - req.num_computed_tokens)
                 total += self.executor.execute(Batch([ScheduledSlice(req, n)])).duration_s
                 req.num_computed_tokens += n
             times.append(total)
-        self.bm.free(req.request_id)
         return min(times)
 
 
@@ -116,14 +114,18 @@ def _real_overhead_rows(cfg: RunConfig, model: str, log) -> list[dict]:
     if not lengths:
         return []
     bench = RealBench(model, max(lengths), cfg.block_size, cfg.seed)
-    bench.prefill_s(min(lengths), None, 1)          # warm-up: allocator, thread pool
+    warm = bench.request(min(lengths), 0)
+    bench.prefill_s(warm, None, 1)                  # warm-up: allocator, thread pool
+    bench.bm.free(warm.request_id)
     rows = []
     for n in lengths:
-        whole = bench.prefill_s(n, None, e.repeats)
+        req = bench.request(n, 0)
+        whole = bench.prefill_s(req, None, e.repeats)
         for c in e.real_chunk_sizes:
             # a prompt within one chunk is not chunked: same computation
-            chunked = whole if c >= n else bench.prefill_s(n, c, e.repeats)
+            chunked = whole if c >= n else bench.prefill_s(req, c, e.repeats)
             rows.append(_overhead_row("real", model, "this-cpu", n, c, whole, chunked))
+        bench.bm.free(req.request_id)
         log(f"  real {model} L={n}: whole {whole * 1e3:.0f} ms, "
             + ", ".join(f"C={r['chunk_size']} x{r['overhead']:.2f}" for r in rows if r["prompt_len"] == n))
     return rows
