@@ -1,7 +1,6 @@
 """ZMQ plumbing shared by the transports: the receiver's bound ROUTER socket
-(`ChannelServer`) and the sender's DEALER socket per peer (`ChannelClient`),
-and the sender/receiver halves every transport built on them shares
-(`ChannelSender`, `ChannelReceiver`: peers, acks, the receive loop).
+(`ChannelServer`), the sender's DEALER socket per peer (`ChannelClient`), and
+what every sender built on them shares (`ChannelSender`: peers, acks).
 
 The zmq transport sends header and data frames over it; torch_dist sends only
 headers (the data goes over the process group). Acks come back over the same
@@ -16,19 +15,19 @@ import os
 import shutil
 import tempfile
 import uuid
-from abc import abstractmethod
 from pathlib import Path
 
 import msgpack
-import torch
 import zmq
 
-from testbed.kv_transfer.base import Ack, KVReceiver, KVSender, TransferError
-from testbed.kv_transfer.buffers import ReceiveBuffers
+from testbed.kv_transfer.base import Ack, KVSender, TransferError
 from testbed.kv_transfer.config import TransferConfig
-from testbed.kv_transfer.payload import DTYPES, KVPayload, PayloadError, decode_header
 
 log = logging.getLogger(__name__)
+
+# the first frame of every sender -> receiver message says what follows
+HEADER = b"H"      # [H, msgpack header, transport extras...]
+DATA = b"D"        # [D, a chunk of the open payload's data]
 
 
 def _name_bytes(name: str) -> bytes:
@@ -72,13 +71,9 @@ class ChannelServer:
         while self.more():
             self.sock.recv(copy=False)
 
-    def recv_envelope(self) -> tuple[str, zmq.Frame] | None:
-        """(origin, header frame) of the next message; None (and the message
-        discarded) when it has no header."""
-        origin = self.sock.recv()
-        if not self.more():
-            return None
-        return _name_str(origin), self.sock.recv(copy=False)
+    @staticmethod
+    def origin(routing_id: bytes) -> str:
+        return _name_str(routing_id)
 
     def send_ack(self, origin: str, request_id: str, ok: bool, reason: str) -> bool:
         msg = msgpack.packb({"request_id": request_id, "ok": ok, "reason": reason[:1000]})
@@ -118,7 +113,9 @@ class ChannelClient:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.ROUTING_ID, _name_bytes(self.name))
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDTIMEO, int(self.cfg.timeout_s * 1000))
+        # no high-water mark: queued frames are zero-copy views of payloads the caller keeps until
+        # flush(), so a send never blocks halfway through a payload
+        sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_header_bytes)   # only acks come back
         sock.connect(address)
         self._socks[peer] = sock
@@ -182,69 +179,3 @@ class ChannelSender(KVSender):
     def close(self) -> None:
         self._client.close()
 
-
-class ChannelReceiver(KVReceiver):
-    """The receive loop of every channel-based transport: a header arrives on
-    the ROUTER, is checked and sized, the subclass lands the data in a reused
-    buffer, the checksum decides. Whatever a peer sends, poll() does not raise:
-    a bad message becomes a payload with `error` (or, when it does not even
-    name a request, is counted in num_rejected and logged)."""
-
-    def __init__(self, cfg: TransferConfig, max_payloads_per_poll: int = 64) -> None:
-        self.cfg = cfg
-        self.max_payloads_per_poll = max_payloads_per_poll
-        self._server = ChannelServer(cfg)
-        self._buffers = ReceiveBuffers(pin_memory=cfg.pin_memory)
-        self.address = self._server.address
-        self.num_rejected = 0
-
-    @abstractmethod
-    def _receive_data(self, payload: KVPayload, into: torch.Tensor) -> str | None:
-        """Fill `into` (flat uint8, payload.nbytes long) with the data of the
-        message whose header was just read, consuming the rest of that message;
-        return why it failed, or None."""
-
-    def poll(self, timeout_ms: int = 0) -> list[KVPayload]:
-        self._buffers.reclaim()
-        arrived: list[KVPayload] = []
-        if not self._server.wait(timeout_ms):
-            return arrived
-        # a multipart message is delivered whole, so once its first frame is here none of this blocks
-        while len(arrived) < self.max_payloads_per_poll and self._server.wait(0):
-            payload = self._recv_one()
-            if payload is not None:
-                arrived.append(payload)
-        return arrived
-
-    def _recv_one(self) -> KVPayload | None:
-        envelope = self._server.recv_envelope()
-        if envelope is None:
-            self.num_rejected += 1
-            return None
-        origin, header = envelope
-        try:
-            p = decode_header(header.buffer, self.cfg.max_header_bytes, self.cfg.max_message_bytes)
-        except PayloadError as e:
-            self._server.drain()
-            log.warning("receiver %s: rejected a message from %s: %s", self.address, origin, e)
-            if e.request_id is None:
-                self.num_rejected += 1
-                return None
-            return KVPayload.failed_header(e.request_id, origin, str(e))
-        p.origin = origin
-        flat = self._buffers.take(p.nbytes)[:p.nbytes]
-        error = self._receive_data(p, flat)
-        if error is not None:
-            return p.failed(f"request {p.request_id}: {error}")
-        p.data = flat.view(DTYPES[p.dtype]).view(p.shape)
-        try:
-            p.verify()
-        except PayloadError as e:
-            return p.failed(str(e))
-        return p
-
-    def ack(self, origin: str, request_id: str, ok: bool = True, reason: str = "") -> bool:
-        return self._server.send_ack(origin, request_id, ok, reason)
-
-    def close(self) -> None:
-        self._server.close()

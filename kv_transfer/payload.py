@@ -38,13 +38,18 @@ class PayloadError(ValueError):
         self.request_id = request_id
 
 
-def byte_view(data: torch.Tensor):
-    """The tensor's bytes as a flat uint8 numpy array, without copying (works
-    for bfloat16 and float8, which numpy cannot represent)."""
+def flat_bytes(data: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor, without copying."""
     if data.device.type != "cpu" or not data.is_contiguous():
         raise PayloadError(f"payload data must be a contiguous CPU tensor, got device={data.device} "
                            f"contiguous={data.is_contiguous()}; pack_kv stages GPU caches through host memory")
-    return data.reshape(-1).view(torch.uint8).numpy()
+    return data.reshape(-1).view(torch.uint8)
+
+
+def byte_view(data: torch.Tensor):
+    """The tensor's bytes as a numpy array, without copying (works for
+    bfloat16 and float8, which numpy cannot represent): a buffer for zmq and xxhash."""
+    return flat_bytes(data).numpy()
 
 
 def checksum(data: torch.Tensor) -> int:
@@ -61,8 +66,11 @@ class KVPayload:
     num_tokens: int                       # tokens held by these blocks
     dtype: str                            # a key of DTYPES
     shape: tuple[int, ...]                # [layers, 2, blocks, block_size, kv_heads, head_dim]
-    checksum: int                         # xxh3_64 of data's bytes, computed by the sender
-    data: torch.Tensor                    # contiguous, CPU
+    checksum: int                         # xxh3_64 of the data's bytes, computed by the sender
+    # One contiguous CPU tensor of `shape` (as packed, or as landed by torch_dist), or the
+    # flat uint8 pieces the bytes arrived in, in order (zmq: its frames, so nothing is copied
+    # before unpack_kv copies them into the cache). contiguous() gives one tensor either way.
+    data: torch.Tensor | list[torch.Tensor]
     last: bool = True                     # the final piece of this request's KV
     meta: dict = field(default_factory=dict)   # small and msgpack-able (first token, timings)
     origin: str = ""                      # set by the receiver: the sender's name, for ack()
@@ -76,10 +84,23 @@ class KVPayload:
     def ok(self) -> bool:
         return self.error is None
 
+    def pieces(self) -> list[torch.Tensor]:
+        """The data's bytes as flat uint8 CPU tensors, in order."""
+        if isinstance(self.data, torch.Tensor):
+            return [flat_bytes(self.data)] if self.data.numel() else []
+        return self.data
+
+    def contiguous(self) -> torch.Tensor:
+        """The data as one tensor of `shape` (copies when it arrived in pieces)."""
+        if isinstance(self.data, torch.Tensor):
+            return self.data
+        flat = torch.cat(self.data) if self.data else torch.empty(0, dtype=torch.uint8)
+        return flat.view(DTYPES[self.dtype]).view(self.shape)
+
     def failed(self, error: str) -> KVPayload:
         """Mark this payload failed (the receiver's verdict); drop its data."""
         self.error = error
-        self.data = torch.empty(0, dtype=DTYPES.get(self.dtype, torch.uint8))
+        self.data = []
         return self
 
     @classmethod
@@ -87,26 +108,33 @@ class KVPayload:
         """A failed payload for a message whose header named the request but
         was otherwise unusable."""
         return cls(request_id=request_id, layer_start=0, layer_end=0, block_ids=[], num_tokens=0,
-                   dtype="uint8", shape=(0,), checksum=0, data=torch.empty(0, dtype=torch.uint8),
-                   last=True, origin=origin, error=error)
+                   dtype="uint8", shape=(0,), checksum=0, data=[], last=True, origin=origin, error=error)
 
     def verify(self) -> None:
-        """Raise PayloadError unless data matches the header: dtype, shape,
-        byte count and checksum."""
+        """Raise PayloadError unless the data matches the header: dtype and
+        shape (a tensor), byte count and checksum."""
         rid = self.request_id
         if self.dtype not in DTYPES:
             raise PayloadError(f"request {rid}: unknown dtype '{self.dtype}'", rid)
-        if self.data.dtype != DTYPES[self.dtype]:
-            raise PayloadError(f"request {rid}: data dtype {self.data.dtype} != header dtype {self.dtype}", rid)
-        if tuple(self.data.shape) != tuple(self.shape):
-            raise PayloadError(f"request {rid}: data shape {tuple(self.data.shape)} != header shape "
-                               f"{tuple(self.shape)}", rid)
-        if self.data.nbytes != self.nbytes:
-            raise PayloadError(f"request {rid}: {self.data.nbytes} data bytes != {self.nbytes} declared", rid)
-        got = checksum(self.data)
-        if got != self.checksum:
-            raise PayloadError(f"request {rid}: checksum mismatch (got {got:#018x}, header says "
-                               f"{self.checksum:#018x}): the KV was corrupted in transit", rid)
+        if isinstance(self.data, torch.Tensor):
+            if self.data.dtype != DTYPES[self.dtype]:
+                raise PayloadError(f"request {rid}: data dtype {self.data.dtype} != header dtype {self.dtype}", rid)
+            if tuple(self.data.shape) != tuple(self.shape):
+                raise PayloadError(f"request {rid}: data shape {tuple(self.data.shape)} != header shape "
+                                   f"{tuple(self.shape)}", rid)
+        pieces = self.pieces()
+        got_bytes = sum(p.numel() for p in pieces)
+        if got_bytes != self.nbytes:
+            raise PayloadError(f"request {rid}: {got_bytes} data bytes != {self.nbytes} declared", rid)
+        hasher = xxhash.xxh3_64()
+        for piece in pieces:
+            hasher.update(piece.numpy())
+        self.check_checksum(hasher.intdigest())
+
+    def check_checksum(self, digest: int) -> None:
+        if digest != self.checksum:
+            raise PayloadError(f"request {self.request_id}: checksum mismatch (got {digest:#018x}, header says "
+                               f"{self.checksum:#018x}): the KV was corrupted in transit", self.request_id)
 
     def encode_header(self) -> bytes:
         return msgpack.packb({
@@ -119,7 +147,7 @@ class KVPayload:
 
 
 def decode_header(raw: bytes | memoryview, max_header_bytes: int, max_message_bytes: int) -> KVPayload:
-    """A KVPayload with an empty `data`, from a header frame off the network.
+    """A KVPayload with no data yet, from a header frame off the network.
     Raises PayloadError (with request_id when it was readable) on anything
     malformed, and when the declared size exceeds max_message_bytes."""
     if len(raw) > max_header_bytes:
@@ -155,7 +183,7 @@ def decode_header(raw: bytes | memoryview, max_header_bytes: int, max_message_by
     p = KVPayload(
         request_id=rid, layer_start=want("layer_start", int), layer_end=want("layer_end", int),
         block_ids=block_ids, num_tokens=want("num_tokens", int), dtype=dtype, shape=tuple(shape),
-        checksum=want("checksum", int), data=torch.empty(0, dtype=DTYPES[dtype]),
+        checksum=want("checksum", int), data=[],
         last=want("last", bool), meta=want("meta", dict))
     if (len(p.shape) != 6 or p.shape[0] != p.layer_end - p.layer_start or p.shape[1] != 2
             or p.shape[2] != len(p.block_ids) or p.layer_start < 0):

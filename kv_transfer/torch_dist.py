@@ -26,12 +26,14 @@ from urllib.parse import urlparse
 import msgpack
 import torch
 import torch.distributed as dist
-import zmq
+import xxhash
 
 from testbed.kv_transfer.base import TransferError
-from testbed.kv_transfer.channel import ChannelReceiver, ChannelSender
+from testbed.kv_transfer.buffers import ReceiveBuffers
+from testbed.kv_transfer.channel import HEADER, ChannelSender
+from testbed.kv_transfer.receiver import ChannelReceiver
 from testbed.kv_transfer.config import TransferConfig
-from testbed.kv_transfer.payload import KVPayload
+from testbed.kv_transfer.payload import DTYPES, KVPayload
 
 DATA_TAG = 0
 
@@ -102,11 +104,7 @@ class TorchDistSender(ChannelSender):
         flat = payload.data.reshape(-1).view(torch.uint8)
         if flat.device != self.group.device:
             flat = flat.to(self.group.device)
-        try:
-            sock.send_multipart([payload.encode_header(), msgpack.packb(self.group.rank)])
-        except zmq.Again:
-            raise TransferError(f"send of {payload.request_id} to {peer} timed out after "
-                                f"{self.cfg.timeout_s}s: the receiver is not reading") from None
+        sock.send_multipart([HEADER, payload.encode_header(), msgpack.packb(self.group.rank)])
         # the work keeps `flat` alive until the receiver has taken it
         self._in_flight.append((self.group.pg.send([flat], self._ranks[peer], DATA_TAG), flat))
 
@@ -130,23 +128,35 @@ class TorchDistReceiver(ChannelReceiver):
         super().__init__(cfg, max_payloads_per_poll)
         self.group = group
         self.address = f"{self._server.address}#rank={group.rank}"
+        self._buffers = ReceiveBuffers(pin_memory=cfg.pin_memory)
+        self._returned: list[torch.Tensor] = []      # buffers of the payloads the last poll returned
 
-    def _receive_data(self, payload: KVPayload, into: torch.Tensor) -> str | None:
-        if not self._server.more():
-            return "header came without the sender's rank"
-        src = self._server.sock.recv()
-        self._server.drain()
+    def poll(self, timeout_ms: int = 0) -> list[KVPayload]:
+        for buf in self._returned:
+            self._buffers.release(buf)
+        self._returned = []
+        return super().poll(timeout_ms)
+
+    def _on_header(self, origin: str, payload: KVPayload) -> list[KVPayload]:
         try:
-            src_rank = msgpack.unpackb(src)
+            src_rank = msgpack.unpackb(self._server.sock.recv()) if self._server.more() else None
         except Exception:
-            return "unreadable sender rank"
+            src_rank = None
         if not isinstance(src_rank, int) or not 0 <= src_rank < self.group.world_size or src_rank == self.group.rank:
-            return f"bad sender rank {src_rank!r}"
-        landing = into if self.group.device.type == "cpu" else torch.empty_like(into, device=self.group.device)
+            return [self._fail(payload, f"header without a valid sender rank ({src_rank!r})")]
+        buf = self._buffers.take(payload.nbytes)
+        landing = buf if self.group.device.type == "cpu" else torch.empty_like(buf, device=self.group.device)
         try:
             self.group.pg.recv([landing], src_rank, DATA_TAG).wait(datetime.timedelta(seconds=self.cfg.timeout_s))
         except RuntimeError as e:
-            return f"data from rank {src_rank} did not arrive: {e}"
-        if landing is not into:
-            into.copy_(landing)
-        return None
+            self._buffers.release(buf)
+            return [self._fail(payload, f"data from rank {src_rank} did not arrive: {e}")]
+        if landing is not buf:
+            buf.copy_(landing)
+        payload.data = buf.view(DTYPES[payload.dtype]).view(payload.shape)
+        done = self._finish(payload, xxhash.xxh3_64_intdigest(buf.numpy()))
+        if done.ok:
+            self._returned.append(buf)
+        else:
+            self._buffers.release(buf)
+        return [done]

@@ -110,7 +110,7 @@ def _raw_header(request_id: str, nbytes: int, **extra) -> bytes:
 
 
 def test_hostile_messages_are_reported_not_fatal():
-    cfg = TransferConfig(max_header_bytes=4096, max_message_bytes=1 << 20, frame_bytes=64 * 1024)
+    cfg = TransferConfig(max_header_bytes=4096, max_message_bytes=1 << 20, frame_bytes=64 * 1024, timeout_s=0.5)
     receiver = make_receiver(cfg)
     ctx = zmq.Context()
     raw = ctx.socket(zmq.DEALER)
@@ -123,27 +123,42 @@ def test_hostile_messages_are_reported_not_fatal():
         while len(got) < n and time.monotonic() < deadline:
             got += receiver.poll(100)
         return got
+    good = torch.ones(1, 2, 1, 1, 1, 1)
+    good_checksum = pack_kv(good, (0, 1), [0], [0], 1, "r").checksum
     try:
-        raw.send_multipart([b"x" * 5000, b"data"])                          # oversize header
-        raw.send_multipart([b"\xc1\xc1\xc1", b"data"])                      # not msgpack
-        raw.send_multipart([_raw_header("r-huge", 1 << 30), b"data"])      # declares 1 GiB
-        raw.send_multipart([_raw_header("r-long", 8), b"\0" * 8, b"\0"])   # one byte too many
-        raw.send_multipart([_raw_header("r-short", 8), b"\0" * 4])         # truncated
-        good = torch.ones(1, 2, 1, 1, 1, 1)
-        raw.send_multipart([_raw_header("r-good", 8, checksum=pack_kv(good, (0, 1), [0], [0], 1, "r").checksum),
-                            good.numpy().tobytes()])
-        got = poll_all(4)
-        assert receiver.num_rejected == 2
+        raw.send_multipart([b"H", b"x" * 5000])                         # oversize header
+        raw.send_multipart([b"H", b"\xc1\xc1\xc1"])                     # not msgpack
+        raw.send_multipart([b"X", b"what"])                             # unknown kind
+        raw.send_multipart([b"D", b"\0" * 8])                            # data with no payload open
+        raw.send_multipart([b"H", _raw_header("r-huge", 1 << 30)])      # declares 1 GiB
+        raw.send_multipart([b"H", _raw_header("r-long", 8)])
+        raw.send_multipart([b"D", b"\0" * 9])                            # one byte too many
+        raw.send_multipart([b"H", _raw_header("r-short", 8)])
+        raw.send_multipart([b"D", b"\0" * 4])                            # then the next header: truncated
+        raw.send_multipart([b"H", _raw_header("r-bad", 8)])
+        raw.send_multipart([b"D", b"\0" * 8])                            # checksum 0 in the header: wrong
+        raw.send_multipart([b"H", _raw_header("r-good", 8, checksum=good_checksum)])
+        raw.send_multipart([b"D", good.numpy().tobytes()[:3]])          # chunks of any size add up
+        raw.send_multipart([b"D", good.numpy().tobytes()[3:]])
+        got = poll_all(5)
+        assert receiver.num_rejected == 4
         errors = {p.request_id: p.error for p in got}
         assert errors["r-huge"].startswith("request r-huge: payload of 1073741824 bytes exceeds max_message_bytes")
         assert errors["r-long"] == "request r-long: more data than the 8 bytes declared"
-        assert errors["r-short"] == "request r-short: truncated: 4 of 8 bytes arrived"
-        assert errors["r-good"] is None and got[-1].data.tolist() == good.tolist()
+        assert errors["r-short"] == ("request r-short: truncated: 4 of 8 bytes arrived before the sender's "
+                                     "next payload")
+        assert errors["r-bad"].startswith("request r-bad: checksum mismatch")
+        assert errors["r-good"] is None and got[-1].contiguous().tolist() == good.tolist()
+        assert [piece.numel() for piece in got[-1].data] == [3, 5]      # the frames, not copied
         assert all(p.origin == "mallory" for p in got)
-        assert receiver._buffers.nbytes_held <= 4 << 20    # 1 MiB buffers; the 1 GiB claim got none
-        # a frame over max_message_bytes: zmq drops the connection before allocating it
-        raw.send_multipart([_raw_header("r-frame", 8), b"\0" * (2 << 20)])
-        assert poll_all(1) == []
+
+        raw.send_multipart([b"H", _raw_header("r-stall", 8)])
+        raw.send_multipart([b"D", b"\0" * 4])                            # and then nothing
+        (stalled,) = poll_all(1)
+        assert stalled.error == "request r-stall: truncated: 4 of 8 bytes arrived, then nothing for 0.5s"
+        # a chunk over max_message_bytes: zmq drops the connection before allocating it
+        raw.send_multipart([b"D", b"\0" * (2 << 20)])
+        assert poll_all(1) == [] and receiver.num_rejected == 4
         assert receiver.ack("mallory-gone", "r", ok=False, reason="x") is False
     finally:
         raw.close()

@@ -1,0 +1,198 @@
+"""KV transport throughput between two processes, against the raw ceiling.
+
+For each payload size, one spawned receiver process and this (sending)
+process alternate, in the same run:
+  raw   pyzmq PUSH/PULL, copy=False on both sides, the payload's bytes cut in
+        1, 2 and 4 MiB frames, sent as one multipart message ("multipart") or
+        as one message per frame ("messages"); the receiver only holds the
+        frames (no copy, no check). The fastest raw row is the baseline.
+  zmq   the zmq transport: send(payload) -> receiver lands it in one reused
+        contiguous buffer, verifies the xxh3 checksum -> ack -> sender sees it
+        (at 1, 2 and 4 MiB frames).
+  gloo  the torch_dist transport (gloo), same send -> verified -> ack loop.
+Each is timed from the first byte sent to the completion message back (raw:
+a one-byte zmq message; transports: the ack), median over --reps.
+pack_kv (gather + checksum), unpack_kv and memcpy are timed in-process for
+reference; the transport rows exclude packing (the payload is built once).
+
+    python experiments/benchmarks/bench_transport.py [--sizes-mib 16 256] [--reps 7]
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import multiprocessing as mp
+import statistics
+import time
+
+import torch
+import xxhash
+import zmq
+
+from testbed.kv_transfer import TorchDistGroup, TransferConfig, make_receiver, make_sender, pack_kv, \
+    start_rendezvous, unpack_kv
+
+MiB = 1 << 20
+
+
+def kv_cache(nbytes: int) -> torch.Tensor:
+    """A float16 cache of 8 layers whose blocks [0, n) total nbytes: [8, 2, n, 16, 8, 128]."""
+    per_block = 8 * 2 * 16 * 8 * 128 * 2
+    return torch.randn(8, 2, nbytes // per_block + 8, 16, 8, 128).half()
+
+
+def receiver_main(plan: list[tuple[str, int]], init_address: str, addr_q, done_port_q) -> None:
+    torch.set_num_threads(1)
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    raw_port = pull.bind_to_random_port("tcp://127.0.0.1")
+    done = ctx.socket(zmq.PUSH)
+    done.connect(f"tcp://127.0.0.1:{done_port_q.get()}")
+    zmq_rx = make_receiver(TransferConfig())      # the frame size is the sender's choice
+    group = TorchDistGroup(init_address, 1, 2, timeout_s=120)
+    gloo_rx = make_receiver(TransferConfig(transport="torch_dist", timeout_s=120), group=group)
+    addr_q.put((f"tcp://127.0.0.1:{raw_port}", zmq_rx.address, gloo_rx.address))
+    for mode, size in plan:
+        if mode.startswith("multipart"):
+            frames = pull.recv_multipart(copy=False)
+            done.send(b"%d" % sum(len(f.buffer) for f in frames))
+        elif mode.startswith("messages"):
+            received = 0
+            while received < size * MiB:
+                received += len(pull.recv(copy=False).buffer)
+            done.send(b"%d" % received)
+        else:
+            rx = zmq_rx if mode.startswith("zmq") else gloo_rx
+            got = []
+            while not got:
+                got = rx.poll(1000)
+            (p,) = got
+            rx.ack(p.origin, p.request_id, ok=p.ok, reason=p.error or "")
+    addr_q.get()                      # the sender has everything: close
+    zmq_rx.close()
+    gloo_rx.close()
+    group.close()
+    pull.close(linger=0)
+    done.close(linger=0)
+    ctx.term()
+
+
+def split_mode(mode: str) -> tuple[str, int]:
+    """'messages2' -> ('messages', 2): the path and its frame size in MiB (0: none)."""
+    kind, mib = re.fullmatch(r"([a-z]+)(\d*)", mode).groups()
+    return kind, int(mib or 0)
+
+
+def timed(fn, reps: int) -> float:
+    fn()
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes-mib", type=int, nargs="+", default=[16, 256])
+    ap.add_argument("--raw-frames-mib", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--zmq-frames-mib", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    raw_modes = [f"{kind}{f}" for kind in ("multipart", "messages") for f in args.raw_frames_mib]
+    modes = raw_modes + [f"zmq{f}" for f in args.zmq_frames_mib] + ["gloo"]
+    rounds = args.warmup + args.reps
+    plan = [(m, size) for size in args.sizes_mib for _ in range(rounds) for m in modes]
+
+    spawn = mp.get_context("spawn")
+    addr_q, done_port_q = spawn.Queue(), spawn.Queue()
+    store, init_address = start_rendezvous(timeout_s=120)
+    proc = spawn.Process(target=receiver_main, args=(plan, init_address, addr_q, done_port_q))
+    proc.start()
+    ctx = zmq.Context()
+    done = ctx.socket(zmq.PULL)
+    done_port_q.put(done.bind_to_random_port("tcp://127.0.0.1"))
+    group = TorchDistGroup(init_address, 0, 2, timeout_s=120)
+    raw_addr, zmq_addr, gloo_addr = addr_q.get(timeout=120)
+    push = ctx.socket(zmq.PUSH)
+    push.connect(raw_addr)
+    zmq_tx = {}
+    for f in args.zmq_frames_mib:
+        zmq_tx[f"zmq{f}"] = make_sender(TransferConfig(frame_bytes=f * MiB))
+        zmq_tx[f"zmq{f}"].connect("rx", zmq_addr)
+    gloo_tx = make_sender(TransferConfig(transport="torch_dist", timeout_s=120), group=group)
+    gloo_tx.connect("rx", gloo_addr)
+
+    seconds: dict[tuple[str, int], list[float]] = {}
+    reference: dict[int, dict[str, float]] = {}
+    payloads: dict[int, object] = {}
+    for i, (mode, size) in enumerate(plan):
+        if size not in payloads:
+            payloads.clear()                       # one size's buffers at a time
+            cache = kv_cache(size * MiB)
+            n = size * MiB // (8 * 2 * 16 * 8 * 128 * 2)
+            ids = list(range(n))
+            payloads[size] = p = pack_kv(cache, (0, 8), ids, ids, n * 16, "bench")
+            out = torch.empty(p.nbytes, dtype=torch.uint8)
+            dst = torch.empty_like(cache)
+            a, b = torch.empty(p.nbytes, dtype=torch.uint8), torch.ones(p.nbytes, dtype=torch.uint8)
+            raw = p.data.reshape(-1).view(torch.uint8).numpy()
+            reference[size] = {
+                "memcpy": timed(lambda: a.copy_(b), args.reps),
+                "xxh3 checksum": timed(lambda: xxhash.xxh3_64_intdigest(raw), args.reps),
+                "pack_kv (gather + checksum)": timed(lambda: pack_kv(cache, (0, 8), ids, ids, n * 16, "b", out=out),
+                                                     args.reps),
+                "unpack_kv": timed(lambda: unpack_kv(dst, p), args.reps),
+            }
+            del a, b, dst
+        p = payloads[size]
+        t0 = time.perf_counter()
+        if mode in raw_modes:
+            kind, mib = split_mode(mode)
+            multipart = kind == "multipart"
+            data, step = p.data.reshape(-1).view(torch.uint8).numpy(), mib * MiB
+            for off in range(0, len(data), step):
+                more = multipart and off + step < len(data)
+                push.send(data[off:off + step], zmq.SNDMORE if more else 0, copy=False)
+            assert int(done.recv()) == p.nbytes
+        else:
+            tx = zmq_tx.get(mode, gloo_tx)
+            tx.send("rx", p)
+            acks = []
+            while not acks:
+                acks = tx.poll_acks(1000)
+            assert acks[0].ok, acks[0].reason
+        elapsed = time.perf_counter() - t0
+        if mode not in raw_modes:
+            tx.flush()             # after the ack the bytes are long gone; only pyzmq's bookkeeping is left
+        if i % (len(modes) * rounds) >= len(modes) * args.warmup:
+            seconds.setdefault((mode, size), []).append(elapsed)
+
+    addr_q.put("close")
+    proc.join(120)
+    for s in [*zmq_tx.values(), gloo_tx]:
+        s.close()
+    group.close()
+    push.close(linger=0)
+    done.close(linger=0)
+    ctx.term()
+
+    print(f"{'payload':>8}  {'path':<32} {'GB/s':>6}  {'% of raw':>8}  {'median ms':>9}")
+    for size in args.sizes_mib:
+        nbytes = size * MiB
+        gbps = {m: nbytes / statistics.median(seconds[(m, size)]) / 1e9 for m in modes}
+        best_raw = max(raw_modes, key=gbps.get)
+        rows = [("raw {}, {} MiB frames".format(*split_mode(m)), gbps[m]) for m in raw_modes]
+        rows += [(f"zmq transport, {f} MiB frames", gbps[f"zmq{f}"]) for f in args.zmq_frames_mib]
+        rows += [("torch_dist transport (gloo)", gbps["gloo"])]
+        rows += [(name, nbytes / s / 1e9) for name, s in reference[size].items()]
+        for name, v in rows:
+            print(f"{size:>5} MiB  {name:<32} {v:6.2f}  {100 * v / gbps[best_raw]:7.0f}%  {nbytes / v / 1e6:9.1f}")
+        print(f"{'':>8}  baseline: {best_raw}; samples per path: {args.reps}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""ChannelReceiver: the receive loop of the channel-based transports.
+
+Messages on the ROUTER are [sender, kind, body...]: a header (`H`) is
+checked and sized, then the transport brings the data (zmq: `D` chunk
+messages that follow on the same connection, hashed as they arrive;
+torch_dist: one process-group recv into a reused buffer) and the checksum
+decides. A sender's messages arrive in order; different senders'
+interleave, so each sender has at most one payload open.
+
+Whatever a peer sends, poll() does not raise: a bad message becomes a payload
+with `error` (or, when it does not even name a request, is logged and counted
+in num_rejected); a payload whose data stops coming fails after timeout_s.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from abc import abstractmethod
+
+import zmq
+
+from testbed.kv_transfer.base import KVReceiver
+from testbed.kv_transfer.channel import DATA, HEADER, ChannelServer
+from testbed.kv_transfer.config import TransferConfig
+from testbed.kv_transfer.payload import KVPayload, PayloadError, decode_header
+
+log = logging.getLogger(__name__)
+
+
+class ChannelReceiver(KVReceiver):
+    def __init__(self, cfg: TransferConfig, max_payloads_per_poll: int = 64) -> None:
+        self.cfg = cfg
+        self.max_payloads_per_poll = max_payloads_per_poll
+        self._server = ChannelServer(cfg)
+        self.address = self._server.address
+        self.num_rejected = 0
+
+    @abstractmethod
+    def _on_header(self, origin: str, payload: KVPayload) -> list[KVPayload]:
+        """A header from `origin` passed every check; the rest of its message
+        is unread. Returns payloads now finished."""
+
+    def _on_data(self, origin: str) -> list[KVPayload]:
+        """A data message from `origin`; its body is unread."""
+        self._reject(origin, "a data message, but this transport sends data elsewhere")
+        return []
+
+    def _expire(self, now: float) -> list[KVPayload]:
+        """Fail open payloads whose data stopped coming."""
+        return []
+
+    def poll(self, timeout_ms: int = 0) -> list[KVPayload]:
+        arrived = self._expire(time.monotonic())
+        deadline = time.monotonic() + timeout_ms / 1000
+        while len(arrived) < self.max_payloads_per_poll:
+            if not self._server.wait(0):
+                remaining_ms = int((deadline - time.monotonic()) * 1000)
+                if arrived or remaining_ms <= 0 or not self._server.wait(remaining_ms):
+                    break
+            arrived += self._recv_message()
+        return arrived
+
+    def _recv_message(self) -> list[KVPayload]:
+        sock = self._server.sock
+        origin = self._server.origin(sock.recv())
+        kind = sock.recv() if self._server.more() else b""
+        try:
+            if kind == HEADER and self._server.more():
+                return self._decode_header(origin, sock.recv(copy=False))
+            if kind == DATA and self._server.more():
+                return self._on_data(origin)
+            self._reject(origin, f"a message of unknown kind {kind[:8]!r}")
+            return []
+        finally:
+            self._server.drain()
+
+    def _decode_header(self, origin: str, header: zmq.Frame) -> list[KVPayload]:
+        try:
+            p = decode_header(header.buffer, self.cfg.max_header_bytes, self.cfg.max_message_bytes)
+        except PayloadError as e:
+            if e.request_id is None:
+                self._reject(origin, str(e))
+                return []
+            log.warning("receiver %s: failed a payload from %s: %s", self.address, origin, e)
+            return [KVPayload.failed_header(e.request_id, origin, str(e))]
+        p.origin = origin
+        return self._on_header(origin, p)
+
+    def _finish(self, p: KVPayload, digest: int) -> KVPayload:
+        """The data is all in: the checksum decides."""
+        try:
+            p.check_checksum(digest)
+        except PayloadError as e:
+            return self._fail(p, str(e).removeprefix(f"request {p.request_id}: "))
+        return p
+
+    def _fail(self, p: KVPayload, why: str) -> KVPayload:
+        log.warning("receiver %s: failed %s from %s: %s", self.address, p.request_id, p.origin, why)
+        return p.failed(f"request {p.request_id}: {why}")
+
+    def _reject(self, origin: str, why: str) -> None:
+        self.num_rejected += 1
+        log.warning("receiver %s: dropped a message from %s: %s", self.address, origin, why)
+
+    def ack(self, origin: str, request_id: str, ok: bool = True, reason: str = "") -> bool:
+        return self._server.send_ack(origin, request_id, ok, reason)
+
+    def close(self) -> None:
+        self._server.close()
