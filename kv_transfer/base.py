@@ -38,9 +38,10 @@ class KVReceiver(ABC):
 
     @abstractmethod
     def poll(self, timeout_ms: int = 0) -> list[KVPayload]:
-        """Payloads that arrived, waiting up to timeout_ms for the first one.
-        Each payload's data views a receive buffer that the next poll() reuses:
-        unpack_kv (or clone) it before polling again."""
+        """Payloads that arrived (verified, or with `error` set), waiting up
+        to timeout_ms for the first one. A payload's data is only guaranteed
+        until the next poll() (torch_dist reuses its landing buffers):
+        unpack_kv it, or copy it, before polling again."""
 
     @abstractmethod
     def ack(self, origin: str, request_id: str, ok: bool = True, reason: str = "") -> bool:

@@ -107,6 +107,8 @@ class TorchDistSender(ChannelSender):
         sock.send_multipart([HEADER, payload.encode_header(), msgpack.packb(self.group.rank)])
         # the work keeps `flat` alive until the receiver has taken it
         self._in_flight.append((self.group.pg.send([flat], self._ranks[peer], DATA_TAG), flat))
+        while self._in_flight and self._in_flight[0][0].is_completed():
+            self._in_flight.popleft()
 
     def flush(self, timeout_s: float | None = None) -> None:
         deadline = time.monotonic() + (self.cfg.timeout_s if timeout_s is None else timeout_s)

@@ -8,14 +8,17 @@ process alternate, in the same run:
         frames (no copy, no check). The fastest raw row is the baseline.
   zmq   the zmq transport: send(payload) -> receiver lands it in one reused
         contiguous buffer, verifies the xxh3 checksum -> ack -> sender sees it
-        (at 1, 2 and 4 MiB frames).
+        (at 2, 1 and 4 MiB frames).
   gloo  the torch_dist transport (gloo), same send -> verified -> ack loop.
+  +unpack  the same, with unpack_kv writing the payload into the receiver's KV
+        cache before the ack: the whole move, from one cache to the other
+        minus the sender's pack_kv.
 Each is timed from the first byte sent to the completion message back (raw:
 a one-byte zmq message; transports: the ack), median over --reps.
 pack_kv (gather + checksum), unpack_kv and memcpy are timed in-process for
 reference; the transport rows exclude packing (the payload is built once).
 
-    python experiments/benchmarks/bench_transport.py [--sizes-mib 16 256] [--reps 7]
+    python experiments/benchmarks/bench_transport.py [--sizes-mib 16 256] [--reps 15]
 """
 from __future__ import annotations
 
@@ -35,10 +38,12 @@ from testbed.kv_transfer import TorchDistGroup, TransferConfig, make_receiver, m
 MiB = 1 << 20
 
 
-def kv_cache(nbytes: int) -> torch.Tensor:
-    """A float16 cache of 8 layers whose blocks [0, n) total nbytes: [8, 2, n, 16, 8, 128]."""
-    per_block = 8 * 2 * 16 * 8 * 128 * 2
-    return torch.randn(8, 2, nbytes // per_block + 8, 16, 8, 128).half()
+BLOCK_BYTES = 8 * 2 * 16 * 8 * 128 * 2       # one block over all layers of the cache below
+
+
+def kv_cache(nbytes: int, fill=torch.randn) -> torch.Tensor:
+    """A float16 cache of 8 layers whose blocks [0, n) total nbytes: [8, 2, n + 8, 16, 8, 128]."""
+    return fill(8, 2, nbytes // BLOCK_BYTES + 8, 16, 8, 128).half()
 
 
 def receiver_main(plan: list[tuple[str, int]], init_address: str, addr_q, done_port_q) -> None:
@@ -52,6 +57,7 @@ def receiver_main(plan: list[tuple[str, int]], init_address: str, addr_q, done_p
     group = TorchDistGroup(init_address, 1, 2, timeout_s=120)
     gloo_rx = make_receiver(TransferConfig(transport="torch_dist", timeout_s=120), group=group)
     addr_q.put((f"tcp://127.0.0.1:{raw_port}", zmq_rx.address, gloo_rx.address))
+    caches: dict[int, torch.Tensor] = {}
     for mode, size in plan:
         if mode.startswith("multipart"):
             frames = pull.recv_multipart(copy=False)
@@ -67,6 +73,11 @@ def receiver_main(plan: list[tuple[str, int]], init_address: str, addr_q, done_p
             while not got:
                 got = rx.poll(1000)
             (p,) = got
+            if mode.endswith("+unpack"):
+                if size not in caches:
+                    caches.clear()
+                    caches[size] = kv_cache(size * MiB, fill=torch.zeros)
+                unpack_kv(caches[size], p)
             rx.ack(p.origin, p.request_id, ok=p.ok, reason=p.error or "")
     addr_q.get()                      # the sender has everything: close
     zmq_rx.close()
@@ -79,7 +90,7 @@ def receiver_main(plan: list[tuple[str, int]], init_address: str, addr_q, done_p
 
 def split_mode(mode: str) -> tuple[str, int]:
     """'messages2' -> ('messages', 2): the path and its frame size in MiB (0: none)."""
-    kind, mib = re.fullmatch(r"([a-z]+)(\d*)", mode).groups()
+    kind, mib = re.fullmatch(r"([a-z]+)(\d*)(?:\+unpack)?", mode).groups()
     return kind, int(mib or 0)
 
 
@@ -97,13 +108,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[16, 256])
     ap.add_argument("--raw-frames-mib", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--zmq-frames-mib", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--zmq-frames-mib", type=int, nargs="+", default=[2, 1, 4])
+    ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(1)
     raw_modes = [f"{kind}{f}" for kind in ("multipart", "messages") for f in args.raw_frames_mib]
     modes = raw_modes + [f"zmq{f}" for f in args.zmq_frames_mib] + ["gloo"]
+    modes += [f"zmq{args.zmq_frames_mib[0]}+unpack", "gloo+unpack"]
     rounds = args.warmup + args.reps
     plan = [(m, size) for size in args.sizes_mib for _ in range(rounds) for m in modes]
 
@@ -133,7 +145,7 @@ def main() -> None:
         if size not in payloads:
             payloads.clear()                       # one size's buffers at a time
             cache = kv_cache(size * MiB)
-            n = size * MiB // (8 * 2 * 16 * 8 * 128 * 2)
+            n = size * MiB // BLOCK_BYTES
             ids = list(range(n))
             payloads[size] = p = pack_kv(cache, (0, 8), ids, ids, n * 16, "bench")
             out = torch.empty(p.nbytes, dtype=torch.uint8)
@@ -159,7 +171,7 @@ def main() -> None:
                 push.send(data[off:off + step], zmq.SNDMORE if more else 0, copy=False)
             assert int(done.recv()) == p.nbytes
         else:
-            tx = zmq_tx.get(mode, gloo_tx)
+            tx = zmq_tx.get(mode.removesuffix("+unpack"), gloo_tx)
             tx.send("rx", p)
             acks = []
             while not acks:
@@ -180,7 +192,7 @@ def main() -> None:
     done.close(linger=0)
     ctx.term()
 
-    print(f"{'payload':>8}  {'path':<32} {'GB/s':>6}  {'% of raw':>8}  {'median ms':>9}")
+    print(f"{'payload':>8}  {'path':<36} {'GB/s':>6}  {'% of raw':>8}  {'median ms':>9}")
     for size in args.sizes_mib:
         nbytes = size * MiB
         gbps = {m: nbytes / statistics.median(seconds[(m, size)]) / 1e9 for m in modes}
@@ -188,9 +200,12 @@ def main() -> None:
         rows = [("raw {}, {} MiB frames".format(*split_mode(m)), gbps[m]) for m in raw_modes]
         rows += [(f"zmq transport, {f} MiB frames", gbps[f"zmq{f}"]) for f in args.zmq_frames_mib]
         rows += [("torch_dist transport (gloo)", gbps["gloo"])]
+        rows += [(f"{name} + unpack_kv into the cache", gbps[m]) for name, m in
+                 ((f"zmq {args.zmq_frames_mib[0]} MiB", f"zmq{args.zmq_frames_mib[0]}+unpack"),
+                  ("gloo", "gloo+unpack"))]
         rows += [(name, nbytes / s / 1e9) for name, s in reference[size].items()]
         for name, v in rows:
-            print(f"{size:>5} MiB  {name:<32} {v:6.2f}  {100 * v / gbps[best_raw]:7.0f}%  {nbytes / v / 1e6:9.1f}")
+            print(f"{size:>5} MiB  {name:<36} {v:6.2f}  {100 * v / gbps[best_raw]:7.0f}%  {nbytes / v / 1e6:9.1f}")
         print(f"{'':>8}  baseline: {best_raw}; samples per path: {args.reps}")
 
 
