@@ -92,6 +92,8 @@ class DisaggController(ModeController):
                 self.send(ev["worker"], {"type": "release", "id": rid})
             elif kind == "kv_received":
                 self.send(ev["worker"], {"type": "abort", "id": rid})
+            elif kind == "prefilled" and rid in self.records:
+                self._record_prefilled(rid, ev)      # the KV did leave: count it
             self._dispatch()
             return
         if kind == "reserved":
@@ -108,19 +110,28 @@ class DisaggController(ModeController):
             self.queue.appendleft(rid)
         elif kind == "prefilled":
             ho.prefilled_s = ev["t"]
-            rec = self.records[rid]
-            rec.kv_bytes_sent = ev["kv_bytes"]
-            rec.transfer_start_s = ev["t"]
+            self._record_prefilled(rid, ev)
             self.prefill_tokens[ho.prefill] -= ho.request.prompt_len
         elif kind == "kv_received":
             rec = self.records[rid]
             rec.transfer_end_s = ev["t"]
-            rec.exposed_transfer_s = max(0.0, ev["t"] - (ho.prefilled_s or ev["t"]))
+            if ho.prefilled_s is not None:         # else _record_prefilled sets it when that event comes
+                rec.exposed_transfer_s = max(0.0, ev["t"] - ho.prefilled_s)
             self.send(ho.prefill, {"type": "release", "id": rid})
             self.location[rid] = {ho.decode}
         else:
             raise ValueError(f"unexpected event type '{kind}'")
         self._dispatch()
+
+    def _record_prefilled(self, rid: str, ev: dict) -> None:
+        """The prefill and decode workers report on separate sockets, so the
+        decode side's `kv_received` (even the request's end) may come first."""
+        rec = self.records[rid]
+        rec.kv_bytes_sent = ev["kv_bytes"]
+        # layer-wise, the first layers left before the first token: the transfer began there
+        rec.transfer_start_s = ev.get("transfer_start_s", ev["t"])
+        if rec.transfer_end_s is not None:
+            rec.exposed_transfer_s = max(0.0, rec.transfer_end_s - ev["t"])
 
     def on_request_end(self, rid: str, ev: dict, now: float) -> None:
         ho = self.handoffs.get(rid)

@@ -28,6 +28,8 @@ class WorkerService:
         self.num_layers = getattr(engine.executor, "num_layers", 1)
         self.handoff: dict[str, tuple[str, list[int]]] = {}     # prefill: id -> (decode peer, its block ids)
         self.awaiting_release: set[str] = set()                  # prefill: KV sent, waiting for the ack
+        # prefill, layer-wise: id -> (engine time its first layer left, bytes sent so far)
+        self.streamed: dict[str, tuple[float, int]] = {}
         self.reserved: dict[str, Request] = {}                   # decode: blocks held, KV not yet complete
         self.stopping = False
 
@@ -70,6 +72,7 @@ class WorkerService:
         self.awaiting_release.discard(request_id)
         self.reserved.pop(request_id, None)
         self.handoff.pop(request_id, None)
+        self.streamed.pop(request_id, None)
         self.engine.release(request_id)
 
     def _abort(self, request_id: str) -> None:
@@ -96,6 +99,7 @@ class WorkerService:
                        "items": [[r.request_id, tok, now] for r, tok in out.new_tokens]})
         for req in out.finished:
             self.handoff.pop(req.request_id, None)
+            self.streamed.pop(req.request_id, None)
             self.emit(finished_msg(req))
         for req in out.prefill_completed:
             self._hand_off(req, now, out.iteration.duration_s)
@@ -118,16 +122,20 @@ class WorkerService:
         for sl in batch.slices:
             req = sl.request
             if sl.end == req.prompt_len and req.request_id in self.handoff:
-                self._send(req, (layer, layer + 1), last=False, meta={})
+                start_s, so_far = self.streamed.get(req.request_id, (self.engine.clock.now(), 0))
+                sent = self._send(req, (layer, layer + 1), last=False, meta={})
+                self.streamed[req.request_id] = (start_s, so_far + sent)
 
     def _hand_off(self, req: Request, now: float, last_iteration_s: float) -> None:
         first = (self.num_layers - 1) if self.layerwise else 0
         meta = {"first_token": req.output_token_ids[0], "first_token_s": now, "last_iteration_s": last_iteration_s,
                 "first_scheduled_s": req.first_scheduled_s, "num_preemptions": req.num_preemptions}
-        sent = self._send(req, (first, self.num_layers), last=True, meta=meta)
+        # layer-wise, the earlier layers left during the step: count them, and start the transfer there
+        start_s, streamed = self.streamed.pop(req.request_id, (now, 0))
+        sent = streamed + self._send(req, (first, self.num_layers), last=True, meta=meta)
         self.awaiting_release.add(req.request_id)
         self.emit({"type": "prefilled", "id": req.request_id, "worker": self.worker_id, "t": now,
-                   "kv_bytes": sent})
+                   "kv_bytes": sent, "transfer_start_s": start_s})
 
     def _send(self, req: Request, layers: tuple[int, int], last: bool, meta: dict) -> int:
         peer, dst_blocks = self.handoff[req.request_id]
