@@ -3,6 +3,7 @@
   testbed run [hydra overrides]      one run (or a sweep with -m)
   testbed report RUN_DIR...          tables and plots from run directories
   testbed profile [--quick] [--out]  measure this machine for runtime=sim
+  testbed capacity [hydra overrides] highest workload.rate meeting slo.* (binary search)
 """
 from __future__ import annotations
 
@@ -81,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "profile":
         from testbed.sim.profile import profile_main
         return profile_main(rest)
+    if cmd == "capacity":
+        from testbed.capacity import capacity_main
+        return capacity_main(rest)
     print(f"testbed: unknown command '{cmd}'\n{USAGE}", file=sys.stderr)
     return 2
 

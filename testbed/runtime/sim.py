@@ -56,30 +56,35 @@ def _request_msg(req: Request, prompt) -> dict:
 
 class SimKVPort(KVPort):
     """KV over a modeled link. A prefill worker's egress is one LinkModel, so
-    concurrent hand-offs queue behind each other. With layer-wise streaming
-    all but the last layer were sent while the final chunk computed: only
-    what the link could not hide arrives after the first token."""
+    concurrent hand-offs queue behind each other. With tensor parallelism each
+    of the `shards` GPUs sends its own slice of the KV heads over its own NIC
+    (one per GPU, as in a DGX) at the same time, so the link carries
+    1/shards of the bytes; the bytes reported are the whole request's. With
+    layer-wise streaming all but the last layer were sent while the final
+    chunk computed: only what the link could not hide arrives after the
+    first token."""
 
     def __init__(self, runtime: "SimRuntime", worker_id: str, link: LinkModel, kv_bytes_per_token: int,
-                 num_layers: int):
+                 num_layers: int, shards: int = 1):
         self.runtime, self.worker_id, self.link = runtime, worker_id, link
-        self.kv_bytes_per_token, self.num_layers = kv_bytes_per_token, num_layers
+        self.kv_bytes_per_token, self.num_layers, self.shards = kv_bytes_per_token, num_layers, shards
         self.inbox: list[KVArrival] = []
 
     def send(self, request_id, peer, src_block_ids, dst_block_ids, num_tokens, layers, last, meta) -> int:
         now = self.runtime.clock.now()
         per_layer = num_tokens * self.kv_bytes_per_token // self.num_layers
         num_bytes = per_layer * (layers[1] - layers[0])
+        per_nic = per_layer / self.shards
         if layers[0] > 0:
             # layer-wise: layers 0..L-2 left during the final iteration, layer i at (i+1)/L of it
             iter_s = meta.get("last_iteration_s", 0.0)
             start = now - iter_s
             for i in range(self.num_layers - 1):
-                self.link.reserve(start + (i + 1) * iter_s / self.num_layers, per_layer)
-            _, arrive = self.link.reserve(now, num_bytes)
+                self.link.reserve(start + (i + 1) * iter_s / self.num_layers, per_nic)
+            _, arrive = self.link.reserve(now, per_nic * (layers[1] - layers[0]))
             total = per_layer * self.num_layers
         else:
-            _, arrive = self.link.reserve(now, num_bytes)
+            _, arrive = self.link.reserve(now, per_nic * (layers[1] - layers[0]))
             total = num_bytes
         if last:
             self.runtime.at(arrive, self.runtime.deliver_kv, (peer, KVArrival(request_id, True, num_bytes=total,
@@ -111,7 +116,7 @@ class SimRuntime:
             port = None
             if cfg.mode == "disagg":
                 port = SimKVPort(self, w.worker_id, LinkModel(cfg.link), cfg.model.kv_bytes_per_token,
-                                 cfg.model.num_layers)
+                                 cfg.model.num_layers, cfg.parallel.tp)
                 self.ports[w.worker_id] = port
             self.outbox[w.worker_id] = []
             self.services[w.worker_id] = WorkerService(w.worker_id, w.role, engine, self.outbox[w.worker_id].append,

@@ -34,6 +34,10 @@ class HardwareConfig:
     # 512-token chunks cost more per token than whole 4K prefills. 0: no ramp.
     gemm_ramp_tokens: float = 0.0
     overhead_ms: float = 0.0              # per iteration: launch, sampling, scheduling
+    # per scheduled request per iteration: the Python work of building its
+    # inputs, sampling and updating it (measured for this CPU's engine; ~0 in
+    # a CUDA-graph engine on a GPU)
+    overhead_per_seq_ms: float = 0.0
     # Measured tables (written by testbed.sim.profile); when present the cost
     # model uses them instead of the roofline for the shapes they cover.
     gemm_profile: list[list[float]] = field(default_factory=list)       # rows [m, n, k, seconds]
@@ -62,7 +66,7 @@ class HardwareConfig:
         for f in ("compute_efficiency", "memory_efficiency"):
             if not 0 < getattr(self, f) <= 1:
                 raise ValueError(f"hardware.{f}: a fraction in (0, 1], got {getattr(self, f)}")
-        for f in ("peak_tflops_fp8", "gemm_ramp_tokens", "overhead_ms"):
+        for f in ("peak_tflops_fp8", "gemm_ramp_tokens", "overhead_ms", "overhead_per_seq_ms"):
             if getattr(self, f) < 0:
                 raise ValueError(f"hardware.{f}: must be >= 0, got {getattr(self, f)}")
         for f, width in (("gemm_profile", 4), ("attention_profile", 4)):

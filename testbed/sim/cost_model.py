@@ -18,7 +18,8 @@ prefix of P is (C, P + C), a whole prefill of L is (L, L). Per iteration:
   time plus pp-1 hand-offs of the hidden states. The engine runs one batch at a
   time, so each stage idles (pp-1)/pp of the iteration: the worst-case bubble.
   (An engine keeping pp batches in flight would start one every latency/pp.)
-- A fixed per-iteration overhead (hardware.overhead_ms).
+- A per-iteration overhead: hardware.overhead_ms plus overhead_per_seq_ms per
+  scheduled request (the CPU engine's Python work; 0 on the GPU presets).
 
 MoE: FLOPs count the routed tokens' active experts; bytes count the weights of
 every expert the batch touches, expected_experts_touched() under uniform
@@ -68,6 +69,7 @@ class CostModel:
                                                 self._s_per_flop, self._s_per_byte)
         self._elementwise_s_per_token = shapes.elementwise_bytes_per_token * self._s_per_byte
         self._overhead_s = hardware.overhead_ms * 1e-3
+        self._overhead_per_seq_s = hardware.overhead_per_seq_ms * 1e-3
         self._tp_link = LinkModel(load_link_preset(parallel.intra_node)) if parallel.tp > 1 else None
         self._pp_link = (LinkModel(load_link_preset(parallel.pp_link or parallel.intra_node))
                          if parallel.pp > 1 else None)
@@ -111,7 +113,7 @@ class CostModel:
         pp = (self.parallel.pp - 1) * self._pp_link.transfer_time_s(hidden) if self._pp_link else 0.0
         return (self._gemms_s(m), self._experts_s(m), attention,
                 m * self._elementwise_s_per_token, self._lm_head_s(sampled) if sampled else 0.0,
-                allreduce, pp, self._overhead_s)
+                allreduce, pp, self._overhead_s + self._overhead_per_seq_s * len(slices))
 
     def _experts_s(self, m: float) -> float:
         e = self.shapes.experts

@@ -11,12 +11,17 @@ Measures, with one torch thread per worker as the real engine runs:
   bytes, seconds], fitted by the cost model (timers.fit_attention); flops
   count the whole q x ctx rectangle, which SDPA computes before masking;
 - memcpy bandwidth -> hbm_bw_gbps (read plus written bytes), and the best GEMM
-  throughput -> peak_tflops, for whatever the tables do not cover.
-The engine's per-iteration overhead is not measured here (overhead_ms = 0)."""
+  throughput -> peak_tflops, for whatever the tables do not cover;
+- the real engine's per-iteration overhead beyond those kernels (overhead.py)
+  -> overhead_ms and overhead_per_seq_ms.
+
+`testbed profile [--quick] [--out PATH] [--model NAME]` runs it (profile_main)."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -119,10 +124,11 @@ def memcpy_gbps(nbytes: int = 64 << 20, min_time_s: float = 0.1) -> float:
 
 
 def profile_cpu(out_path: str | Path, model_name: str = "tiny", quick: bool = False, name: str = "cpu",
-                num_threads: int = 1) -> HardwareConfig:
-    """Measure this machine on the GEMM and attention shapes of `model_name`,
-    write the hardware YAML to out_path (e.g. conf/hardware/cpu.yaml) and
-    return it. quick=True takes a few seconds (tests), the full grid ~a minute."""
+                num_threads: int = 1, engine_overhead: bool = True) -> HardwareConfig:
+    """Measure this machine on the GEMM and attention shapes of `model_name`
+    and (engine_overhead) the real engine's per-iteration overhead, write the
+    hardware YAML to out_path (e.g. conf/hardware/cpu.yaml) and return it.
+    quick=True takes a few seconds (tests), the full grid a minute or two."""
     model, plan = load_model_preset(model_name), _QUICK if quick else _FULL
     if model.dtype not in _TORCH_DTYPES or model.attention != "gqa":
         raise ValueError(f"model='{model_name}': profile a GQA model in float32/bfloat16/float16 "
@@ -133,22 +139,63 @@ def profile_cpu(out_path: str | Path, model_name: str = "tiny", quick: bool = Fa
         gemm_rows = profile_gemms(model, plan.token_counts, plan.min_time_s)
         attention_rows = profile_attention(model, plan)
         bandwidth = memcpy_gbps(min_time_s=plan.min_time_s * 5)
+        peak = max(2.0 * m * n * k / s for m, n, k, s in gemm_rows) / 1e12
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        hardware = HardwareConfig(
+            name=name, peak_tflops=peak, peak_tflops_fp32=peak, hbm_bw_gbps=bandwidth,
+            memory_gib=round(memory, 1), compute_efficiency=1.0, memory_efficiency=1.0, gemm_ramp_tokens=0.0,
+            # all floats: Hydra's typed list[list[float]] rejects ints
+            gemm_profile=[[float(m), float(n), float(k), float(f"{s:.4g}")] for m, n, k, s in gemm_rows],
+            attention_profile=[[float(b), float(fl), float(by), float(f"{s:.4g}")]
+                               for b, fl, by, s in attention_rows])
+        overhead_note = "not measured (engine_overhead=False)"
+        if engine_overhead:
+            from testbed.sim.overhead import measure_overhead
+            fit = measure_overhead(model, hardware, quick)
+            hardware.overhead_ms = round(fit.overhead_ms, 4)
+            hardware.overhead_per_seq_ms = round(fit.overhead_per_seq_ms, 4)
+            overhead_note = (f"the real engine's step time minus the modeled kernels, fitted over "
+                             f"{len(fit.rows)} batch shapes (testbed.sim.overhead)")
     finally:
         torch.set_num_threads(threads)
-    peak = max(2.0 * m * n * k / s for m, n, k, s in gemm_rows) / 1e12
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    hardware = HardwareConfig(
-        name=name, peak_tflops=peak, peak_tflops_fp32=peak, hbm_bw_gbps=bandwidth, memory_gib=round(memory, 1),
-        compute_efficiency=1.0, memory_efficiency=1.0, gemm_ramp_tokens=0.0, overhead_ms=0.0,
-        # all floats: Hydra's typed list[list[float]] rejects ints
-        gemm_profile=[[float(m), float(n), float(k), float(f"{s:.4g}")] for m, n, k, s in gemm_rows],
-        attention_profile=[[float(b), float(fl), float(by), float(f"{s:.4g}")] for b, fl, by, s in attention_rows])
     header = (f"# Measured on this machine by testbed.sim.profile.profile_cpu ({time.strftime('%Y-%m-%d %H:%M')}):\n"
               f"# model={model_name} ({model.dtype}), torch threads={num_threads}, quick={quick}.\n"
               "# peak_tflops: best GEMM throughput seen; hbm_bw_gbps: memcpy, read plus written bytes.\n"
               "# gemm_profile rows [m, n, k, seconds]; attention_profile rows [num_seqs, flops, bytes, seconds]\n"
-              "# of one torch-backend attention call (one layer). overhead_ms: not measured here.\n")
+              "# of one torch-backend attention call (one layer).\n"
+              f"# overhead_ms + overhead_per_seq_ms * num_seqs: {overhead_note}.\n")
     body = yaml.safe_dump(dataclasses.asdict(hardware), sort_keys=False, default_flow_style=None, width=120)
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     Path(out_path).write_text(header + body)
     return hardware
+
+
+def profile_main(argv: list[str]) -> int:
+    """`testbed profile [--quick] [--out PATH] [--model NAME]`."""
+    from testbed.model.config import CONF_DIR
+    parser = argparse.ArgumentParser(prog="testbed profile", description=(
+        "Measure this machine (GEMMs, attention, memory bandwidth, the real engine's per-iteration "
+        "overhead) and write the hardware config that `runtime=sim hardware=cpu` reads."))
+    parser.add_argument("--quick", action="store_true", help="a small grid (seconds, for tests); default: full")
+    parser.add_argument("--out", default=str(CONF_DIR / "hardware" / "cpu.yaml"),
+                        help="where to write the YAML (default: conf/hardware/cpu.yaml)")
+    parser.add_argument("--model", default="tiny", help="the model preset whose shapes to measure (default: tiny)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads, as each worker process uses (1)")
+    parser.add_argument("--name", default=None, help="the preset's name (default: the output file's stem)")
+    args = parser.parse_args(argv)
+    if args.threads < 1:
+        parser.error(f"--threads: must be >= 1, got {args.threads}")
+    out = Path(args.out)
+    t0 = time.perf_counter()
+    try:
+        hw = profile_cpu(out, args.model, args.quick, args.name or out.stem, args.threads)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} in {time.perf_counter() - t0:.0f} s: {len(hw.gemm_profile)} GEMM rows, "
+          f"{len(hw.attention_profile)} attention rows, {hw.peak_tflops * 1e3:.1f} GFLOP/s peak, "
+          f"{hw.hbm_bw_gbps:.1f} GB/s copy, overhead {hw.overhead_ms:.3f} ms + {hw.overhead_per_seq_ms:.3f} ms/seq")
+    hint = f"hardware={out.stem}" if out.parent.resolve() == (CONF_DIR / "hardware").resolve() else \
+        f"copy it to {CONF_DIR / 'hardware'} and use hardware={out.stem}"
+    print(f"use it: testbed run runtime=sim {hint}")
+    return 0

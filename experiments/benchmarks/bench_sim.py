@@ -1,0 +1,124 @@
+"""Simulator fidelity and speed.
+
+Fidelity (default): the same RunConfig on runtime=real and on runtime=sim
+with a profiled hardware config; prints real vs sim p50/p99 TTFT and TBT and
+the relative error for each case (tiny model; workloads chat and stall;
+schedulers sarathi and vllm_v0):
+
+    python experiments/benchmarks/bench_sim.py [--profile] [--hardware conf/hardware/cpu.yaml]
+        [--out /tmp/bench_sim] [--cases chat-sarathi,stall-vllm_v0,...] [--repeats 1]
+
+--profile runs `testbed profile` into --hardware first. Run it on a quiet
+machine: other processes stretch the real run's iterations, not the sim's.
+
+Speed (--speed): wall and CPU seconds of the simulator on the public Azure code
+trace (8,819 requests, real lengths, time_scale 1), llama3-8b on h100-sxm,
+colocated sarathi and disagg 1P1D over rdma-400:
+
+    python experiments/benchmarks/bench_sim.py --speed [--no-prefix-caching]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from testbed.config import RunConfig
+from testbed.model.config import CONF_DIR
+
+CASES = {f"{w}-{s}": [f"workload={w}", f"scheduler={s}"] for w in ("chat", "stall") for s in ("sarathi", "vllm_v0")}
+METRICS = [("ttft_ms", "p50"), ("ttft_ms", "p99"), ("tbt_ms", "p50"), ("tbt_ms", "p99")]
+
+
+def compose(overrides: list[str]) -> RunConfig:
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from testbed.config import register_configs
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return OmegaConf.to_object(hydra_compose("config", overrides))
+
+
+def fidelity(args) -> int:
+    from testbed.run import execute
+    from testbed.sim.config import load_hardware_preset
+    if args.profile:
+        from testbed.sim.profile import profile_main
+        profile_main(["--out", args.hardware])
+    hardware = load_hardware_preset(args.hardware)
+    print(f"sim hardware: {args.hardware} (overhead {hardware.overhead_ms:.3f} ms + "
+          f"{hardware.overhead_per_seq_ms:.3f} ms/seq)")
+    rows = []
+    for case in args.cases.split(","):
+        if case not in CASES:
+            raise SystemExit(f"--cases: unknown case '{case}'; choose from {', '.join(CASES)}")
+        base = CASES[case] + ["model=tiny", "wandb.mode=disabled", "progress=false"] + args.override
+        for rep in range(args.repeats):
+            out = Path(args.out) / f"{case}-{rep}"
+            real = execute(compose(base + ["runtime=real"]), out / "real")
+            cfg = compose(base + ["runtime=sim"])
+            cfg.hardware = hardware
+            sim = execute(cfg, out / "sim")
+            rows.append((case, rep, real, sim))
+    print(f"\n{'case':<18} {'metric':<10} {'real ms':>9} {'sim ms':>9} {'error':>7}")
+    worst = {"p50": 0.0, "p99": 0.0}
+    for case, rep, real, sim in rows:
+        for key, q in METRICS:
+            r, s = real[key][q], sim[key][q]
+            err = (s - r) / r if r else float("nan")
+            worst[q] = max(worst[q], abs(err))
+            name = case if args.repeats == 1 else f"{case}#{rep}"
+            print(f"{name:<18} {key[:-3] + ' ' + q:<10} {r:9.1f} {s:9.1f} {err:+7.1%}")
+    print(f"\nworst |error|: p50 {worst['p50']:.1%} (target 15%), p99 {worst['p99']:.1%} (target 25%)")
+    (Path(args.out) / "fidelity.json").write_text(json.dumps(
+        [{"case": c, "repeat": rep, **{f"{k}_{q}": {"real": r[k][q], "sim": s[k][q]} for k, q in METRICS}}
+         for c, rep, r, s in rows], indent=2))
+    return 0
+
+
+def speed(args) -> int:
+    """Each case in a fresh process, so the timing includes start-up (imports)."""
+    base = ["runtime=sim", "model=llama3-8b", "hardware=h100-sxm", "link=rdma-400", "workload=azure_code",
+            "workload.max_requests=null", "workload.max_prompt_len=null", "workload.max_output_len=null",
+            "workload.time_scale=1", "num_kv_blocks=20000", "wandb.mode=disabled", "progress=false"]
+    if args.no_prefix_caching:
+        base.append("enable_prefix_caching=false")
+    for mode in ("colocated", "disagg"):
+        out = Path(args.out) / f"speed-{mode}"
+        cmd = [sys.executable, "-m", "testbed.cli", "run", f"mode={mode}", *base, *args.override,
+               f"hydra.run.dir={out}"]
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t0 = time.perf_counter()
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        wall = time.perf_counter() - t0
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+        summary = json.loads((out / "summary.json").read_text())
+        print(f"{mode:<10} wall {wall:6.2f} s  cpu {cpu:6.2f} s  peak RSS {after.ru_maxrss / 1024:6.0f} MiB  "
+              f"{summary['num_finished']}/{summary['num_requests']} finished, "
+              f"{summary['iterations']['num_iterations']} iterations, "
+              f"{summary['num_requests'] / wall:,.0f} simulated requests/s")
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--speed", action="store_true", help="time the simulator on the Azure code trace")
+    p.add_argument("--no-prefix-caching", action="store_true", help="--speed with enable_prefix_caching=false")
+    p.add_argument("--profile", action="store_true", help="run `testbed profile` into --hardware first")
+    p.add_argument("--hardware", default=str(CONF_DIR / "hardware" / "cpu.yaml"))
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--out", default="/tmp/bench_sim")
+    p.add_argument("override", nargs="*", help="extra Hydra overrides for every run")
+    args = p.parse_args()
+    return speed(args) if args.speed else fidelity(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

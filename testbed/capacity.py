@@ -1,0 +1,173 @@
+"""Capacity: the highest request rate (`workload.rate`) a configuration serves
+within its SLOs, found by binary search over complete runs (DESIGN.md,
+"Metrics"). Works for runtime=sim and runtime=real alike: every probe is one
+`testbed.run.execute` into its own sub-directory, and reads its summary.
+
+A probe meets the SLOs when every request finished, p99 TTFT <= slo.ttft_ms
+and p99 TBT <= the summary's TBT SLO (slo.tpot_ms, as summarize applies it).
+The search assumes that holds below some rate and fails above it: it doubles
+or halves from the configured rate until it brackets the answer, then bisects
+until the bracket is within `rel_tol`. `capacity.json` holds every probe and
+the answer.
+
+    testbed capacity [--out DIR] [--rel-tol 0.05] [--max-probes 16] [hydra overrides]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from testbed.config import RunConfig
+
+RATE_ARRIVALS = ("poisson", "gamma", "constant")
+
+
+@dataclass
+class Probe:
+    rate: float
+    meets_slo: bool
+    reason: str                       # why not, or "ok"
+    ttft_p99_ms: float | None
+    tbt_p99_ms: float | None
+    num_finished: int
+    num_requests: int
+    goodput: float
+    out_dir: str
+
+
+@dataclass
+class CapacityResult:
+    rate: float | None                # highest probed rate meeting the SLOs; None: even the lowest failed
+    first_failing_rate: float | None  # lowest probed rate above it that failed; None: none failed
+    slo_ttft_ms: float
+    slo_tbt_ms: float
+    runtime: str
+    probes: list[Probe] = field(default_factory=list)
+
+
+def judge(summary: dict, slo_ttft_ms: float, slo_tbt_ms: float) -> tuple[bool, str]:
+    """Whether one run's summary meets the SLOs, and why not."""
+    n, done = summary["num_requests"], summary["num_finished"]
+    if done < n:
+        return False, f"{n - done} of {n} requests did not finish"
+    ttft, tbt = summary["ttft_ms"]["p99"], summary["tbt_ms"]["p99"]
+    if ttft is not None and ttft > slo_ttft_ms:
+        return False, f"p99 TTFT {ttft:.1f} ms > {slo_ttft_ms} ms"
+    if tbt is not None and tbt > slo_tbt_ms:
+        return False, f"p99 TBT {tbt:.1f} ms > {slo_tbt_ms} ms"
+    return True, "ok"
+
+
+def _check(cfg: RunConfig, rel_tol: float, max_probes: int) -> None:
+    if cfg.workload.arrival not in RATE_ARRIVALS:
+        raise ValueError(f"workload.arrival: capacity search varies workload.rate, which arrival="
+                         f"'{cfg.workload.arrival}' ignores; use one of {', '.join(RATE_ARRIVALS)}")
+    if not 0 < rel_tol < 1:
+        raise ValueError(f"rel_tol: a fraction in (0, 1), got {rel_tol}")
+    if max_probes < 2:
+        raise ValueError(f"max_probes: need at least 2 probes to bracket a rate, got {max_probes}")
+
+
+def find_capacity(cfg: RunConfig, out_dir: str | Path, rel_tol: float = 0.05, max_probes: int = 16,
+                  log=print) -> CapacityResult:
+    """Binary-search workload.rate for `cfg`, starting from cfg.workload.rate;
+    writes out_dir/capacity.json and returns the result."""
+    from testbed.run import execute
+    _check(cfg, rel_tol, max_probes)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    slo_ttft = cfg.slo.ttft_ms
+    slo_tbt = getattr(cfg.slo, "tbt_ms", None) or cfg.slo.tpot_ms
+    result = CapacityResult(None, None, slo_ttft, slo_tbt, cfg.runtime)
+
+    def probe(rate: float) -> bool:
+        run_cfg = dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, rate=rate), progress=False)
+        run_dir = out / f"probe{len(result.probes):02d}-rate{rate:.4g}"
+        summary = execute(run_cfg, run_dir)
+        ok, why = judge(summary, slo_ttft, slo_tbt)
+        result.probes.append(Probe(rate, ok, why, summary["ttft_ms"]["p99"], summary["tbt_ms"]["p99"],
+                                   summary["num_finished"], summary["num_requests"], summary["goodput"],
+                                   str(run_dir)))
+        log(f"capacity probe {len(result.probes)}: rate {rate:.4g} req/s -> {'meets the SLOs' if ok else why}")
+        if ok and (result.rate is None or rate > result.rate):
+            result.rate = rate
+        if not ok and (result.first_failing_rate is None or rate < result.first_failing_rate):
+            result.first_failing_rate = rate
+        _write(out, result)
+        return ok
+
+    lo = hi = None                     # highest passing, lowest failing
+    rate = cfg.workload.rate
+    while len(result.probes) < max_probes and (lo is None or hi is None):
+        if probe(rate):
+            lo = rate
+            rate *= 2
+        else:
+            hi = rate
+            rate /= 2
+    while len(result.probes) < max_probes and lo is not None and hi is not None and hi / lo - 1 > rel_tol:
+        mid = (lo * hi) ** 0.5         # geometric: rates span orders of magnitude
+        if probe(mid):
+            lo = mid
+        else:
+            hi = mid
+    _write(out, result)
+    return result
+
+
+def _write(out: Path, result: CapacityResult) -> None:
+    (out / "capacity.json").write_text(json.dumps(dataclasses.asdict(result), indent=2))
+
+
+def capacity_main(argv: list[str]) -> int:
+    """`testbed capacity [--out DIR] [--rel-tol F] [--max-probes N] [hydra overrides]`."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from testbed.config import register_configs
+    from testbed.model.config import CONF_DIR
+
+    parser = argparse.ArgumentParser(prog="testbed capacity", description=(
+        "The highest workload.rate whose p99 TTFT and p99 TBT meet slo.* with every request finished "
+        "(binary search; one run per probe). Hydra overrides as for `testbed run`."))
+    parser.add_argument("--out", default=None, help="directory for capacity.json and one sub-directory per probe")
+    parser.add_argument("--rel-tol", type=float, default=0.05, help="stop when the bracket is this narrow (0.05)")
+    parser.add_argument("--max-probes", type=int, default=16, help="at most this many runs (16)")
+    args, overrides = parser.parse_known_args(argv)
+    bad = [o for o in overrides if o.startswith("-")]
+    if bad:
+        parser.error(f"unknown option(s) {bad}; Hydra overrides look like key=value")
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from testbed.cli import _unknown_preset
+    unknown = _unknown_preset(overrides)
+    if unknown:
+        print(f"error: {unknown}", file=sys.stderr)
+        return 2
+    register_configs()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            cfg: RunConfig = OmegaConf.to_object(compose("config", overrides))
+    except (HydraException, OmegaConfBaseException) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        out = args.out or f"outputs/capacity/{time.strftime('%Y-%m-%d/%H-%M-%S')}-{cfg.mode}-{cfg.scheduler}"
+        result = find_capacity(cfg, out, args.rel_tol, args.max_probes)
+    except (ValueError, TimeoutError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if result.rate is None:
+        print(f"capacity: no probed rate met the SLOs (lowest tried {min(p.rate for p in result.probes):.4g} "
+              f"req/s) -> {out}/capacity.json")
+    else:
+        above = "none failed" if result.first_failing_rate is None else f"{result.first_failing_rate:.4g} failed"
+        print(f"capacity: {result.rate:.4g} req/s ({above}; SLOs p99 TTFT <= {result.slo_ttft_ms} ms, "
+              f"p99 TBT <= {result.slo_tbt_ms} ms; {cfg.runtime}) -> {out}/capacity.json")
+    return 0
