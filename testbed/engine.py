@@ -124,26 +124,43 @@ class Engine:
         return self._update(batch, result, start, end)
 
     def _update(self, batch: Batch, result: StepResult, start: float, end: float) -> StepOutput:
-        out = StepOutput(Iteration(start, end - start, batch.num_prefill_tokens, batch.num_decode_tokens,
-                                   result.kv_bytes_read, len(batch.preempted)), preempted=batch.preempted)
+        # One pass over the slices: with hundreds of decodes per iteration this
+        # loop is most of the engine's own time (experiments/benchmarks/bench_scheduler.py).
+        out = StepOutput(None, preempted=batch.preempted)
+        sampled = result.sampled
+        bs = self.bm.block_size
+        commit = self.bm.commit
+        new_tokens = out.new_tokens
+        prefill_only = self.prefill_only
+        num_decode = num_prefill = 0
         for sl in batch.slices:
-            req = sl.request
+            req, n = sl.request, sl.num_tokens
+            computed = req.num_computed_tokens
+            if computed >= len(req.prompt_token_ids):
+                num_decode += n
+            else:
+                num_prefill += n
             if req.first_scheduled_s is None:
                 req.first_scheduled_s = start
-            req.num_computed_tokens += sl.num_tokens
-            self.bm.commit(req)
-            token = result.sampled.get(req.request_id)
+            req.num_computed_tokens = computed = computed + n
+            if n > 1 or computed % bs == 0:      # a block may have filled: register it for prefix reuse
+                commit(req)
+            token = sampled.get(req.request_id)
             if token is None:
                 continue
             req.output_token_ids.append(token)
             req.token_times_s.append(end)
-            out.new_tokens.append((req, token))
-            if req.is_finished_generating():
+            new_tokens.append((req, token))
+            # the max_tokens test first: is_finished_generating() adds only the EOS check
+            if len(req.output_token_ids) >= req.max_tokens or (not req.sampling.ignore_eos
+                                                                 and req.is_finished_generating()):
                 req.status = RequestStatus.FINISHED
                 req.finish_s = end
                 self.scheduler.remove(req)
                 out.finished.append(req)
-            elif self.prefill_only and req.num_output_tokens == 1:
+            elif prefill_only and len(req.output_token_ids) == 1:
                 self.scheduler.running.remove(req)     # keeps its blocks for the hand-off
                 out.prefill_completed.append(req)
+        out.iteration = Iteration(start, end - start, num_prefill, num_decode, result.kv_bytes_read,
+                                  len(batch.preempted))
         return out

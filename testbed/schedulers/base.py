@@ -90,6 +90,14 @@ class Scheduler(ABC):
                 return False
         return True
 
+    def _grow(self, request: Request, num_new_tokens: int, batch: Batch) -> int:
+        """`_grow_or_preempt` with the common case first: a 1-token slice that
+        does not start a block already has its KV slot. Returns num_new_tokens,
+        or 0 when the request itself was preempted."""
+        if num_new_tokens == 1 and request.num_computed_tokens % self.bm.block_size:
+            return 1
+        return num_new_tokens if self._grow_or_preempt(request, num_new_tokens, batch) else 0
+
     def _try_admit(self, request: Request, max_new_tokens: int | None) -> int:
         """Give a waiting request its cached prefix and KV for its next slice of
         at most max_new_tokens (None: the whole remainder). Returns the slice's
@@ -113,18 +121,28 @@ class Scheduler(ABC):
         self.running.append(request)
 
     def _check(self, batch: Batch, token_budget: int | None) -> Batch:
-        """Invariants every policy's schedule() ends with."""
-        ids = [s.request.request_id for s in batch.slices]
-        assert len(ids) == len(set(ids)), "a request was scheduled twice in one iteration"
-        if token_budget is not None:
-            assert batch.num_tokens <= token_budget, f"token budget exceeded: {batch.num_tokens} > {token_budget}"
+        """Invariants every policy's schedule() ends with. One pass, cheap per
+        slice: it runs every iteration over hundreds of decodes. A 1-token
+        slice starting inside a block is covered by the blocks that hold the
+        request's computed tokens (checked when they were scheduled), so only
+        slices that start a block or span several look at the block table."""
+        slices = batch.slices
+        assert len({id(s.request) for s in slices}) == len(slices), "a request was scheduled twice in one iteration"
         assert len(self.running) <= self.cfg.max_num_seqs, "max_num_seqs exceeded"
         bs = self.bm.block_size
-        for s in batch.slices:
-            assert s.num_tokens >= 1
-            assert s.end <= s.request.num_tokens
-            assert len(self.bm.block_table(s.request.request_id)) * bs >= s.end, \
-                f"{s.request.request_id}: KV blocks do not cover the slice"
+        table = self.bm.block_table
+        total = 0
+        for s in slices:
+            req, n = s.request, s.num_tokens
+            start = req.num_computed_tokens
+            end = start + n
+            total += n
+            assert n >= 1 and end <= len(req.prompt_token_ids) + len(req.output_token_ids), \
+                f"{req.request_id}: slice [{start}, {end}) outside its tokens"
+            if n > 1 or start % bs == 0:
+                assert len(table(req.request_id)) * bs >= end, f"{req.request_id}: KV blocks do not cover the slice"
+        if token_budget is not None:
+            assert total <= token_budget, f"token budget exceeded: {total} > {token_budget}"
         return batch
 
     @abstractmethod
@@ -149,10 +167,12 @@ class Scheduler(ABC):
     def _continue_running(self, batch: Batch) -> None:
         """Every running request's remaining tokens (1 for a decode), preempting
         the newest when memory runs out."""
+        slices = batch.slices
         for req in list(self.running):
-            if req in self.running:
-                n = req.num_uncomputed_tokens
-                if self._grow_or_preempt(req, n, batch):
-                    batch.slices.append(ScheduledSlice(req, n))
+            if batch.preempted and req.status is not RequestStatus.RUNNING:
+                continue                         # preempted by an earlier request's allocation
+            n = self._grow(req, req.num_tokens - req.num_computed_tokens, batch)
+            if n:
+                slices.append(ScheduledSlice(req, n))
         if batch.preempted:
-            batch.slices = [s for s in batch.slices if s.request in self.running]
+            batch.slices = [s for s in slices if s.request.status is RequestStatus.RUNNING]

@@ -5,6 +5,7 @@ therefore never stalls the decodes: it is spread over iterations in chunks."""
 from __future__ import annotations
 
 from testbed.batch import Batch, ScheduledSlice
+from testbed.request import Request, RequestStatus
 from testbed.schedulers.base import Scheduler
 
 
@@ -15,27 +16,46 @@ class SarathiScheduler(Scheduler):
         # No prefill or decode phase: each running request's num_computed_tokens
         # catches up with its tokens; a decode needs 1, a partial prefill the rest.
         batch = Batch()
+        slices = batch.slices
         budget = self.cfg.token_budget
-        decodes = [r for r in self.running if not r.is_prefill]
-        prefills = [r for r in self.running if r.is_prefill]
-        for req in decodes + prefills:
-            if budget == 0:
+        prefills = []
+        grow, bs = self._grow, self.bm.block_size
+        for req in list(self.running):               # decodes first, in running order
+            computed = req.num_computed_tokens
+            if computed < len(req.prompt_token_ids):
+                prefills.append(req)
+            elif budget:
+                if batch.preempted and req.status is not RequestStatus.RUNNING:
+                    continue                         # preempted by an earlier allocation
+                # usually 1; more when a recompute's last chunk runs into the outputs
+                n = len(req.prompt_token_ids) + len(req.output_token_ids) - computed
+                if n != 1 or not computed % bs:      # else: _grow's fast path, inlined for the hot loop
+                    n = grow(req, n if n < budget else budget, batch)
+                if n:
+                    slices.append(ScheduledSlice(req, n))
+                    budget -= n
+        for req in prefills:
+            if not budget:
                 break
-            if req not in self.running:          # preempted by an earlier allocation
-                continue
-            n = min(req.num_uncomputed_tokens, budget)
-            if self._grow_or_preempt(req, n, batch):
-                batch.slices.append(ScheduledSlice(req, n))
-                budget -= n
+            budget -= self._add_slice(req, budget, batch)
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not batch.preempted:
             req = self.waiting[0]
             n = self._try_admit(req, budget)
             if n == 0:
                 break
             self._start(req)
-            batch.slices.append(ScheduledSlice(req, n))
+            slices.append(ScheduledSlice(req, n))
             budget -= n
         # a preempted request may already have a slice scheduled: drop it
         if batch.preempted:
-            batch.slices = [s for s in batch.slices if s.request in self.running]
+            batch.slices = [s for s in slices if s.request.status is RequestStatus.RUNNING]
         return self._check(batch, self.cfg.token_budget)
+
+    def _add_slice(self, req: Request, budget: int, batch: Batch) -> int:
+        """Schedule up to `budget` of a running request's missing tokens; returns how many."""
+        if batch.preempted and req.status is not RequestStatus.RUNNING:
+            return 0                                 # preempted by an earlier allocation
+        n = self._grow(req, min(req.num_tokens - req.num_computed_tokens, budget), batch)
+        if n:
+            batch.slices.append(ScheduledSlice(req, n))
+        return n
