@@ -1,8 +1,8 @@
 """ChannelReceiver: the receive loop of the channel-based transports.
 
-Messages on the ROUTER are [sender, kind, body...]: a header (`H`) is
-checked and sized, then the transport brings the data (zmq: `D` chunk
-messages that follow on the same connection, hashed as they arrive;
+Messages on the ROUTER are [sender, HEADER, header, ...] or [sender, chunk]:
+a header is checked and sized, then the transport brings the data (zmq: the
+chunk messages that follow on the same connection, hashed as they arrive;
 torch_dist: one process-group recv into a reused buffer) and the checksum
 decides. A sender's messages arrive in order; different senders'
 interleave, so each sender has at most one payload open.
@@ -20,7 +20,7 @@ from abc import abstractmethod
 import zmq
 
 from testbed.kv_transfer.base import KVReceiver
-from testbed.kv_transfer.channel import DATA, HEADER, ChannelServer
+from testbed.kv_transfer.channel import HEADER, ChannelServer
 from testbed.kv_transfer.config import TransferConfig
 from testbed.kv_transfer.payload import KVPayload, PayloadError, decode_header
 
@@ -40,8 +40,8 @@ class ChannelReceiver(KVReceiver):
         """A header from `origin` passed every check; the rest of its message
         is unread. Returns payloads now finished."""
 
-    def _on_data(self, origin: str) -> list[KVPayload]:
-        """A data message from `origin`; its body is unread."""
+    def _on_data(self, origin: str, chunk: zmq.Frame) -> list[KVPayload]:
+        """A data chunk from `origin`."""
         self._reject(origin, "a data message, but this transport sends data elsewhere")
         return []
 
@@ -63,13 +63,16 @@ class ChannelReceiver(KVReceiver):
     def _recv_message(self) -> list[KVPayload]:
         sock = self._server.sock
         origin = self._server.origin(sock.recv())
-        kind = sock.recv() if self._server.more() else b""
+        if not self._server.more():
+            self._reject(origin, "an empty message")
+            return []
+        first = sock.recv(copy=False)
+        if not self._server.more():
+            return self._on_data(origin, first)
         try:
-            if kind == HEADER and self._server.more():
+            if first.bytes == HEADER:
                 return self._decode_header(origin, sock.recv(copy=False))
-            if kind == DATA and self._server.more():
-                return self._on_data(origin)
-            self._reject(origin, f"a message of unknown kind {kind[:8]!r}")
+            self._reject(origin, f"a message of unknown kind {first.bytes[:8]!r}")
             return []
         finally:
             self._server.drain()

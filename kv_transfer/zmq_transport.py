@@ -27,7 +27,7 @@ import xxhash
 import zmq
 
 from testbed.kv_transfer.base import TransferError
-from testbed.kv_transfer.channel import DATA, HEADER, ChannelSender
+from testbed.kv_transfer.channel import HEADER, ChannelSender
 from testbed.kv_transfer.config import TransferConfig
 from testbed.kv_transfer.payload import DTYPES, KVPayload, byte_view
 from testbed.kv_transfer.receiver import ChannelReceiver
@@ -49,7 +49,6 @@ class ZmqSender(ChannelSender):
         step = max(1, self.cfg.frame_bytes // block_bytes) * block_bytes
         sock.send_multipart([HEADER, payload.encode_header()])
         for off in range(0, len(data), step):
-            sock.send(DATA, zmq.SNDMORE)
             tracker = sock.send(data[off:off + step], copy=False, track=off + step >= len(data))
         self._in_flight.append(tracker)
         while self._in_flight and self._in_flight[0].done:
@@ -94,12 +93,12 @@ class ZmqReceiver(ChannelReceiver):
         self._open_by_origin[origin] = _Open(payload, xxhash.xxh3_64(), last_progress_s=time.monotonic())
         return done
 
-    def _on_data(self, origin: str) -> list[KVPayload]:
+    def _on_data(self, origin: str, frame: zmq.Frame) -> list[KVPayload]:
         o = self._open_by_origin.get(origin)
         if o is None:
             self._reject(origin, "data without an open payload")
             return []
-        frame = self._server.sock.recv(copy=False)   # its size is capped by the socket's MAXMSGSIZE
+        # (zmq capped the frame's size at MAXMSGSIZE before allocating it)
         o.received += len(frame.buffer)
         if o.received > o.payload.nbytes:
             del self._open_by_origin[origin]
