@@ -23,7 +23,7 @@ from testbed.experiments.serving import Policy, policies
 from testbed.model.config import load_model_preset
 from testbed.report import report_main
 from testbed.run import execute
-from testbed.sim.config import load_hardware_preset
+from testbed.sim.config import load_hardware_preset, load_link_preset
 from testbed.sim.cost_model import CostModel
 from testbed.sim.crossover import chunked_prefill_s
 
@@ -233,3 +233,44 @@ def test_a_sweep_records_its_failed_point_and_the_report_lists_it(tmp_path):
     assert page.count("data:image/png;base64,") == 1                 # the good point's TBT plot
     header = page.split("<h2>Runs side by side</h2>")[1].split("</tr>")[0]
     assert "<th>runtime=sim token_budget=64 workload.num_requests=4 wandb.mode=disabled</th>" in header
+
+
+# -- capacity (the simulator; tiny workloads) -------------------------------------------------------------
+def test_capacity_per_gpu_at_equal_gpu_count(tmp_path):
+    spec = {"slo": {"ttft_ms": 400, "tbt_ms": 40}, "rate_start": 4.0, "max_probes": 5,
+            "workload": {"num_requests": 16, "prompt_dist": "fixed", "prompt_len": 1024, "output_dist": "fixed",
+                         "output_len": 16}}
+    cfg = from_dict({"model": load_model_preset("llama3-8b"), "hardware": load_hardware_preset("h100-sxm"),
+                     "link": load_link_preset("rdma-400"), "transfer": {"layerwise": True},
+                     "wandb": {"mode": "disabled"},
+                     "experiment": {"name": "capacity", "real": False, "schedulers": ["vllm_v0"],
+                                    "token_budgets": [512], "disagg_splits": ["1P1D"], "capacity_rel_tol": 0.1,
+                                    "capacity_workloads": {"fixed1k": spec}}})
+    result = execute(cfg, tmp_path)
+    _, rows = read_csv(tmp_path / "capacity.csv")
+    _, probes = read_csv(tmp_path / "capacity_probes.csv")
+    assert [(r["policy"], r["num_gpus"]) for r in rows] == [("vllm_v0", "2"), ("disagg-1P1D", "2")]
+    for r in rows:
+        mine = [p for p in probes if p["policy"] == r["policy"]]
+        assert len(mine) == int(r["num_probes"]) <= 5
+        rate = float(r["capacity_rps"])
+        assert float(r["capacity_per_gpu"]) == pytest.approx(rate / 2)
+        # the answer is a probe that met the SLOs, by its own run's summary
+        best = next(p for p in mine if float(p["rate"]) == rate)
+        assert best["meets_slo"] == "True"
+        summary = json.loads((tmp_path / best["run_dir"] / "summary.json").read_text())
+        assert summary["num_finished"] == 16 and summary["ttft_ms"]["p99"] <= 400 and summary["tbt_ms"]["p99"] <= 40
+        # every probe above it failed, every probe at or below it passed
+        assert all((p["meets_slo"] == "True") == (float(p["rate"]) <= rate) for p in mine)
+        if r["bound"] == "found" and len(mine) < 5:
+            assert float(r["first_failing_rps"]) / rate - 1 <= 0.1
+    assert {c["policy"]: c["capacity_per_gpu"] for c in result["capacity_per_gpu"]} == \
+        {r["policy"]: float(r["capacity_per_gpu"]) for r in rows}
+    assert (tmp_path / "capacity.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_capacity_workload_without_slo_names_the_field(tmp_path):
+    cfg = from_dict({"wandb": {"mode": "disabled"}, "experiment": {
+        "name": "capacity", "capacity_workloads": {"code": {"preset": "azure_code", "rate": 3}}}})
+    with pytest.raises(ValueError, match=r"experiment.capacity_workloads.code: give slo: \{ttft_ms, tbt_ms\}"):
+        execute(cfg, tmp_path)

@@ -38,9 +38,8 @@ class ExperimentConfig:
     # capacity: name -> {preset: a conf/workload name (optional), slo: {ttft_ms, tbt_ms},
     # workload: WorkloadConfig fields over the preset}; conf/experiment/capacity.yaml sets them
     capacity_workloads: dict[str, Any] = field(default_factory=dict)
-    capacity_rate_lo: float = 0.05           # requests/s per GPU, the search's starting bracket
-    capacity_rate_hi: float = 8.0
-    capacity_rel_tol: float = 0.1            # stop when hi/lo - 1 is below this
+    capacity_rate_start: float = 1.0         # requests/s per GPU where the search starts doubling or halving
+    capacity_rel_tol: float = 0.1            # stop when the bracket's hi/lo - 1 is below this
     capacity_max_probes: int = 10            # runs per search at most
     real_capacity_policies: list[str] = field(default_factory=lambda: ["sarathi"])
     real_capacity_workload: dict[str, Any] = field(default_factory=dict)
@@ -55,14 +54,16 @@ class ExperimentConfig:
         for f in ("chunk_sizes", "context_lens", "real_context_lens", "real_chunk_sizes", "token_budgets"):
             if any(v < 1 for v in getattr(self, f)):
                 raise ValueError(f"experiment.{f}: every value must be >= 1, got {getattr(self, f)}")
-        for f in ("num_decodes", "decode_context_len", "capacity_max_probes"):
+        for f in ("num_decodes", "decode_context_len"):
             if getattr(self, f) < 1:
                 raise ValueError(f"experiment.{f}: must be >= 1, got {getattr(self, f)}")
-        if not 0 < self.capacity_rate_lo < self.capacity_rate_hi:
-            raise ValueError(f"experiment.capacity_rate_lo/hi: need 0 < lo < hi, got {self.capacity_rate_lo}, "
-                             f"{self.capacity_rate_hi}")
-        if self.capacity_rel_tol <= 0:
-            raise ValueError(f"experiment.capacity_rel_tol: must be > 0, got {self.capacity_rel_tol}")
+        if self.capacity_rate_start <= 0:
+            raise ValueError(f"experiment.capacity_rate_start: must be > 0, got {self.capacity_rate_start}")
+        if not 0 < self.capacity_rel_tol < 1:
+            raise ValueError(f"experiment.capacity_rel_tol: a fraction in (0, 1), got {self.capacity_rel_tol}")
+        if self.capacity_max_probes < 2:
+            raise ValueError(f"experiment.capacity_max_probes: at least 2 to bracket a rate, got "
+                             f"{self.capacity_max_probes}")
         for s in self.disagg_splits:
             parse_split(s)
         if self.repeats < 1:

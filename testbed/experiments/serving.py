@@ -23,6 +23,9 @@ from pathlib import Path
 from testbed.config import RunConfig
 from testbed.experiments.config import ExperimentConfig, parse_split
 from testbed.metrics import read_requests
+from testbed.model.config import load_model_preset
+from testbed.sim.config import load_hardware_preset
+from testbed.workloads.config import WorkloadConfig, load_workload_preset, make_workload_config
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,162 @@ def run_stall(cfg: RunConfig, out: Path, log=print) -> dict:
     return {"experiment": "stall", "policies": [r["policy"] for r in rows],
             "tbt_ms": {r["policy"]: {k: r[f"tbt_{k}_ms"] for k in ("p50", "p99", "max")} for r in rows},
             "figures": ["stall.png"], "rows": rows}
+
+
+# -- capacity ------------------------------------------------------------------------------------------
+# a capacity workload: {name (real point only), preset, workload: {fields}, slo: {ttft_ms, tbt_ms},
+# rate_start (req/s per GPU, where the search starts doubling or halving), max_probes}
+SPEC_KEYS = {"name", "preset", "workload", "slo", "rate_start", "max_probes"}
+
+
+def _capacity_rows(cfg: RunConfig, source: str, labels: list[str] | None, out: Path, log) -> tuple[list, list]:
+    """Capacity per policy and workload of cfg.experiment (labels: only these
+    policies, at one GPU), by testbed.capacity.find_capacity with Poisson
+    arrivals at the probed rate. Returns (capacity rows, probe rows)."""
+    from testbed.capacity import find_capacity
+    e = cfg.experiment
+    rows, probe_rows = [], []
+    gpu_counts = sorted({sum(parse_split(s)) for s in e.disagg_splits}) if labels is None else [1]
+    if labels is None:
+        specs = list(e.capacity_workloads.items())
+    else:
+        specs = [(e.real_capacity_workload.get("name", "small"), e.real_capacity_workload)]
+    for name, spec in specs:
+        slo, workload = dict(spec["slo"]), _workload(name, spec)
+        start = spec.get("rate_start", e.capacity_rate_start)
+        max_probes = spec.get("max_probes", e.capacity_max_probes)
+        for gpus in gpu_counts:
+            for policy in [p for p in policies(e, gpus) if labels is None or p.label in labels]:
+                run_cfg = policy.apply(
+                    cfg, workload=dataclasses.replace(workload, arrival="poisson", time_scale=1.0,
+                                                      rate=start * policy.num_gpus), slo=_slo(cfg, slo))
+                res = find_capacity(run_cfg, out / "probes" / name / f"{policy.label}-{policy.num_gpus}gpu",
+                                    e.capacity_rel_tol, max_probes, log=lambda *_: None)
+                bound = ("below_lowest" if res.rate is None else "no_failure" if res.first_failing_rate is None
+                         else "found")
+                at = next((p for p in res.probes if p.meets_slo and p.rate == res.rate), None)
+                rows.append({"source": source, "workload": name, "model": cfg.model.name,
+                             "hardware": cfg.hardware.name if source == "sim" else "this-cpu",
+                             "policy": policy.label, "mode": policy.mode, "scheduler": policy.scheduler,
+                             "token_budget": policy.token_budget or "", "num_gpus": policy.num_gpus,
+                             "capacity_rps": res.rate,
+                             "capacity_per_gpu": None if res.rate is None else res.rate / policy.num_gpus,
+                             "bound": bound, "first_failing_rps": res.first_failing_rate,
+                             "ttft_p99_ms": at and at.ttft_p99_ms, "tbt_p99_ms": at and at.tbt_p99_ms,
+                             "slo_ttft_ms": slo["ttft_ms"], "slo_tbt_ms": slo["tbt_ms"],
+                             "num_probes": len(res.probes)})
+                probe_rows += [{"source": source, "workload": name, "policy": policy.label,
+                                "num_gpus": policy.num_gpus, "rate": p.rate, "meets_slo": p.meets_slo,
+                                "reason": p.reason, "ttft_p99_ms": p.ttft_p99_ms, "tbt_p99_ms": p.tbt_p99_ms,
+                                "num_finished": p.num_finished, "num_requests": p.num_requests,
+                                "run_dir": str(Path(p.out_dir).relative_to(out))} for p in res.probes]
+                per_gpu = "-" if res.rate is None else f"{res.rate / policy.num_gpus:.3g}"
+                log(f"capacity {source} {name} {policy.label} ({policy.num_gpus} GPU): {per_gpu} req/s/GPU "
+                    f"({bound}, {len(res.probes)} probes)")
+    return rows, probe_rows
+
+
+def _slo(cfg: RunConfig, slo: dict):
+    """cfg.slo with the workload's p99 TTFT and TBT targets (find_capacity
+    judges TBT against slo.tbt_ms when the config has one, else slo.tpot_ms)."""
+    changes = {"ttft_ms": float(slo["ttft_ms"]), "tpot_ms": float(slo["tbt_ms"])}
+    if hasattr(cfg.slo, "tbt_ms"):
+        changes["tbt_ms"] = float(slo["tbt_ms"])
+    return dataclasses.replace(cfg.slo, **changes)
+
+
+def _check_spec(where: str, spec: dict) -> None:
+    unknown = set(spec) - SPEC_KEYS
+    if unknown or "slo" not in spec or not {"ttft_ms", "tbt_ms"} <= set(spec["slo"]):
+        raise ValueError(f"{where}: give slo: {{ttft_ms, tbt_ms}} and optionally {', '.join(sorted(SPEC_KEYS - {'slo'}))}"
+                         f" (got keys {sorted(spec)})")
+
+
+def _workload(name: str, spec: dict) -> WorkloadConfig:
+    """spec's `workload` fields over its `preset` (or WorkloadConfig's defaults), named `name`."""
+    fields = {**(spec.get("workload") or {}), "name": name}
+    if spec.get("preset"):
+        fields.pop("name")
+        return dataclasses.replace(load_workload_preset(spec["preset"], **fields), name=name)
+    return make_workload_config(fields)
+
+
+def _real_cfg(cfg: RunConfig) -> RunConfig:
+    """The real-engine point: the first of real_models on this CPU."""
+    model = load_model_preset(cfg.experiment.real_models[0])
+    return dataclasses.replace(cfg, runtime="real", model=model, hardware=load_hardware_preset("cpu"),
+                               num_kv_blocks=RunConfig.num_kv_blocks, progress=False)
+
+
+def _sim_cfg(cfg: RunConfig) -> RunConfig:
+    """The simulator on the run's model and hardware, with the KV memory the accelerator has after the weights."""
+    from testbed.sim.cost_model import CostModel
+    tokens = CostModel(cfg.model, cfg.hardware, cfg.parallel).kv_capacity_tokens()
+    return dataclasses.replace(cfg, runtime="sim", num_kv_blocks=tokens // cfg.block_size, progress=False)
+
+
+def _plot_capacity(rows: list[dict], probe_rows: list[dict], path: Path) -> None:
+    """A row per workload: capacity per GPU per policy (bars; hatched where
+    the search found no failing rate), then every probe's p99 TBT and p99 TTFT
+    against the offered rate per GPU, with the SLOs dashed."""
+    plt = _pyplot()
+    groups = list(dict.fromkeys((r["source"], r["workload"]) for r in rows))
+    fig, axes = plt.subplots(len(groups), 3, figsize=(16, 3.8 * len(groups)), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for (source, workload), (ax_c, ax_tbt, ax_ttft) in zip(groups, axes):
+        grows = [r for r in rows if (r["source"], r["workload"]) == (source, workload)]
+        labels = [f"{r['policy']}\n{r['num_gpus']} GPU" for r in grows]
+        values = [r["capacity_per_gpu"] or 0.0 for r in grows]
+        bars = ax_c.bar(range(len(grows)), values, color=[colors[i % 10] for i in range(len(grows))],
+                        hatch=None)
+        for bar, r in zip(bars, grows):
+            if r["bound"] != "found":
+                bar.set_hatch("//")
+            ax_c.annotate("none" if r["capacity_per_gpu"] is None else f"{r['capacity_per_gpu']:.3g}",
+                          (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
+        ax_c.set_xticks(range(len(grows)), labels, fontsize=7)
+        ax_c.set_ylabel("capacity, req/s per GPU")
+        ax_c.set_title(f"{workload} ({grows[0]['model']} on {grows[0]['hardware']}, {source})", fontsize=9)
+        for i, r in enumerate(grows):
+            pts = sorted((p for p in probe_rows if (p["source"], p["workload"], p["policy"], p["num_gpus"])
+                          == (source, workload, r["policy"], r["num_gpus"])), key=lambda p: p["rate"])
+            x = [p["rate"] / p["num_gpus"] for p in pts]
+            for ax, key in ((ax_tbt, "tbt_p99_ms"), (ax_ttft, "ttft_p99_ms")):
+                ax.plot(x, [p[key] for p in pts], "o-", color=colors[i % 10], ms=3, label=r["policy"])
+        for ax, key, name in ((ax_tbt, "slo_tbt_ms", "p99 TBT ms"), (ax_ttft, "slo_ttft_ms", "p99 TTFT ms")):
+            ax.axhline(grows[0][key], color="black", ls="--", lw=0.8, label="SLO")
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xlabel("offered rate, req/s per GPU")
+            ax.set_ylabel(name)
+            ax.legend(fontsize=6)
+    fig.suptitle("Capacity under p99 TTFT and TBT SLOs, colocated vs disaggregated at equal GPU count")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_capacity(cfg: RunConfig, out: Path, log=print) -> dict:
+    e = cfg.experiment
+    for name, spec in e.capacity_workloads.items():      # every spec checked before the first run
+        _check_spec(f"experiment.capacity_workloads.{name}", spec)
+        _workload(name, spec)
+    if e.real and e.real_capacity_policies:
+        _check_spec("experiment.real_capacity_workload", e.real_capacity_workload)
+    if not e.capacity_workloads:
+        raise ValueError("experiment.capacity_workloads: empty; conf/experiment/capacity.yaml sets the workloads "
+                         "and their SLOs (run `testbed run experiment=capacity`)")
+    rows, probe_rows = _capacity_rows(_sim_cfg(cfg), "sim", None, out, log)
+    if e.real and e.real_capacity_policies:
+        real_rows, real_probes = _capacity_rows(_real_cfg(cfg), "real", list(e.real_capacity_policies), out, log)
+        rows, probe_rows = rows + real_rows, probe_rows + real_probes
+    _write_csv(out / "capacity.csv", rows)
+    _write_csv(out / "capacity_probes.csv", probe_rows)
+    _plot_capacity(rows, probe_rows, out / "capacity.png")
+    return {"experiment": "capacity", "model": cfg.model.name, "hardware": cfg.hardware.name,
+            "capacity_per_gpu": [{k: r[k] for k in ("source", "workload", "policy", "num_gpus", "capacity_per_gpu",
+                                                    "bound")} for r in rows],
+            "figures": ["capacity.png"], "rows": rows}
 
 
 def execute_run(cfg: RunConfig, out_dir: Path) -> dict:
