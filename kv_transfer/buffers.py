@@ -1,6 +1,5 @@
-"""ReceiveBuffers: reusable landing buffers for receivers that choose where
-the bytes land (torch_dist: the process group receives into our memory; zmq
-keeps the frames zmq received into instead).
+"""ReceiveBuffers: the receivers' reusable landing buffers, one contiguous
+buffer per payload.
 
 Fresh memory page-faults at ~4 GB/s here, about the loopback's own speed, so
 buffers are kept and lent again. The receiver releases a buffer when its

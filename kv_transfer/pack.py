@@ -2,8 +2,7 @@
 
 The sender gathers a request's blocks for a layer range into one contiguous
 buffer (the only copy on the sending side: the transports send that buffer's
-memory zero-copy); the receiver copies the payload's bytes, one buffer or the
-frames they arrived in, into the blocks it reserved (its only copy).
+memory zero-copy); the receiver writes the buffer into the blocks it reserved.
 Block ids are coalesced into runs of adjacent ids: a few runs are copied as
 slices, many short runs as one index_select/index_copy (per-run copies cost
 ~5 us each, so 256 single blocks would be 5x slower than one gather).
@@ -12,7 +11,6 @@ when `out` is a pinned buffer), because the payload's data is always on the CPU.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -94,9 +92,7 @@ def pack_kv(cache: torch.Tensor, layers: tuple[int, int], src_block_ids: Sequenc
 def unpack_kv(cache: torch.Tensor, payload: KVPayload) -> None:
     """Write a received (verified) payload into `cache` at payload.block_ids.
     Checks everything the header claims against this cache first, since the
-    header came off the network. Pieces (zmq frames) are copied straight from
-    where they arrived; frames cut at block boundaries, as senders cut them,
-    need no other copy."""
+    header came off the network."""
     _check_cache(cache)
     rid = payload.request_id
     if payload.error is not None:
@@ -109,52 +105,20 @@ def unpack_kv(cache: torch.Tensor, payload: KVPayload) -> None:
     if not 0 <= payload.layer_start < payload.layer_end <= cache.shape[0]:
         raise PayloadError(f"request {rid}: layers [{payload.layer_start}, {payload.layer_end}) outside "
                            f"the cache's {cache.shape[0]}", rid)
-    num_blocks = len(payload.block_ids)
-    if tuple(payload.shape[:3]) != (payload.layer_end - payload.layer_start, 2, num_blocks):
-        raise PayloadError(f"request {rid}: header shape {tuple(payload.shape)} does not match its layers "
-                           f"and {num_blocks} block ids", rid)
+    if tuple(payload.data.shape) != tuple(payload.shape) or len(payload.block_ids) != payload.shape[2]:
+        raise PayloadError(f"request {rid}: data {tuple(payload.data.shape)} / {len(payload.block_ids)} "
+                           f"block ids do not match header shape {tuple(payload.shape)}", rid)
     _check_ids(f"request {rid}: block_ids", payload.block_ids, cache.shape[2])
-    if not cache.is_contiguous():
-        raise ValueError(f"the cache to unpack into must be contiguous, got strides {cache.stride()}")
-    pieces = payload.pieces()
-    if sum(p.numel() for p in pieces) != payload.nbytes:
-        raise PayloadError(f"request {rid}: data holds {sum(p.numel() for p in pieces)} bytes, header "
-                           f"says {payload.nbytes}", rid)
-    block_shape = tuple(cache.shape[3:])
-    block_bytes = math.prod(block_shape) * cache.element_size()
-    if any(p.numel() % block_bytes or p.data_ptr() % cache.element_size() for p in pieces):
-        pieces = [torch.cat(pieces)]      # a sender that did not cut at block boundaries
-    # [planes = layers x (k, v), num_blocks, block_size, kv heads, head dim]
-    planes = cache[payload.layer_start:payload.layer_end].view(-1, *cache.shape[2:])
-    ids = payload.block_ids
-    first = 0                             # index of the piece's first block in [planes x num_blocks]
-    for piece in pieces:
-        blocks = piece.to(cache.device).view(cache.dtype).view(-1, *block_shape)
-        j = 0
-        while j < len(blocks):
-            plane, b = divmod(first + j, num_blocks)
-            if b == 0 and len(blocks) - j >= num_blocks:      # whole planes: one copy for all of them
-                n_planes = (len(blocks) - j) // num_blocks
-                src = blocks[j:j + n_planes * num_blocks].view(n_planes, num_blocks, *block_shape)
-                _place(planes[plane:plane + n_planes], ids, src)
-                j += n_planes * num_blocks
-            else:                                             # the part of one plane in this piece
-                n = min(len(blocks) - j, num_blocks - b)
-                _place(planes[plane:plane + 1], ids[b:b + n], blocks[j:j + n].unsqueeze(0))
-                j += n
-        first += len(blocks)
-
-
-def _place(dst: torch.Tensor, block_ids: Sequence[int], src: torch.Tensor) -> None:
-    """dst[:, block_ids[i]] = src[:, i]"""
-    runs = coalesce_runs(block_ids)
+    data = payload.data.to(cache.device)
+    dst = cache[payload.layer_start:payload.layer_end]
+    runs = coalesce_runs(payload.block_ids)
     if len(runs) <= MAX_SLICED_RUNS:
         pos = 0
-        for start, n in runs:
-            dst[:, start:start + n].copy_(src[:, pos:pos + n])
+        for first, n in runs:
+            dst[:, :, first:first + n].copy_(data[:, :, pos:pos + n])
             pos += n
     else:
-        scatter_blocks(dst, torch.tensor(list(block_ids), device=dst.device), src, dim=1)
+        scatter_blocks(dst, torch.tensor(payload.block_ids, device=cache.device), data, dim=2)
 
 
 def _gather(src: torch.Tensor, block_ids: Sequence[int], into: torch.Tensor) -> None:

@@ -67,10 +67,7 @@ class KVPayload:
     dtype: str                            # a key of DTYPES
     shape: tuple[int, ...]                # [layers, 2, blocks, block_size, kv_heads, head_dim]
     checksum: int                         # xxh3_64 of the data's bytes, computed by the sender
-    # One contiguous CPU tensor of `shape` (as packed, or as landed by torch_dist), or the
-    # flat uint8 pieces the bytes arrived in, in order (zmq: its frames, so nothing is copied
-    # before unpack_kv copies them into the cache). contiguous() gives one tensor either way.
-    data: torch.Tensor | list[torch.Tensor]
+    data: torch.Tensor                    # contiguous, CPU, of `shape` and `dtype`
     last: bool = True                     # the final piece of this request's KV
     meta: dict = field(default_factory=dict)   # small and msgpack-able (first token, timings)
     origin: str = ""                      # set by the receiver: the sender's name, for ack()
@@ -84,23 +81,10 @@ class KVPayload:
     def ok(self) -> bool:
         return self.error is None
 
-    def pieces(self) -> list[torch.Tensor]:
-        """The data's bytes as flat uint8 CPU tensors, in order."""
-        if isinstance(self.data, torch.Tensor):
-            return [flat_bytes(self.data)] if self.data.numel() else []
-        return self.data
-
-    def contiguous(self) -> torch.Tensor:
-        """The data as one tensor of `shape` (copies when it arrived in pieces)."""
-        if isinstance(self.data, torch.Tensor):
-            return self.data
-        flat = torch.cat(self.data) if self.data else torch.empty(0, dtype=torch.uint8)
-        return flat.view(DTYPES[self.dtype]).view(self.shape)
-
     def failed(self, error: str) -> KVPayload:
         """Mark this payload failed (the receiver's verdict); drop its data."""
         self.error = error
-        self.data = []
+        self.data = torch.empty(0, dtype=torch.uint8)
         return self
 
     @classmethod
@@ -108,28 +92,23 @@ class KVPayload:
         """A failed payload for a message whose header named the request but
         was otherwise unusable."""
         return cls(request_id=request_id, layer_start=0, layer_end=0, block_ids=[], num_tokens=0,
-                   dtype="uint8", shape=(0,), checksum=0, data=[], last=True, origin=origin, error=error)
+                   dtype="uint8", shape=(0,), checksum=0, data=torch.empty(0, dtype=torch.uint8), last=True,
+                   origin=origin, error=error)
 
     def verify(self) -> None:
-        """Raise PayloadError unless the data matches the header: dtype and
-        shape (a tensor), byte count and checksum."""
+        """Raise PayloadError unless data matches the header: dtype, shape,
+        byte count and checksum."""
         rid = self.request_id
         if self.dtype not in DTYPES:
             raise PayloadError(f"request {rid}: unknown dtype '{self.dtype}'", rid)
-        if isinstance(self.data, torch.Tensor):
-            if self.data.dtype != DTYPES[self.dtype]:
-                raise PayloadError(f"request {rid}: data dtype {self.data.dtype} != header dtype {self.dtype}", rid)
-            if tuple(self.data.shape) != tuple(self.shape):
-                raise PayloadError(f"request {rid}: data shape {tuple(self.data.shape)} != header shape "
-                                   f"{tuple(self.shape)}", rid)
-        pieces = self.pieces()
-        got_bytes = sum(p.numel() for p in pieces)
-        if got_bytes != self.nbytes:
-            raise PayloadError(f"request {rid}: {got_bytes} data bytes != {self.nbytes} declared", rid)
-        hasher = xxhash.xxh3_64()
-        for piece in pieces:
-            hasher.update(piece.numpy())
-        self.check_checksum(hasher.intdigest())
+        if self.data.dtype != DTYPES[self.dtype]:
+            raise PayloadError(f"request {rid}: data dtype {self.data.dtype} != header dtype {self.dtype}", rid)
+        if tuple(self.data.shape) != tuple(self.shape):
+            raise PayloadError(f"request {rid}: data shape {tuple(self.data.shape)} != header shape "
+                               f"{tuple(self.shape)}", rid)
+        if self.data.nbytes != self.nbytes:
+            raise PayloadError(f"request {rid}: {self.data.nbytes} data bytes != {self.nbytes} declared", rid)
+        self.check_checksum(checksum(self.data))
 
     def check_checksum(self, digest: int) -> None:
         if digest != self.checksum:
@@ -183,7 +162,7 @@ def decode_header(raw: bytes | memoryview, max_header_bytes: int, max_message_by
     p = KVPayload(
         request_id=rid, layer_start=want("layer_start", int), layer_end=want("layer_end", int),
         block_ids=block_ids, num_tokens=want("num_tokens", int), dtype=dtype, shape=tuple(shape),
-        checksum=want("checksum", int), data=[],
+        checksum=want("checksum", int), data=torch.empty(0, dtype=torch.uint8),
         last=want("last", bool), meta=want("meta", dict))
     if (len(p.shape) != 6 or p.shape[0] != p.layer_end - p.layer_start or p.shape[1] != 2
             or p.shape[2] != len(p.block_ids) or p.layer_start < 0):

@@ -1,10 +1,10 @@
 """ChannelReceiver: the receive loop of the channel-based transports.
 
 Messages on the ROUTER are [sender, HEADER, header, ...] or [sender, chunk]:
-a header is checked and sized, then the transport brings the data (zmq: the
-chunk messages that follow on the same connection, hashed as they arrive;
-torch_dist: one process-group recv into a reused buffer) and the checksum
-decides. A sender's messages arrive in order; different senders'
+a header is checked and sized and a reused landing buffer lent for it, then
+the transport brings the data into that buffer (zmq: the chunk messages that
+follow on the same connection; torch_dist: one process-group recv) and the
+checksum decides. A sender's messages arrive in order; different senders'
 interleave, so each sender has at most one payload open.
 
 Whatever a peer sends, poll() does not raise: a bad message becomes a payload
@@ -17,12 +17,14 @@ import logging
 import time
 from abc import abstractmethod
 
+import torch
 import zmq
 
 from testbed.kv_transfer.base import KVReceiver
+from testbed.kv_transfer.buffers import ReceiveBuffers
 from testbed.kv_transfer.channel import HEADER, ChannelServer
 from testbed.kv_transfer.config import TransferConfig
-from testbed.kv_transfer.payload import KVPayload, PayloadError, decode_header
+from testbed.kv_transfer.payload import DTYPES, KVPayload, PayloadError, decode_header
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,8 @@ class ChannelReceiver(KVReceiver):
         self.cfg = cfg
         self.max_payloads_per_poll = max_payloads_per_poll
         self._server = ChannelServer(cfg)
+        self._buffers = ReceiveBuffers(pin_memory=cfg.pin_memory)
+        self._returned: list[torch.Tensor] = []     # buffers of the payloads the last poll returned
         self.address = self._server.address
         self.num_rejected = 0
 
@@ -41,8 +45,8 @@ class ChannelReceiver(KVReceiver):
         is unread. Returns payloads now finished."""
 
     def _on_data(self, origin: str, chunk: zmq.Frame) -> list[KVPayload]:
-        """A data chunk from `origin`."""
-        self._reject(origin, "a data message, but this transport sends data elsewhere")
+        """A data chunk from `origin` that no open payload took."""
+        self._reject(origin, "a data chunk with no payload open")
         return []
 
     def _expire(self, now: float) -> list[KVPayload]:
@@ -50,6 +54,9 @@ class ChannelReceiver(KVReceiver):
         return []
 
     def poll(self, timeout_ms: int = 0) -> list[KVPayload]:
+        for buf in self._returned:
+            self._buffers.release(buf)
+        self._returned = []
         arrived = self._expire(time.monotonic())
         deadline = time.monotonic() + timeout_ms / 1000
         while len(arrived) < self.max_payloads_per_poll:
@@ -57,22 +64,26 @@ class ChannelReceiver(KVReceiver):
                 remaining_ms = int((deadline - time.monotonic()) * 1000)
                 if arrived or remaining_ms <= 0 or not self._server.wait(remaining_ms):
                     break
-            arrived += self._recv_message()
+            origin = self._server.origin(self._server.sock.recv())
+            if self._server.more():
+                arrived += self._recv_body(origin)
+            else:
+                self._reject(origin, "an empty message")
         return arrived
 
-    def _recv_message(self) -> list[KVPayload]:
-        sock = self._server.sock
-        origin = self._server.origin(sock.recv())
-        if not self._server.more():
-            self._reject(origin, "an empty message")
-            return []
-        first = sock.recv(copy=False)
+    def _recv_body(self, origin: str) -> list[KVPayload]:
+        """The rest of a message from `origin`: a header message or a chunk."""
+        first = self._server.sock.recv(copy=False)
         if not self._server.more():
             return self._on_data(origin, first)
+        return self._on_control(origin, first.bytes)
+
+    def _on_control(self, origin: str, kind: bytes) -> list[KVPayload]:
+        """A multipart message whose first frame, `kind`, has been read."""
         try:
-            if first.bytes == HEADER:
-                return self._decode_header(origin, sock.recv(copy=False))
-            self._reject(origin, f"a message of unknown kind {first.bytes[:8]!r}")
+            if kind == HEADER:
+                return self._decode_header(origin, self._server.sock.recv(copy=False))
+            self._reject(origin, f"a message of unknown kind {kind[:8]!r}")
             return []
         finally:
             self._server.drain()
@@ -89,15 +100,19 @@ class ChannelReceiver(KVReceiver):
         p.origin = origin
         return self._on_header(origin, p)
 
-    def _finish(self, p: KVPayload, digest: int) -> KVPayload:
-        """The data is all in: the checksum decides."""
+    def _land(self, p: KVPayload, buf: torch.Tensor, digest: int) -> KVPayload:
+        """All of p's data is in `buf`, whose xxh3 is `digest`: the checksum decides."""
         try:
             p.check_checksum(digest)
         except PayloadError as e:
-            return self._fail(p, str(e).removeprefix(f"request {p.request_id}: "))
+            return self._drop(p, buf, str(e).removeprefix(f"request {p.request_id}: "))
+        p.data = buf.view(DTYPES[p.dtype]).view(p.shape)
+        self._returned.append(buf)
         return p
 
-    def _fail(self, p: KVPayload, why: str) -> KVPayload:
+    def _drop(self, p: KVPayload, buf: torch.Tensor, why: str) -> KVPayload:
+        """p failed; its buffer goes back to the pool."""
+        self._buffers.release(buf)
         log.warning("receiver %s: failed %s from %s: %s", self.address, p.request_id, p.origin, why)
         return p.failed(f"request {p.request_id}: {why}")
 

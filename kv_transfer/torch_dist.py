@@ -29,11 +29,10 @@ import torch.distributed as dist
 import xxhash
 
 from testbed.kv_transfer.base import TransferError
-from testbed.kv_transfer.buffers import ReceiveBuffers
 from testbed.kv_transfer.channel import HEADER, ChannelSender
 from testbed.kv_transfer.receiver import ChannelReceiver
 from testbed.kv_transfer.config import TransferConfig
-from testbed.kv_transfer.payload import DTYPES, KVPayload
+from testbed.kv_transfer.payload import KVPayload
 
 DATA_TAG = 0
 
@@ -130,35 +129,20 @@ class TorchDistReceiver(ChannelReceiver):
         super().__init__(cfg, max_payloads_per_poll)
         self.group = group
         self.address = f"{self._server.address}#rank={group.rank}"
-        self._buffers = ReceiveBuffers(pin_memory=cfg.pin_memory)
-        self._returned: list[torch.Tensor] = []      # buffers of the payloads the last poll returned
-
-    def poll(self, timeout_ms: int = 0) -> list[KVPayload]:
-        for buf in self._returned:
-            self._buffers.release(buf)
-        self._returned = []
-        return super().poll(timeout_ms)
 
     def _on_header(self, origin: str, payload: KVPayload) -> list[KVPayload]:
         try:
             src_rank = msgpack.unpackb(self._server.sock.recv()) if self._server.more() else None
         except Exception:
             src_rank = None
-        if not isinstance(src_rank, int) or not 0 <= src_rank < self.group.world_size or src_rank == self.group.rank:
-            return [self._fail(payload, f"header without a valid sender rank ({src_rank!r})")]
         buf = self._buffers.take(payload.nbytes)
+        if not isinstance(src_rank, int) or not 0 <= src_rank < self.group.world_size or src_rank == self.group.rank:
+            return [self._drop(payload, buf, f"header without a valid sender rank ({src_rank!r})")]
         landing = buf if self.group.device.type == "cpu" else torch.empty_like(buf, device=self.group.device)
         try:
             self.group.pg.recv([landing], src_rank, DATA_TAG).wait(datetime.timedelta(seconds=self.cfg.timeout_s))
         except RuntimeError as e:
-            self._buffers.release(buf)
-            return [self._fail(payload, f"data from rank {src_rank} did not arrive: {e}")]
+            return [self._drop(payload, buf, f"data from rank {src_rank} did not arrive: {e}")]
         if landing is not buf:
             buf.copy_(landing)
-        payload.data = buf.view(DTYPES[payload.dtype]).view(payload.shape)
-        done = self._finish(payload, xxhash.xxh3_64_intdigest(buf.numpy()))
-        if done.ok:
-            self._returned.append(buf)
-        else:
-            self._buffers.release(buf)
-        return [done]
+        return [self._land(payload, buf, xxhash.xxh3_64_intdigest(buf.numpy()))]

@@ -1,25 +1,26 @@
-"""The zmq transport: a payload is a header message followed by data messages
-of about frame_bytes each, from the sender's DEALER to the receiver's ROUTER.
+"""The zmq transport: a payload is a header message followed by data chunks
+of about frame_bytes, each its own single-frame message, from the sender's
+DEALER to the receiver's ROUTER.
 
-Both ends are zero-copy. The sender's frames are views of the payload's
-tensor (`copy=False`: the zmq I/O thread reads the tensor's memory), cut at
-block boundaries; the receiver keeps the frames zmq received into and hashes
-each as it arrives; unpack_kv copies them straight into the KV cache. So the
-bytes are copied once in user space on each side (pack_kv's gather, the
-unpack) beyond the kernel's socket copies; a staging buffer between frames
-and cache would cost another copy, ~40% of the loopback's speed here.
+The sender's chunks are zero-copy views of the payload's tensor (`copy=False`:
+the zmq I/O thread reads the tensor's memory). The receiver copies each chunk
+with recv_into straight into the payload's one reused contiguous buffer and
+hashes it while the next is on the wire; zmq frees the chunk at once, so the
+allocator hands the same memory to the next one. (Keeping the frames instead,
+to save that copy, costs fresh page-faulting memory for every payload: slower
+below ~100 MiB here.)
 
-Each chunk is its own message, not one frame of a multipart message: zmq
-delivers a multipart message only once all of it has arrived, holding the
-whole payload in freshly allocated (page-faulting) memory, and nothing can be
-hashed until the last byte is in. As separate messages, a few chunks' memory
-is recycled by the allocator and hashing overlaps the transfer.
+Chunks are separate messages rather than frames of one multipart message
+because zmq delivers a multipart message only when all of it has arrived:
+nothing could be copied or hashed before the last byte, and zmq would hold the
+whole payload in fresh memory. A kind frame before every chunk would cost ~15%
+of the loopback's throughput, so a single-frame message is a chunk and a
+header message is [HEADER, header].
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import time
 
 import torch
@@ -29,7 +30,7 @@ import zmq
 from testbed.kv_transfer.base import TransferError
 from testbed.kv_transfer.channel import HEADER, ChannelSender
 from testbed.kv_transfer.config import TransferConfig
-from testbed.kv_transfer.payload import DTYPES, KVPayload, byte_view
+from testbed.kv_transfer.payload import KVPayload, byte_view
 from testbed.kv_transfer.receiver import ChannelReceiver
 
 
@@ -44,9 +45,7 @@ class ZmqSender(ChannelSender):
         data = byte_view(payload.data)
         if len(data) == 0:
             raise ValueError(f"request {payload.request_id}: payload has no data to send")
-        # whole blocks per frame, so the receiver can copy every frame straight into its blocks
-        block_bytes = math.prod(payload.shape[3:]) * DTYPES[payload.dtype].itemsize
-        step = max(1, self.cfg.frame_bytes // block_bytes) * block_bytes
+        step = self.cfg.frame_bytes
         sock.send_multipart([HEADER, payload.encode_header()])
         for off in range(0, len(data), step):
             tracker = sock.send(data[off:off + step], copy=False, track=off + step >= len(data))
@@ -73,8 +72,9 @@ class ZmqSender(ChannelSender):
 class _Open:
     """A payload whose header has arrived and whose data is coming in."""
     payload: KVPayload
+    buf: torch.Tensor                 # flat uint8, payload.nbytes long, from the pool
+    view: memoryview
     hasher: xxhash.xxh3_64
-    pieces: list[torch.Tensor] = dataclasses.field(default_factory=list)
     received: int = 0
     last_progress_s: float = 0.0
 
@@ -85,36 +85,43 @@ class ZmqReceiver(ChannelReceiver):
         self._open_by_origin: dict[str, _Open] = {}
 
     def _on_header(self, origin: str, payload: KVPayload) -> list[KVPayload]:
-        done = []
-        prev = self._open_by_origin.pop(origin, None)
-        if prev is not None:
-            done.append(self._fail(prev.payload, f"truncated: {prev.received} of {prev.payload.nbytes} bytes "
-                                   "arrived before the sender's next payload"))
-        self._open_by_origin[origin] = _Open(payload, xxhash.xxh3_64(), last_progress_s=time.monotonic())
-        return done
+        buf = self._buffers.take(payload.nbytes)
+        self._open_by_origin[origin] = _Open(payload, buf, memoryview(buf.numpy()), xxhash.xxh3_64(),
+                                             last_progress_s=time.monotonic())
+        return []
 
-    def _on_data(self, origin: str, frame: zmq.Frame) -> list[KVPayload]:
+    def _recv_body(self, origin: str) -> list[KVPayload]:
         o = self._open_by_origin.get(origin)
         if o is None:
-            self._reject(origin, "data without an open payload")
-            return []
-        # (zmq capped the frame's size at MAXMSGSIZE before allocating it)
-        o.received += len(frame.buffer)
-        if o.received > o.payload.nbytes:
+            return super()._recv_body(origin)
+        start = min(o.received, len(o.view))
+        # recv_into truncates a frame that does not fit and returns its full size
+        n = self._server.sock.recv_into(o.view[start:])
+        if self._server.more():
+            # not a chunk: the sender's next header (or junk), so this payload was cut short
+            kind = bytes(o.view[start:start + n]) if start + n <= len(o.view) else b""
             del self._open_by_origin[origin]
-            return [self._fail(o.payload, f"more data than the {o.payload.nbytes} bytes declared")]
-        o.hasher.update(frame.buffer)                # while it is still in cache
-        o.pieces.append(torch.frombuffer(frame.buffer, dtype=torch.uint8))   # keeps the frame alive
+            cut = self._drop(o.payload, o.buf, f"truncated: {o.received} of {len(o.view)} bytes arrived "
+                             "before the sender's next payload")
+            return [cut, *self._on_control(origin, kind)]
+        o.received += n
+        if o.received > len(o.view):
+            del self._open_by_origin[origin]
+            return [self._drop(o.payload, o.buf, f"more data than the {len(o.view)} bytes declared")]
+        o.hasher.update(o.view[start:o.received])      # while the chunk is still in cache
         o.last_progress_s = time.monotonic()
-        if o.received < o.payload.nbytes:
+        if o.received < len(o.view):
             return []
         del self._open_by_origin[origin]
-        o.payload.data = o.pieces
-        return [self._finish(o.payload, o.hasher.intdigest())]
+        return [self._land(o.payload, o.buf, o.hasher.intdigest())]
 
     def _expire(self, now: float) -> list[KVPayload]:
         stalled = [origin for origin, o in self._open_by_origin.items()
                    if now - o.last_progress_s > self.cfg.timeout_s]
-        return [self._fail(o.payload, f"truncated: {o.received} of {o.payload.nbytes} bytes arrived, then "
+        return [self._drop(o.payload, o.buf, f"truncated: {o.received} of {len(o.view)} bytes arrived, then "
                            f"nothing for {self.cfg.timeout_s}s")
                 for o in (self._open_by_origin.pop(origin) for origin in stalled)]
+
+    def close(self) -> None:
+        self._open_by_origin.clear()
+        super().close()

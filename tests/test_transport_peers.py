@@ -26,7 +26,7 @@ def run_receiver(cfg: TransferConfig, num_payloads: int, out_q, ctl_q,
             out_q.put(("payload", {
                 "request_id": p.request_id, "error": p.error, "last": p.last, "meta": p.meta,
                 "layers": (p.layer_start, p.layer_end), "block_ids": p.block_ids, "origin": p.origin,
-                "num_tokens": p.num_tokens, "data": p.contiguous().clone() if p.ok else None,
+                "num_tokens": p.num_tokens, "data": p.data.clone() if p.ok else None,
                 "arrived_s": time.monotonic()}))
             receiver.ack(p.origin, p.request_id, ok=p.ok, reason=p.error or "")
     ctl_q.get(timeout=60)          # acks are queued, not yet sent: close only when the sender has them
