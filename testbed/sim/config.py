@@ -38,6 +38,10 @@ class HardwareConfig:
     # inputs, sampling and updating it (measured for this CPU's engine; ~0 in
     # a CUDA-graph engine on a GPU)
     overhead_per_seq_ms: float = 0.0
+    # multiplies every modeled term but the overheads: `testbed profile` fits it
+    # so that the kernels timed alone predict them inside the real engine (cold
+    # caches, the machine's other processes); 1 on the GPU presets
+    calibration_scale: float = 1.0
     # Measured tables (written by testbed.sim.profile); when present the cost
     # model uses them instead of the roofline for the shapes they cover.
     gemm_profile: list[list[float]] = field(default_factory=list)       # rows [m, n, k, seconds]
@@ -66,6 +70,8 @@ class HardwareConfig:
         for f in ("compute_efficiency", "memory_efficiency"):
             if not 0 < getattr(self, f) <= 1:
                 raise ValueError(f"hardware.{f}: a fraction in (0, 1], got {getattr(self, f)}")
+        if not self.calibration_scale > 0:
+            raise ValueError(f"hardware.calibration_scale: must be > 0, got {self.calibration_scale}")
         for f in ("peak_tflops_fp8", "gemm_ramp_tokens", "overhead_ms", "overhead_per_seq_ms"):
             if getattr(self, f) < 0:
                 raise ValueError(f"hardware.{f}: must be >= 0, got {getattr(self, f)}")

@@ -20,6 +20,8 @@ prefix of P is (C, P + C), a whole prefill of L is (L, L). Per iteration:
   (An engine keeping pp batches in flight would start one every latency/pp.)
 - A per-iteration overhead: hardware.overhead_ms plus overhead_per_seq_ms per
   scheduled request (the CPU engine's Python work; 0 on the GPU presets).
+  A profiled CPU also scales every other term by hardware.calibration_scale
+  (its kernels inside the engine against the same kernels timed alone).
 
 MoE: FLOPs count the routed tokens' active experts; bytes count the weights of
 every expert the batch touches, expected_experts_touched() under uniform
@@ -70,6 +72,7 @@ class CostModel:
         self._elementwise_s_per_token = shapes.elementwise_bytes_per_token * self._s_per_byte
         self._overhead_s = hardware.overhead_ms * 1e-3
         self._overhead_per_seq_s = hardware.overhead_per_seq_ms * 1e-3
+        self._scale = hardware.calibration_scale
         self._tp_link = LinkModel(load_link_preset(parallel.intra_node)) if parallel.tp > 1 else None
         self._pp_link = (LinkModel(load_link_preset(parallel.pp_link or parallel.intra_node))
                          if parallel.pp > 1 else None)
@@ -111,9 +114,11 @@ class CostModel:
         allreduce = (2 * self.shapes.num_layers * self._tp_link.allreduce_time_s(hidden, self.parallel.tp)
                      if self._tp_link else 0.0)
         pp = (self.parallel.pp - 1) * self._pp_link.transfer_time_s(hidden) if self._pp_link else 0.0
-        return (self._gemms_s(m), self._experts_s(m), attention,
-                m * self._elementwise_s_per_token, self._lm_head_s(sampled) if sampled else 0.0,
-                allreduce, pp, self._overhead_s + self._overhead_per_seq_s * len(slices))
+        terms = (self._gemms_s(m), self._experts_s(m), attention, m * self._elementwise_s_per_token,
+                 self._lm_head_s(sampled) if sampled else 0.0, allreduce, pp)
+        if self._scale != 1.0:
+            terms = tuple(t * self._scale for t in terms)
+        return terms + (self._overhead_s + self._overhead_per_seq_s * len(slices),)
 
     def _experts_s(self, m: float) -> float:
         e = self.shapes.experts

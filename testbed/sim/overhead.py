@@ -1,16 +1,20 @@
-"""The real engine's per-iteration overhead on this machine: everything an
+"""Calibrating the cost model to the real engine on this machine: what an
 iteration costs besides what the cost model prices from the GEMM and
 attention tables (scheduling, building the inputs, sampling, updating the
-requests, packing the events), measured so `runtime=sim hardware=cpu`
-predicts the real engine's iteration times, not just its kernels.
+requests, packing the events), and how much slower the kernels run inside the
+engine than alone in the profiler (cold caches, other processes), measured so
+`runtime=sim hardware=cpu` predicts the real engine's iteration times, not
+just its kernels.
 
-Method: a real WorkerService (engine, scheduler, ModelExecutor, events packed
-with msgpack as a worker process does) steps batches of known shapes: decode
-batches of 1 to 32 requests and whole prefills. Each step's wall time minus
-the cost model's prediction with zero overhead is a residual; the residuals
-are fitted to overhead_ms + overhead_per_seq_ms · num_seqs (the per-sequence
-term is the Python work per scheduled request), both >= 0, on the median
-residual of each shape, so a noisy step does not move the fit."""
+Method: real WorkerServices (engine, scheduler, ModelExecutor, events packed
+with msgpack as a worker process does) step batches of known shapes: decode
+batches of 1 to 32 requests and whole prefills of 16 to 512 tokens, one step
+of each shape per round so that whatever else runs on the machine spreads
+over all shapes alike. Each shape's median step time is fitted to
+    overhead_ms + overhead_per_seq_ms · num_seqs + calibration_scale · modeled
+where `modeled` is the cost model's time without overhead; all three >= 0,
+minimising relative error (a 1-decode step and a 512-token prefill count
+alike)."""
 from __future__ import annotations
 
 import dataclasses
@@ -36,7 +40,8 @@ from testbed.worker import WorkerService
 class OverheadFit:
     overhead_ms: float
     overhead_per_seq_ms: float
-    rows: list[tuple[int, int, float, float]]   # (num_seqs, num_tokens, median step s, median modeled compute s)
+    calibration_scale: float
+    rows: list[tuple[int, int, float, float]]   # (num_seqs, num_tokens, median step s, median modeled s)
 
 
 class _Recording(Executor):
@@ -75,36 +80,39 @@ def _timed_steps(svc: WorkerService, rec: _Recording, n: int) -> list[tuple[list
 
 
 def measure_overhead(model: ModelConfig, hardware: HardwareConfig, quick: bool = False) -> OverheadFit:
-    """Fit the overhead terms for `hardware` (whose tables were just measured
-    on this machine) from real steps of `model`."""
-    bare = dataclasses.replace(hardware, overhead_ms=0.0, overhead_per_seq_ms=0.0)
+    """Fit the overhead terms and the calibration scale for `hardware` (whose
+    tables were just measured on this machine) from real steps of `model`."""
+    bare = dataclasses.replace(hardware, overhead_ms=0.0, overhead_per_seq_ms=0.0, calibration_scale=1.0)
     cost = CostModel(model, bare)
     decode_batches = (1, 4, 16) if quick else (1, 2, 4, 8, 16, 32)
     prefills = (32, 256) if quick else (16, 64, 256, 512)
-    steps = 8 if quick else 24
+    rounds = 6 if quick else 24
     samples: dict[tuple[int, int], list[tuple[float, float]]] = {}
     seq = 0
 
-    def record(timed):
-        for pairs, wall in timed:
-            key = (len(pairs), sum(q for q, _ in pairs))
-            samples.setdefault(key, []).append((wall, cost.iteration_time_s(pairs)))
+    def prompt(length: int) -> list[int]:
+        nonlocal seq
+        seq += 1
+        return [(7 * seq + i) % model.vocab_size for i in range(length)]
 
+    decoders = []
     for b in decode_batches:
         svc, rec = _service(model, num_blocks=b * 64 + 64, token_budget=4096)
         for _ in range(b):
-            svc.engine.add_request(Request(f"d{seq}", [(7 * seq + i) % model.vocab_size for i in range(200)],
-                                           max_tokens=steps + 8))
-            seq += 1
-        _timed_steps(svc, rec, 2)                    # the prefill, one decode to warm up
-        record(_timed_steps(svc, rec, steps))
-    for length in prefills:
-        svc, rec = _service(model, num_blocks=length // 16 + 8, token_budget=length)
-        for _ in range(max(3, steps // 4)):
-            svc.engine.add_request(Request(f"p{seq}", [(3 * seq + i) % model.vocab_size for i in range(length)],
-                                           max_tokens=1))
-            seq += 1
-            record(_timed_steps(svc, rec, 1))
+            svc.engine.add_request(Request(f"d{seq}", prompt(200), max_tokens=rounds + 4))
+        _timed_steps(svc, rec, 2)                    # the prefill, then one decode to warm up
+        decoders.append((svc, rec))
+    prefillers = [(length, *_service(model, num_blocks=length // 16 + 8, token_budget=length)) for length in prefills]
+    for _ in range(rounds):
+        timed = []
+        for svc, rec in decoders:
+            timed += _timed_steps(svc, rec, 1)
+        for length, svc, rec in prefillers:
+            svc.engine.add_request(Request(f"p{seq}", prompt(length), max_tokens=1))
+            timed += _timed_steps(svc, rec, 1)
+        for pairs, wall in timed:
+            key = (len(pairs), sum(q for q, _ in pairs))
+            samples.setdefault(key, []).append((wall, cost.iteration_time_s(pairs)))
     rows = []
     for (num_seqs, num_tokens), xs in sorted(samples.items()):
         walls, modeled = zip(*xs)
@@ -113,15 +121,22 @@ def measure_overhead(model: ModelConfig, hardware: HardwareConfig, quick: bool =
 
 
 def _fit(rows: list[tuple[int, int, float, float]]) -> OverheadFit:
-    """Residual = a + b·num_seqs with a, b >= 0, minimising relative error
-    (a 1-decode step and a 32-decode step count alike)."""
+    """wall = a + b·num_seqs + k·modeled, a, b, k >= 0, least relative error:
+    the best fit over every subset of the three terms whose coefficients all
+    come out non-negative."""
     seqs = np.array([r[0] for r in rows], dtype=np.float64)
-    residual = np.array([r[2] - r[3] for r in rows])
-    weight = 1.0 / np.array([r[2] for r in rows])
-    features = np.column_stack([np.ones_like(seqs), seqs])
-    coef, *_ = np.linalg.lstsq(features * weight[:, None], residual * weight, rcond=None)
-    if coef[1] < 0:
-        coef = np.array([max(0.0, float(np.sum(residual * weight**2) / np.sum(weight**2))), 0.0])
-    elif coef[0] < 0:
-        coef = np.array([0.0, max(0.0, float(np.sum(residual * seqs * weight**2) / np.sum((seqs * weight)**2)))])
-    return OverheadFit(float(coef[0]) * 1e3, float(coef[1]) * 1e3, rows)
+    wall = np.array([r[2] for r in rows])
+    modeled = np.array([r[3] for r in rows])
+    features = np.column_stack([np.ones_like(seqs), seqs, modeled]) / wall[:, None]
+    target = np.ones_like(wall)
+    best, best_err = np.zeros(3), np.inf
+    for active in ([0, 1, 2], [0, 2], [1, 2], [2], [0, 1], [0], [1]):
+        coef, *_ = np.linalg.lstsq(features[:, active], target, rcond=None)
+        if (coef < 0).any():
+            continue
+        full = np.zeros(3)
+        full[active] = coef
+        err = float(np.sum((features @ full - target) ** 2))
+        if err < best_err:
+            best, best_err = full, err
+    return OverheadFit(float(best[0]) * 1e3, float(best[1]) * 1e3, float(best[2]) if best[2] > 0 else 1.0, rows)

@@ -12,8 +12,8 @@ Measures, with one torch thread per worker as the real engine runs:
   count the whole q x ctx rectangle, which SDPA computes before masking;
 - memcpy bandwidth -> hbm_bw_gbps (read plus written bytes), and the best GEMM
   throughput -> peak_tflops, for whatever the tables do not cover;
-- the real engine's per-iteration overhead beyond those kernels (overhead.py)
-  -> overhead_ms and overhead_per_seq_ms.
+- the real engine's step times against the model of them (overhead.py) ->
+  overhead_ms, overhead_per_seq_ms and calibration_scale.
 
 `testbed profile [--quick] [--out PATH] [--model NAME]` runs it (profile_main)."""
 from __future__ import annotations
@@ -154,7 +154,8 @@ def profile_cpu(out_path: str | Path, model_name: str = "tiny", quick: bool = Fa
             fit = measure_overhead(model, hardware, quick)
             hardware.overhead_ms = round(fit.overhead_ms, 4)
             hardware.overhead_per_seq_ms = round(fit.overhead_per_seq_ms, 4)
-            overhead_note = (f"the real engine's step time minus the modeled kernels, fitted over "
+            hardware.calibration_scale = round(fit.calibration_scale, 4)
+            overhead_note = (f"fitted with calibration_scale to the real engine's step times over "
                              f"{len(fit.rows)} batch shapes (testbed.sim.overhead)")
     finally:
         torch.set_num_threads(threads)
@@ -194,7 +195,8 @@ def profile_main(argv: list[str]) -> int:
         return 2
     print(f"wrote {out} in {time.perf_counter() - t0:.0f} s: {len(hw.gemm_profile)} GEMM rows, "
           f"{len(hw.attention_profile)} attention rows, {hw.peak_tflops * 1e3:.1f} GFLOP/s peak, "
-          f"{hw.hbm_bw_gbps:.1f} GB/s copy, overhead {hw.overhead_ms:.3f} ms + {hw.overhead_per_seq_ms:.3f} ms/seq")
+          f"{hw.hbm_bw_gbps:.1f} GB/s copy, overhead {hw.overhead_ms:.3f} ms + {hw.overhead_per_seq_ms:.3f} ms/seq, "
+          f"calibration scale {hw.calibration_scale:.3f}")
     hint = f"hardware={out.stem}" if out.parent.resolve() == (CONF_DIR / "hardware").resolve() else \
         f"copy it to {CONF_DIR / 'hardware'} and use hardware={out.stem}"
     print(f"use it: testbed run runtime=sim {hint}")
