@@ -204,8 +204,8 @@ def _slo(cfg: RunConfig, slo: dict):
 def _check_spec(where: str, spec: dict) -> None:
     unknown = set(spec) - SPEC_KEYS
     if unknown or "slo" not in spec or not {"ttft_ms", "tbt_ms"} <= set(spec["slo"]):
-        raise ValueError(f"{where}: give slo: {{ttft_ms, tbt_ms}} and optionally {', '.join(sorted(SPEC_KEYS - {'slo'}))}"
-                         f" (got keys {sorted(spec)})")
+        optional = ", ".join(sorted(SPEC_KEYS - {"slo"}))
+        raise ValueError(f"{where}: give slo: {{ttft_ms, tbt_ms}} and optionally {optional} (got keys {sorted(spec)})")
 
 
 def _workload(name: str, spec: dict) -> WorkloadConfig:
@@ -243,8 +243,7 @@ def _plot_capacity(rows: list[dict], probe_rows: list[dict], path: Path) -> None
         grows = [r for r in rows if (r["source"], r["workload"]) == (source, workload)]
         labels = [f"{r['policy']}\n{r['num_gpus']} GPU" for r in grows]
         values = [r["capacity_per_gpu"] or 0.0 for r in grows]
-        bars = ax_c.bar(range(len(grows)), values, color=[colors[i % 10] for i in range(len(grows))],
-                        hatch=None)
+        bars = ax_c.bar(range(len(grows)), values, color=[colors[i % 10] for i in range(len(grows))])
         for bar, r in zip(bars, grows):
             if r["bound"] != "found":
                 bar.set_hatch("//")
@@ -279,6 +278,11 @@ def run_capacity(cfg: RunConfig, out: Path, log=print) -> dict:
         _workload(name, spec)
     if e.real and e.real_capacity_policies:
         _check_spec("experiment.real_capacity_workload", e.real_capacity_workload)
+        known = [p.label for p in policies(e)]
+        unknown = [label for label in e.real_capacity_policies if label not in known]
+        if unknown:
+            raise ValueError(f"experiment.real_capacity_policies: {unknown} not among this experiment's policies "
+                             f"{known} (schedulers x token_budgets, disagg_splits)")
     if not e.capacity_workloads:
         raise ValueError("experiment.capacity_workloads: empty; conf/experiment/capacity.yaml sets the workloads "
                          "and their SLOs (run `testbed run experiment=capacity`)")
