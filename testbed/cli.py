@@ -52,7 +52,12 @@ def _hydra_run(argv: list[str]) -> int:
         out_dir = hc.runtime.output_dir
         try:
             cfg: RunConfig = OmegaConf.to_object(dcfg)
-            return execute(cfg, out_dir)
+            summary = execute(cfg, out_dir)
+            if summary.get("interrupted"):
+                # what was measured is written; a sweep stops here too, as Ctrl-C means
+                print(f"interrupted: partial results in {out_dir}", file=sys.stderr)
+                raise SystemExit(130)
+            return summary
         except (ValueError, TimeoutError, RuntimeError) as e:
             print(f"error: {e}", file=sys.stderr)
             if not multirun:
