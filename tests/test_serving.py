@@ -245,6 +245,7 @@ def test_ctrl_c_writes_what_was_measured_and_leaves_no_process(tmp_path):
                 break
         os.killpg(proc.pid, signal.SIGINT)
         stdout, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 130, f"an interrupted run exits 130, got {proc.returncode}"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
