@@ -8,7 +8,7 @@ process alternate, in the same run:
         frames (no copy, no check). The fastest raw row is the baseline.
   zmq   the zmq transport: send(payload) -> receiver lands it in one reused
         contiguous buffer, verifies the xxh3 checksum -> ack -> sender sees it
-        (at 2, 1 and 4 MiB frames).
+        (at 1, 2 and 4 MiB frames; the default is 1 MiB).
   gloo  the torch_dist transport (gloo), same send -> verified -> ack loop.
   +unpack  the same, with unpack_kv writing the payload into the receiver's KV
         cache before the ack: the whole move, from one cache to the other
@@ -109,7 +109,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[16, 256])
     ap.add_argument("--raw-frames-mib", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--zmq-frames-mib", type=int, nargs="+", default=[2, 1, 4])
+    ap.add_argument("--zmq-frames-mib", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args()
