@@ -1,0 +1,208 @@
+"""runtime=sim: the same outputs as a real run, the same scheduling decisions
+as the real engine, disaggregation with one and two decode workers,
+layer-wise streaming, requests that can never fit, a 1M-token prompt without
+copying it, and the cost model's short-batch path against its numpy path."""
+import json
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from testbed.config import RunConfig, register_configs
+from testbed.model.config import CONF_DIR, load_model_preset
+from testbed.request import Request, SamplingParams
+from testbed.run import execute
+from testbed.runtime.protocol import request_from_msg, request_to_msg
+from testbed.runtime.sim import SimRuntime, in_process_request_msg, materialized_request_msg
+from testbed.sim.config import HardwareConfig, load_hardware_preset
+from testbed.sim.cost_model import CostModel
+from testbed.sim.memory import kv_footprint
+from testbed.workloads.tokens import synthesize_prompt
+
+GPU = ["model=llama3-8b", "hardware=h100-sxm", "link=rdma-400"]
+
+
+def config(*overrides: str) -> RunConfig:
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return OmegaConf.to_object(compose("config", ["wandb.mode=disabled", "progress=false", *overrides]))
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def key_tree(d):
+    """The nested key structure of a summary, values dropped."""
+    return {k: key_tree(v) for k, v in d.items()} if isinstance(d, dict) else None
+
+
+# -- the same scheduling on both runtimes ----------------------------------------------------
+
+# Six prompts of 64 tokens arrive together. The first iteration holds only r0
+# (sarathi: a 32-token budget; vllm_v0: one 64-token prompt per iteration), so
+# the schedule cannot depend on how many of the others the real worker had
+# received by then; from the second iteration on all of them have arrived.
+BURST = ["workload=mixed", "workload.num_requests=6", "workload.arrival=burst", "workload.prompt_dist=fixed",
+         "workload.prompt_len=64", "workload.output_dist=fixed", "workload.output_len=8", "model=tiny"]
+SCHEDULES = {"sarathi": ["scheduler=sarathi", "token_budget=32"],
+             "vllm_v0": ["scheduler=vllm_v0", "max_num_batched_tokens=64"]}
+
+
+@pytest.fixture(scope="module", params=sorted(SCHEDULES))
+def real_and_sim(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(request.param)
+    overrides = BURST + SCHEDULES[request.param]
+    execute(config(*overrides, "runtime=real"), out / "real")
+    execute(config(*overrides, "runtime=sim", "hardware=cpu"), out / "sim")
+    return out / "real", out / "sim"
+
+
+def test_sim_schedules_the_same_iterations_as_the_real_engine(real_and_sim):
+    real, sim = (read_jsonl(d / "iterations.jsonl") for d in real_and_sim)
+    shape = [[(it["num_prefill_tokens"], it["num_decode_tokens"]) for it in its] for its in (real, sim)]
+    assert shape[0] == shape[1]
+    assert sum(p for p, _ in shape[0]) == 6 * 64 and sum(d for _, d in shape[0]) == 6 * 7
+
+
+def test_sim_writes_the_same_files_and_keys_as_a_real_run(real_and_sim):
+    real, sim = real_and_sim
+    assert sorted(p.name for p in real.iterdir()) == sorted(p.name for p in sim.iterdir())
+    s_real, s_sim = (json.loads((d / "summary.json").read_text()) for d in (real, sim))
+    assert key_tree(s_real) == key_tree(s_sim)
+    assert s_sim["runtime"] == "sim" and s_real["runtime"] == "real"
+    assert s_sim["num_finished"] == s_real["num_finished"] == 6
+    for name in ("requests.jsonl", "iterations.jsonl"):
+        rows_real, rows_sim = read_jsonl(real / name), read_jsonl(sim / name)
+        assert len(rows_real) == len(rows_sim)
+        assert [sorted(r) for r in rows_real] == [sorted(r) for r in rows_sim]
+    assert [len(r["token_times_s"]) for r in read_jsonl(sim / "requests.jsonl")] == [8] * 6
+
+
+# -- disaggregation ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("decode_workers", [1, 2])
+def test_disagg_completes_with_one_and_two_decode_workers(tmp_path, decode_workers):
+    cfg = config("runtime=sim", "mode=disagg", f"decode_workers={decode_workers}", "workload=mixed",
+                 "workload.num_requests=40", "workload.rate=20", *GPU)
+    summary = execute(cfg, tmp_path)
+    assert summary["num_finished"] == 40 and summary["kv_blocks_leaked"] == {}
+    assert all(w["all_free"] for w in summary["workers"].values())
+    assert summary["kv_transfer"]["num_transfers"] == 40
+    workers = {it["worker"] for it in read_jsonl(tmp_path / "iterations.jsonl")}
+    assert workers == {"prefill0"} | {f"decode{i}" for i in range(decode_workers)}
+    for r in read_jsonl(tmp_path / "requests.jsonl"):
+        kv = r["prompt_len"] * cfg.model.kv_bytes_per_token
+        assert r["kv_bytes_sent"] == kv
+        assert r["transfer_start_s"] <= r["transfer_end_s"] and r["exposed_transfer_s"] >= 0
+        # the first token comes from the prefill worker, the second after the KV arrived
+        assert r["token_times_s"][1] >= r["transfer_end_s"] >= r["token_times_s"][0]
+
+
+@pytest.mark.parametrize("link", ["rdma-400", "tcp-25"])
+def test_layerwise_streaming_exposes_less_transfer_than_sending_the_whole_kv(tmp_path, link):
+    # Requests 0.5 s apart, 2048-token prompts prefilled in one iteration
+    # (~50 ms on an H100), 256 MiB of KV each, two output tokens: the link
+    # and the decode worker are idle when each hand-off starts, so the exposed
+    # time is the link's alone: all of it when the KV is sent whole; streamed
+    # layer by layer, what LinkModel.layerwise_exposed_s says is left after
+    # the iteration (one layer's send when the link keeps up).
+    from testbed.sim.link_model import LinkModel
+    exposed, sent = {}, {}
+    for layerwise in (False, True):
+        cfg = config("runtime=sim", "mode=disagg", "workload=mixed", "workload.num_requests=6",
+                     "workload.arrival=constant", "workload.rate=2", "workload.prompt_dist=fixed",
+                     "workload.prompt_len=2048", "workload.output_dist=fixed", "workload.output_len=2",
+                     "token_budget=2048", "model=llama3-8b", "hardware=h100-sxm", f"link={link}",
+                     f"transfer.layerwise={layerwise}")
+        s = execute(cfg, tmp_path / str(layerwise))
+        exposed[layerwise] = [r["exposed_transfer_s"] for r in read_jsonl(tmp_path / str(layerwise) / "requests.jsonl")]
+        sent[layerwise] = s["kv_transfer"]["bytes"]
+    kv = 2048 * 131072
+    assert sent[True] == sent[False] == 6 * kv
+    lm = LinkModel(cfg.link)
+    prefill_s = CostModel(cfg.model, cfg.hardware).iteration_time_s([(2048, 2048)])
+    assert exposed[False] == pytest.approx([lm.transfer_time_s(kv)] * 6, rel=1e-9)
+    assert exposed[True] == pytest.approx([lm.layerwise_exposed_s(prefill_s / 32, kv / 32, 32)] * 6, rel=1e-6)
+    assert max(exposed[True]) < min(exposed[False])
+
+
+# -- memory: footprint, requests that never fit, a 1M-token prompt -------------------------------
+
+def test_kv_footprint_of_llama3_8b_on_h100():
+    cfg = config("runtime=sim", "num_kv_blocks=20000", *GPU)
+    f = kv_footprint(cfg, CostModel(cfg.model, cfg.hardware))
+    assert f.kv_bytes_per_token == 32 * 2 * 8 * 128 * 2
+    assert f.capacity_tokens == 320_000 and f.kv_gib == pytest.approx(320_000 * 131072 / 2**30)
+    assert f.gpu_capacity_tokens == CostModel(cfg.model, cfg.hardware).kv_capacity_tokens() and f.note is None
+    big = config("runtime=sim", "num_kv_blocks=40000", *GPU)
+    assert "more than h100-sxm can" in kv_footprint(big, CostModel(big.model, big.hardware)).note
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disagg"])
+def test_a_request_that_can_never_fit_fails_with_a_clear_error_and_the_rest_finish(tmp_path, mode):
+    cfg = config("runtime=sim", f"mode={mode}", "num_kv_blocks=64", "workload=mixed", "workload.num_requests=6",
+                 "workload.prompt_max=512", "workload.inject_arrival_s=[0.0]", "workload.inject_prompt_len=[5000]",
+                 "workload.inject_output_len=[4]", *GPU)
+    summary = execute(cfg, tmp_path)
+    assert summary["num_finished"] == 6 and summary["num_failed"] == 1
+    failed = [r for r in read_jsonl(tmp_path / "requests.jsonl") if r["status"] == "failed"]
+    assert failed[0]["prompt_len"] == 5000 and "num_kv_blocks" in failed[0]["error"]
+
+
+def test_a_million_token_prompt_is_never_copied(tmp_path):
+    cfg = config("runtime=sim", "mode=colocated", "parallel.tp=8", "num_kv_blocks=70000",
+                 "enable_prefix_caching=false", "token_budget=8192", *GPU)
+    prompt = synthesize_prompt(0, 0, 1 << 20, cfg.model.vocab_size)
+    runtime = SimRuntime(cfg, log=lambda _: None)      # 70K KV blocks' bookkeeping: not the prompt's
+    tracemalloc.start()
+    result = runtime.run([Request("r0", prompt, 4)])
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert result.records[0].status == "finished" and len(result.records[0].token_times_s) == 4
+    assert peak < 4 << 20          # a list of the prompt would be ~36 MB
+    assert len(result.iterations) == (1 << 20) // 8192 + 3
+
+
+def test_in_process_commands_build_the_same_request_without_copying_the_prompt():
+    prompt = synthesize_prompt(3, 7, 1000, 4096)
+    req = Request("r7", prompt, 5, 1.5, SamplingParams(0.7, 0.9, 11, False, 2))
+    via_wire = request_from_msg(request_to_msg(req))
+    for msg in (in_process_request_msg(req), materialized_request_msg(req)):
+        assert msg.keys() == request_to_msg(req).keys()
+        got = request_from_msg(msg)
+        assert (got.request_id, got.max_tokens, got.arrival_s, got.sampling) == \
+               (via_wire.request_id, via_wire.max_tokens, via_wire.arrival_s, via_wire.sampling)
+        assert list(got.prompt_token_ids) == list(via_wire.prompt_token_ids)
+    assert in_process_request_msg(req)["prompt"] is prompt
+
+
+# -- the cost model's short-batch path ------------------------------------------------------------
+
+def _batches(rng, n=60):
+    for _ in range(n):
+        k = int(rng.integers(1, 32))
+        q = np.where(rng.random(k) < 0.7, 1, rng.integers(1, 4096, k))
+        yield [(int(a), int(a + b)) for a, b in zip(q, rng.integers(0, 200_000, k))]
+
+
+@pytest.mark.parametrize("model", ["llama3-8b", "deepseek-v2-lite", "mixtral-8x7b"])
+def test_short_batches_cost_the_same_in_python_as_in_numpy(model):
+    cost = CostModel(load_model_preset(model), load_hardware_preset("h100-sxm"))
+    for pairs in _batches(np.random.default_rng(0)):
+        assert cost.iteration_time_s(pairs) == pytest.approx(cost.iteration_time_s(np.array(pairs)), rel=1e-12)
+
+
+def test_short_batches_on_a_profiled_cpu_cost_the_same_in_python_as_in_numpy():
+    base = load_hardware_preset("cpu")
+    rows = [[float(b), float(f), float(by), 1e-5 * b + 1e-10 * f + 1e-9 * by + 2e-5]
+            for b, f, by in [(1, 1e6, 1e5), (8, 1e8, 1e6), (32, 1e7, 8e6), (1, 1e9, 2e6), (4, 5e8, 3e6)]]
+    hw = HardwareConfig(**{**base.__dict__, "attention_profile": rows, "overhead_per_seq_ms": 0.05})
+    cost = CostModel(load_model_preset("tiny"), hw)
+    for pairs in _batches(np.random.default_rng(1)):
+        assert cost.iteration_time_s(pairs) == pytest.approx(cost.iteration_time_s(np.array(pairs)), rel=1e-12)
+    one, two = cost.breakdown([(1, 100)]), cost.breakdown([(1, 100), (1, 100)])
+    assert two["overhead_s"] - one["overhead_s"] == pytest.approx(0.05e-3)

@@ -1,0 +1,57 @@
+"""`testbed profile` writes a hardware config that Hydra's typed RunConfig
+accepts, and with it the simulator predicts the real engine: p50 TTFT and
+TBT of a small chat workload on the tiny model within 50% (the benchmark,
+experiments/benchmarks/bench_sim.py, holds the 15%/25% table; this machine
+is shared, so the test's tolerance is loose)."""
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from testbed.config import RunConfig, register_configs
+from testbed.model.config import CONF_DIR
+from testbed.run import execute
+from testbed.sim.config import load_hardware_preset
+from testbed.sim.profile import profile_main
+
+pytestmark = pytest.mark.slow
+
+CHAT = ["model=tiny", "workload=chat", "workload.num_requests=24", "workload.rate=4", "wandb.mode=disabled",
+        "progress=false"]
+
+
+def config(*overrides: str, searchpath: str | None = None) -> RunConfig:
+    register_configs()
+    extra = [f"hydra.searchpath=[file://{searchpath}]"] if searchpath else []
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return OmegaConf.to_object(compose("config", [*extra, *overrides]))
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    root = tmp_path_factory.mktemp("conf")
+    threads = torch.get_num_threads()
+    try:
+        assert profile_main(["--quick", "--out", str(root / "hardware" / "cpu_test.yaml")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    return root
+
+
+def test_profile_writes_a_preset_that_runtime_sim_loads_through_hydra(profiled):
+    path = profiled / "hardware" / "cpu_test.yaml"
+    hw = load_hardware_preset(str(path))
+    assert hw.name == "cpu_test" and hw.gemm_profile and hw.attention_profile
+    assert hw.overhead_ms > 0 or hw.overhead_per_seq_ms > 0
+    assert hw.calibration_scale > 0
+    cfg = config("runtime=sim", "hardware=cpu_test", *CHAT, searchpath=str(profiled))
+    assert cfg.hardware == hw
+
+
+def test_sim_predicts_the_real_engines_p50_ttft_and_tbt(profiled, tmp_path):
+    real = execute(config("runtime=real", *CHAT), tmp_path / "real")
+    sim = execute(config("runtime=sim", "hardware=cpu_test", *CHAT, searchpath=str(profiled)), tmp_path / "sim")
+    assert sim["num_finished"] == real["num_finished"] == 24
+    for key in ("ttft_ms", "tbt_ms"):
+        r, s = real[key]["p50"], sim[key]["p50"]
+        assert abs(s - r) / r < 0.5, (key, r, s)
