@@ -38,6 +38,11 @@ class ModeController(ABC):
         self.unresolved: set[str] = set()
         self.location: dict[str, set[str]] = {}      # request id -> workers holding state for it
         self.dead: set[str] = set()
+        # tokens that arrived before an earlier one of the same request (index -> token), and
+        # a `finished` waiting for them: disagg's first token comes from the prefill worker, the
+        # rest from the decode worker, on separate sockets that a busy frontend reads out of order
+        self.early_tokens: dict[str, dict[int, int]] = {}
+        self.early_finish: dict[str, dict] = {}
 
     # -- called by the runtime -------------------------------------------------
     def on_arrival(self, req: Request, now: float) -> None:
@@ -52,16 +57,16 @@ class ModeController(ABC):
     def on_event(self, ev: dict, now: float) -> None:
         kind = ev["type"]
         if kind == "tokens":
-            for rid, token, _engine_t in ev["items"]:
-                rec = self.records[rid]
-                rec.output_token_ids.append(token)
-                rec.token_times_s.append(now)
-                if rec.first_token_s is None:
-                    rec.first_token_s = now
+            for rid, token, _engine_t, index in ev["items"]:
+                if self.records[rid].status not in ("aborted", "failed"):
+                    # else produced before the worker heard of the end: never delivered to the client
+                    self._deliver(rid, index, token, now)
         elif kind == "iteration":
             self.iterations.append(IterationRecord(
                 start_s=ev["start_s"], duration_s=ev["duration_s"], num_prefill_tokens=ev["num_prefill_tokens"],
                 num_decode_tokens=ev["num_decode_tokens"], kv_bytes_read=ev["kv_bytes_read"], worker=ev["worker"]))
+            self.on_free_blocks(ev["worker"], ev["free_blocks"], now)
+        elif kind == "free_blocks":     # blocks released between iterations (a dropped reservation)
             self.on_free_blocks(ev["worker"], ev["free_blocks"], now)
         elif kind == "finished":
             self._finish(ev, now)
@@ -91,9 +96,28 @@ class ModeController(ABC):
         return not self.unresolved
 
     # -- shared helpers ----------------------------------------------------------
+    def _deliver(self, rid: str, index: int, token: int, now: float) -> None:
+        """Token `index` of the request reached the frontend; it and any held
+        after it reach the client now, in order."""
+        rec = self.records[rid]
+        early = self.early_tokens.setdefault(rid, {})
+        early[index] = token
+        while len(rec.output_token_ids) in early:
+            rec.output_token_ids.append(early.pop(len(rec.output_token_ids)))
+            rec.token_times_s.append(now)
+            if rec.first_token_s is None:
+                rec.first_token_s = now
+        if not early:
+            del self.early_tokens[rid]
+            if rid in self.early_finish:
+                self._finish(self.early_finish.pop(rid), now)
+
     def _finish(self, ev: dict, now: float) -> None:
         rid = ev["id"]
         if rid not in self.unresolved:
+            return
+        if rid in self.early_tokens and ev["status"] == "finished":
+            self.early_finish[rid] = ev          # ends once the token it is missing arrives
             return
         rec = self.records[rid]
         rec.num_preemptions = max(rec.num_preemptions, ev.get("num_preemptions") or 0)
@@ -107,6 +131,8 @@ class ModeController(ABC):
         rec.status, rec.error, rec.finish_s = status, error, now
         self.unresolved.discard(rid)
         self.location[rid] = set()
+        self.early_tokens.pop(rid, None)
+        self.early_finish.pop(rid, None)
 
     def forget(self, rid: str) -> None:
         """Drop the mode's own bookkeeping for a request that ends early."""

@@ -74,6 +74,11 @@ class WorkerService:
         self.handoff.pop(request_id, None)
         self.streamed.pop(request_id, None)
         self.engine.release(request_id)
+        if self.role == "decode":
+            # an idle decode worker reports no iteration: without this the router would
+            # keep waiting for blocks that are already free
+            self.emit({"type": "free_blocks", "worker": self.worker_id,
+                       "free_blocks": self.engine.bm.num_free_blocks})
 
     def _abort(self, request_id: str) -> None:
         req = self.engine.abort(request_id)
@@ -96,7 +101,8 @@ class WorkerService:
         now = out.end_s
         if out.new_tokens:
             self.emit({"type": "tokens", "worker": self.worker_id,
-                       "items": [[r.request_id, tok, now] for r, tok in out.new_tokens]})
+                       # the token's index: a request's tokens come from two workers in disagg
+                       "items": [[r.request_id, tok, now, r.num_output_tokens - 1] for r, tok in out.new_tokens]})
         for req in out.finished:
             self.handoff.pop(req.request_id, None)
             self.streamed.pop(req.request_id, None)
