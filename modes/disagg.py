@@ -39,6 +39,7 @@ class DisaggController(ModeController):
         self.prefill_tokens: Counter[str] = Counter()
         self.queue: deque[str] = deque()
         self.reserving: str | None = None        # one reservation in flight keeps FCFS order
+        self.reserving_on: str | None = None     # the decode worker asked
         self.handoffs: dict[str, _HandOff] = {}
 
     def _blocks_needed(self, req: Request) -> int:
@@ -56,9 +57,19 @@ class DisaggController(ModeController):
                           f"more than a decode worker has (num_kv_blocks); raise num_kv_blocks or clip "
                           f"workload.max_prompt_len / workload.max_output_len", now)
             return
+        gone = self._dead_pool()
+        if gone is not None:
+            self._resolve(req.request_id, "failed", gone, now)
+            return
         self.handoffs[req.request_id] = _HandOff(req)
         self.queue.append(req.request_id)
         self._dispatch()
+
+    def _dead_pool(self) -> str | None:
+        for role, pool in (("prefill", self.prefill), ("decode", self.decode)):
+            if all(w in self.dead for w in pool):
+                return f"every {role} worker has died ({', '.join(pool)})"
+        return None
 
     def _dispatch(self) -> None:
         while self.queue and self.reserving is None:
@@ -71,7 +82,7 @@ class DisaggController(ModeController):
             if self.free_blocks[best] < self._blocks_needed(ho.request):
                 return                                    # wait for blocks to free up
             self.queue.popleft()
-            self.reserving = rid
+            self.reserving, self.reserving_on = rid, best
             ho.decode = best
             self.location[rid] = {best}
             self.send(best, {"type": "reserve", "request": self.request_msg(ho.request)})
@@ -83,8 +94,10 @@ class DisaggController(ModeController):
 
     def on_mode_event(self, ev: dict, now: float) -> None:
         kind, rid = ev["type"], ev["id"]
+        if ev.get("worker") in self.dead:
+            return      # sent just before it died, read after: its requests are resolved, a reservation re-queued
         if kind in ("reserved", "rejected"):
-            self.reserving = None
+            self.reserving = self.reserving_on = None
             self.free_blocks[ev["worker"]] = ev["free_blocks"]
         ho = self.handoffs.get(rid)
         if ho is None:                     # resolved meanwhile (aborted, a worker died)
@@ -132,6 +145,26 @@ class DisaggController(ModeController):
         rec.transfer_start_s = ev.get("transfer_start_s", ev["t"])
         if rec.transfer_end_s is not None:
             rec.exposed_transfer_s = max(0.0, rec.transfer_end_s - ev["t"])
+
+    def on_worker_died(self, worker_id: str, now: float) -> None:
+        # a reservation asked of the dead worker is never answered, and it would
+        # stall the queue behind it; its request holds nothing anywhere yet, so
+        # it goes back to the head of the queue for another decode worker
+        if self.reserving_on == worker_id:
+            rid, self.reserving, self.reserving_on = self.reserving, None, None
+            if rid in self.handoffs:
+                self.handoffs[rid].decode = None
+                self.location[rid] = set()
+                self.queue.appendleft(rid)
+        super().on_worker_died(worker_id, now)
+        gone = self._dead_pool()
+        if gone is not None:       # nobody left to serve what waits: fail it now, not at timeout_s
+            for rid in list(self.handoffs):
+                for w in self.location[rid] - self.dead:
+                    self.send(w, {"type": "abort", "id": rid})
+                self.forget(rid)
+                self._resolve(rid, "failed", gone, now)
+        self._dispatch()
 
     def on_request_end(self, rid: str, ev: dict, now: float) -> None:
         ho = self.handoffs.get(rid)
