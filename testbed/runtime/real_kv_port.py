@@ -8,7 +8,7 @@ import sys
 
 from testbed.config import RunConfig
 from testbed.engine import Engine
-from testbed.kv_transfer import TransferError, make_receiver, make_sender, pack_kv, unpack_kv
+from testbed.kv_transfer import PayloadError, TransferError, make_receiver, make_sender, pack_kv, unpack_kv
 from testbed.kv_transfer.torch_dist import TorchDistGroup
 from testbed.runtime.kv_port import KVArrival, KVPort
 
@@ -21,6 +21,7 @@ def uses_torch_dist(cfg: RunConfig) -> bool:
 class RealKVPort(KVPort):
     def __init__(self, cfg: RunConfig, spec: dict, engine: Engine):
         self.cache = engine.executor.kv_cache
+        self.bm = engine.bm
         self.num_layers = engine.executor.num_layers
         self.kv_bytes_per_token = engine.executor.kv_bytes_per_token
         self.group = None
@@ -57,7 +58,16 @@ class RealKVPort(KVPort):
                 self.receiver.ack(p.origin, p.request_id, ok=False, reason=p.error)
                 out.append(KVArrival(p.request_id, True, ok=False, error=p.error))
                 continue
-            unpack_kv(self.cache, p)
+            if self.bm.block_table(p.request_id)[:len(p.block_ids)] != list(p.block_ids):
+                # the reservation was dropped (aborted, failed) while this was in flight: its
+                # blocks may hold another request's KV by now, so none of it is written
+                continue
+            try:
+                unpack_kv(self.cache, p)
+            except PayloadError as e:      # the header does not fit this cache (a peer's bug)
+                self.receiver.ack(p.origin, p.request_id, ok=False, reason=str(e))
+                out.append(KVArrival(p.request_id, True, ok=False, error=str(e)))
+                continue
             if p.last:
                 self.receiver.ack(p.origin, p.request_id, ok=True)
             out.append(KVArrival(p.request_id, p.last, num_bytes=p.nbytes, meta=p.meta))
