@@ -229,3 +229,6 @@ class RealRuntime:
         self.cmd.close(0)
         self.events.close(0)
         self.ctx.term()
+        # the rendezvous store listens until it is destroyed, and the controller's
+        # bound self._send makes this object live until a garbage-collector pass
+        self._store = None
