@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -54,11 +55,20 @@ def _key(item) -> str:
 class Logged:
     """What an offline run logged: config, final summary, history rows, files."""
 
-    def __init__(self, out_dir: Path):
+    def __init__(self, out_dir: Path, timeout_s: float = 30.0):
         runs = list((out_dir / "wandb").glob("offline-run-*"))
         assert len(runs) == 1, runs
         self.dir = runs[0]
-        records = read_records(next(self.dir.glob("run-*.wandb")))
+        # wandb's service process writes the log; run.finish() can return
+        # before its last records reach the file: wait for the exit record
+        deadline = time.monotonic() + timeout_s
+        while True:
+            records = read_records(next(self.dir.glob("run-*.wandb")))
+            kinds = {r.WhichOneof("record_type") for r in records}
+            if "exit" in kinds or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert {"run", "exit"} <= kinds, f"{self.dir}: the transaction log has only {sorted(kinds)}"
         run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
         self.config = {u.key: json.loads(u.value_json) for u in run.config.update}
         self.summary: dict = {}
