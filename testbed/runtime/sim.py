@@ -6,9 +6,11 @@ the KV transport (link model) are models.
 Events are (time, seq, action, arg) in a heap; arrivals wait in their own
 sorted list beside it (a 100K-request workload never sits in the heap). A
 worker steps whenever it is idle and has work; the events it emits reach the
-controller when its iteration ends. Commands from the controller reach workers
-at once (control messages are small next to iterations), and carry the
-request's prompt as it is: a lazy 1M-token prompt is never copied."""
+controller when its iteration ends. Commands from the controller and events
+from workers take hardware.frontend_hop_ms: 0 on the GPU presets (control
+messages are small next to iterations), measured on this CPU, where the real
+runtime's loopback ZMQ hop is a few percent of a tiny model's TTFT. Commands
+carry the request's prompt as it is: a lazy 1M-token prompt is never copied."""
 from __future__ import annotations
 
 import heapq
@@ -103,6 +105,9 @@ class SimRuntime:
         self._heap: list[tuple[float, int, Callable[[Any], None], Any]] = []
         self._seq = itertools.count()
         self.workers = worker_layout(cfg)
+        # frontend <-> worker messages (commands, events) take this long; KV
+        # goes worker to worker over the link model instead
+        self.hop_s = cfg.hardware.frontend_hop_ms * 1e-3
         cost = CostModel(cfg.model, cfg.hardware, cfg.parallel)
         self.footprint = kv_footprint(cfg, cost)
         (log or _stderr)(format_footprint(self.footprint))
@@ -131,15 +136,29 @@ class SimRuntime:
         heapq.heappush(self._heap, (t, next(self._seq), action, arg))
 
     def _flush(self, worker_id: str) -> None:
+        """Events a worker emitted outside an iteration (replies to commands)."""
         box = self.outbox[worker_id]
         if box:
             events = list(box)
             box.clear()
-            now = self.clock.t
-            for ev in events:
-                self.controller.on_event(ev, now)
+            if self.hop_s:
+                self.at(self.clock.t + self.hop_s, self._to_controller, events)
+            else:
+                self._to_controller(events)
+
+    def _to_controller(self, events: list[dict]) -> None:
+        now, on_event = self.clock.t, self.controller.on_event
+        for ev in events:
+            on_event(ev, now)
 
     def _send(self, worker_id: str, msg: dict) -> None:
+        if self.hop_s:
+            self.at(self.clock.t + self.hop_s, self._handle, (worker_id, msg))
+        else:
+            self._handle((worker_id, msg))
+
+    def _handle(self, arg: tuple[str, dict]) -> None:
+        worker_id, msg = arg
         self.services[worker_id].handle(msg)
         self._flush(worker_id)
         self._kick(worker_id)
@@ -158,21 +177,27 @@ class SimRuntime:
             return
         end = out.end_s
         self.busy_until[worker_id] = end
-        # the iteration's events reach the frontend when it ends
         box = self.outbox[worker_id]
-        self.at(end, self._deliver, (worker_id, list(box)))
+        events = list(box)
         box.clear()
+        if self.hop_s:
+            # the worker goes on at once; its events reach the frontend a hop later
+            self.at(end, self._free, worker_id)
+            self.at(end + self.hop_s, self._to_controller, events)
+        else:
+            self.at(end, self._deliver, (worker_id, events))
 
     def _deliver(self, arg: tuple[str, list[dict]]) -> None:
+        """The iteration's events reach the frontend as the worker frees up."""
         worker_id, events = arg
-        now = self.clock.t
-        on_event = self.controller.on_event
-        for ev in events:
-            on_event(ev, now)
+        self._to_controller(events)
+        self._free(worker_id)
+
+    def _free(self, worker_id: str) -> None:
         if worker_id in self.step_scheduled or not self.services[worker_id].has_work():
             return
         heap = self._heap
-        if not heap or heap[0][0] > now:
+        if not heap or heap[0][0] > self.clock.t:
             # nothing else happens at this instant: step now rather than
             # through the heap (the same order, one push and pop fewer)
             self._step(worker_id)

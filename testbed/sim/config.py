@@ -42,6 +42,10 @@ class HardwareConfig:
     # so that the kernels timed alone predict them inside the real engine (cold
     # caches, the machine's other processes); 1 on the GPU presets
     calibration_scale: float = 1.0
+    # one way, frontend <-> worker process (the real runtime's loopback ZMQ
+    # plus the receiver's wake-up), measured by `testbed profile`; 0 on the GPU
+    # presets, whose serving frontend is not modeled
+    frontend_hop_ms: float = 0.0
     # Measured tables (written by testbed.sim.profile); when present the cost
     # model uses them instead of the roofline for the shapes they cover.
     gemm_profile: list[list[float]] = field(default_factory=list)       # rows [m, n, k, seconds]
@@ -72,7 +76,8 @@ class HardwareConfig:
                 raise ValueError(f"hardware.{f}: a fraction in (0, 1], got {getattr(self, f)}")
         if not self.calibration_scale > 0:
             raise ValueError(f"hardware.calibration_scale: must be > 0, got {self.calibration_scale}")
-        for f in ("peak_tflops_fp8", "gemm_ramp_tokens", "overhead_ms", "overhead_per_seq_ms"):
+        for f in ("peak_tflops_fp8", "gemm_ramp_tokens", "overhead_ms", "overhead_per_seq_ms",
+                  "frontend_hop_ms"):
             if getattr(self, f) < 0:
                 raise ValueError(f"hardware.{f}: must be >= 0, got {getattr(self, f)}")
         for f, width in (("gemm_profile", 4), ("attention_profile", 4)):

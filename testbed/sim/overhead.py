@@ -8,9 +8,10 @@ just its kernels.
 
 Method: real WorkerServices (engine, scheduler, ModelExecutor, events packed
 with msgpack as a worker process does) step batches of known shapes: decode
-batches of 1 to 32 requests and whole prefills of 16 to 512 tokens, one step
-of each shape per round so that whatever else runs on the machine spreads
-over all shapes alike. Each shape's median step time is fitted to
+batches of 1 to 32 requests (contexts spread over 64..512), whole prefills of
+16 to 512 tokens, and a 64-token chunk beside 1 to 8 decodes; one step of each
+shape per round, so that whatever else runs on the machine spreads over all
+shapes alike. Each shape's median step time is fitted to
     overhead_ms + overhead_per_seq_ms · num_seqs + calibration_scale · modeled
 where `modeled` is the cost model's time without overhead; all three >= 0,
 minimising relative error (a 1-decode step and a 512-token prefill count
@@ -84,8 +85,9 @@ def measure_overhead(model: ModelConfig, hardware: HardwareConfig, quick: bool =
     tables were just measured on this machine) from real steps of `model`."""
     bare = dataclasses.replace(hardware, overhead_ms=0.0, overhead_per_seq_ms=0.0, calibration_scale=1.0)
     cost = CostModel(model, bare)
-    decode_batches = (1, 4, 16) if quick else (1, 2, 4, 8, 16, 32)
+    decode_batches = (1, 4, 16) if quick else (1, 2, 3, 4, 6, 8, 16, 32)
     prefills = (32, 256) if quick else (16, 64, 256, 512)
+    hybrid_decodes = (2,) if quick else (1, 2, 4, 8)
     rounds = 6 if quick else 24
     samples: dict[tuple[int, int], list[tuple[float, float]]] = {}
     seq = 0
@@ -95,14 +97,21 @@ def measure_overhead(model: ModelConfig, hardware: HardwareConfig, quick: bool =
         seq += 1
         return [(7 * seq + i) % model.vocab_size for i in range(length)]
 
-    decoders = []
-    for b in decode_batches:
-        svc, rec = _service(model, num_blocks=b * 64 + 64, token_budget=4096)
-        for _ in range(b):
-            svc.engine.add_request(Request(f"d{seq}", prompt(200), max_tokens=rounds + 4))
-        _timed_steps(svc, rec, 2)                    # the prefill, then one decode to warm up
-        decoders.append((svc, rec))
+    def decoding(b: int, budget: int):
+        """b requests decoding, their contexts spread over 64..512 tokens as in serving."""
+        svc, rec = _service(model, num_blocks=b * 40 + 80, token_budget=budget)
+        for i in range(b):
+            svc.engine.add_request(Request(f"d{seq}", prompt(64 + 448 * i // b), max_tokens=rounds + 8))
+        sched = svc.engine.scheduler
+        while sched.waiting or any(r.is_prefill for r in sched.running):
+            _timed_steps(svc, rec, 1)                # the prompts, in chunks of the budget
+        _timed_steps(svc, rec, 2)                    # decodes, to warm up
+        return svc, rec
+
+    decoders = [decoding(b, 4096) for b in decode_batches]
+    # sarathi's hybrid iterations: a 64-token prefill chunk beside b decodes
     prefillers = [(length, *_service(model, num_blocks=length // 16 + 8, token_budget=length)) for length in prefills]
+    prefillers += [(64, *decoding(b, 64 + b)) for b in hybrid_decodes]
     for _ in range(rounds):
         timed = []
         for svc, rec in decoders:
@@ -140,3 +149,27 @@ def _fit(rows: list[tuple[int, int, float, float]]) -> OverheadFit:
         if err < best_err:
             best, best_err = full, err
     return OverheadFit(float(best[0]) * 1e3, float(best[1]) * 1e3, float(best[2]) if best[2] > 0 else 1.0, rows)
+
+
+def measure_frontend_hop(model: ModelConfig, num_requests: int = 8) -> float:
+    """One-way frontend <-> worker latency of the real runtime, in ms: a real
+    run of short requests that each find the worker idle; the mean of the
+    request's way in (arrival to first scheduled, on one clock) and its first
+    token's way out (end of the iteration that sampled it to the frontend
+    receiving it)."""
+    from testbed.config import RunConfig, WandbConfig
+    from testbed.runtime.real import RealRuntime
+    from testbed.workloads.build import build_workload
+    from testbed.workloads.config import WorkloadConfig
+    workload = WorkloadConfig(name="frontend_hop", num_requests=num_requests, arrival="constant", rate=10.0,
+                              prompt_dist="fixed", prompt_len=16, output_dist="fixed", output_len=2)
+    cfg = RunConfig(model=model, workload=workload, wandb=WandbConfig(mode="disabled"), progress=False,
+                    num_kv_blocks=64)
+    result = RealRuntime(cfg).run(build_workload(workload, model.vocab_size, 0))
+    ends = {it.start_s: it.start_s + it.duration_s for it in result.iterations if it.num_prefill_tokens}
+    way_in = [r.first_scheduled_s - r.arrival_s for r in result.records if r.first_scheduled_s is not None]
+    way_out = [r.first_token_s - ends[r.first_scheduled_s] for r in result.records
+               if r.first_token_s is not None and r.first_scheduled_s in ends]
+    if not way_in or not way_out:
+        raise RuntimeError("frontend hop: the real run served no request; check `testbed run` works here")
+    return 1e3 * (float(np.median(way_in)) + float(np.median(way_out))) / 2

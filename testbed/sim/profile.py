@@ -13,7 +13,8 @@ Measures, with one torch thread per worker as the real engine runs:
 - memcpy bandwidth -> hbm_bw_gbps (read plus written bytes), and the best GEMM
   throughput -> peak_tflops, for whatever the tables do not cover;
 - the real engine's step times against the model of them (overhead.py) ->
-  overhead_ms, overhead_per_seq_ms and calibration_scale.
+  overhead_ms, overhead_per_seq_ms and calibration_scale; and a short real
+  run -> frontend_hop_ms.
 
 `testbed profile [--quick] [--out PATH] [--model NAME]` runs it (profile_main)."""
 from __future__ import annotations
@@ -124,10 +125,10 @@ def memcpy_gbps(nbytes: int = 64 << 20, min_time_s: float = 0.1) -> float:
 
 
 def profile_cpu(out_path: str | Path, model_name: str = "tiny", quick: bool = False, name: str = "cpu",
-                num_threads: int = 1, engine_overhead: bool = True) -> HardwareConfig:
+                num_threads: int = 1, engine_overhead: bool = True, log=lambda _: None) -> HardwareConfig:
     """Measure this machine on the GEMM and attention shapes of `model_name`
-    and (engine_overhead) the real engine's per-iteration overhead, write the
-    hardware YAML to out_path (e.g. conf/hardware/cpu.yaml) and return it.
+    and (engine_overhead) the real engine's per-iteration overhead and frontend
+    hop (a short real run), write the hardware YAML to out_path (e.g. conf/hardware/cpu.yaml) and return it.
     quick=True takes a few seconds (tests), the full grid a minute or two."""
     model, plan = load_model_preset(model_name), _QUICK if quick else _FULL
     if model.dtype not in _TORCH_DTYPES or model.attention != "gqa":
@@ -155,6 +156,12 @@ def profile_cpu(out_path: str | Path, model_name: str = "tiny", quick: bool = Fa
             hardware.overhead_ms = round(fit.overhead_ms, 4)
             hardware.overhead_per_seq_ms = round(fit.overhead_per_seq_ms, 4)
             hardware.calibration_scale = round(fit.calibration_scale, 4)
+            from testbed.sim.overhead import measure_frontend_hop
+            hardware.frontend_hop_ms = round(measure_frontend_hop(model), 4)
+            for seqs, tokens, wall, modeled in fit.rows:
+                fitted = fit.overhead_ms + fit.overhead_per_seq_ms * seqs + fit.calibration_scale * modeled * 1e3
+                log(f"  step of {seqs:2d} seqs, {tokens:4d} tokens: engine {wall * 1e3:7.2f} ms, "
+                    f"model {fitted:7.2f} ms ({fitted / (wall * 1e3) - 1:+.0%})")
             overhead_note = (f"fitted with calibration_scale to the real engine's step times over "
                              f"{len(fit.rows)} batch shapes (testbed.sim.overhead)")
     finally:
@@ -164,7 +171,8 @@ def profile_cpu(out_path: str | Path, model_name: str = "tiny", quick: bool = Fa
               "# peak_tflops: best GEMM throughput seen; hbm_bw_gbps: memcpy, read plus written bytes.\n"
               "# gemm_profile rows [m, n, k, seconds]; attention_profile rows [num_seqs, flops, bytes, seconds]\n"
               "# of one torch-backend attention call (one layer).\n"
-              f"# overhead_ms + overhead_per_seq_ms * num_seqs: {overhead_note}.\n")
+              f"# overhead_ms + overhead_per_seq_ms * num_seqs: {overhead_note}.\n"
+              "# frontend_hop_ms: one way, frontend <-> worker process, from a short real run.\n")
     body = yaml.safe_dump(dataclasses.asdict(hardware), sort_keys=False, default_flow_style=None, width=120)
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     Path(out_path).write_text(header + body)
@@ -189,14 +197,14 @@ def profile_main(argv: list[str]) -> int:
     out = Path(args.out)
     t0 = time.perf_counter()
     try:
-        hw = profile_cpu(out, args.model, args.quick, args.name or out.stem, args.threads)
+        hw = profile_cpu(out, args.model, args.quick, args.name or out.stem, args.threads, log=print)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {out} in {time.perf_counter() - t0:.0f} s: {len(hw.gemm_profile)} GEMM rows, "
           f"{len(hw.attention_profile)} attention rows, {hw.peak_tflops * 1e3:.1f} GFLOP/s peak, "
           f"{hw.hbm_bw_gbps:.1f} GB/s copy, overhead {hw.overhead_ms:.3f} ms + {hw.overhead_per_seq_ms:.3f} ms/seq, "
-          f"calibration scale {hw.calibration_scale:.3f}")
+          f"calibration scale {hw.calibration_scale:.3f}, frontend hop {hw.frontend_hop_ms:.3f} ms")
     hint = f"hardware={out.stem}" if out.parent.resolve() == (CONF_DIR / "hardware").resolve() else \
         f"copy it to {CONF_DIR / 'hardware'} and use hardware={out.stem}"
     print(f"use it: testbed run runtime=sim {hint}")
