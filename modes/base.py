@@ -100,6 +100,13 @@ class ModeController(ABC):
         """Token `index` of the request reached the frontend; it and any held
         after it reach the client now, in order."""
         rec = self.records[rid]
+        if index == len(rec.output_token_ids) and rid not in self.early_tokens:
+            # in order, nothing held: the common case, ~10^6 times in a long simulation
+            rec.output_token_ids.append(token)
+            rec.token_times_s.append(now)
+            if rec.first_token_s is None:
+                rec.first_token_s = now
+            return
         early = self.early_tokens.setdefault(rid, {})
         early[index] = token
         while len(rec.output_token_ids) in early:
