@@ -9,7 +9,8 @@ schedulers sarathi and vllm_v0):
         [--out /tmp/bench_sim] [--cases chat-sarathi,stall-vllm_v0,...] [--repeats 1]
 
 --profile runs `testbed profile` into --hardware first. Run it on a quiet
-machine: other processes stretch the real run's iterations, not the sim's.
+machine: other processes stretch the real run's iterations, not the sim's;
+--recalibrate refits the overhead terms right before each real run.
 
 Speed (--speed): wall and CPU seconds of the simulator on the public Azure code
 trace (8,819 requests, real lengths, time_scale 1), llama3-8b on h100-sxm,
@@ -60,6 +61,8 @@ def fidelity(args) -> int:
         base = CASES[case] + ["model=tiny", "wandb.mode=disabled", "progress=false"] + args.override
         for rep in range(args.repeats):
             out = Path(args.out) / f"{case}-{rep}"
+            if args.recalibrate:
+                hardware = recalibrated(hardware)
             real = execute(compose(base + ["runtime=real"]), out / "real")
             cfg = compose(base + ["runtime=sim"])
             cfg.hardware = hardware
@@ -79,6 +82,28 @@ def fidelity(args) -> int:
         [{"case": c, "repeat": rep, **{f"{k}_{q}": {"real": r[k][q], "sim": s[k][q]} for k, q in METRICS}}
          for c, rep, r, s in rows], indent=2))
     return 0
+
+
+def recalibrated(hardware):
+    """The hardware config with its overhead terms and calibration scale fitted
+    again now (the tables stay): what else runs on a shared machine changes
+    from minute to minute, and the real run that follows sees it."""
+    import dataclasses
+
+    import torch
+
+    from testbed.model.config import load_model_preset
+    from testbed.sim.overhead import measure_overhead
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        fit = measure_overhead(load_model_preset("tiny"), hardware)
+    finally:
+        torch.set_num_threads(threads)
+    print(f"recalibrated: overhead {fit.overhead_ms:.3f} ms + {fit.overhead_per_seq_ms:.3f} ms/seq, "
+          f"scale {fit.calibration_scale:.3f}")
+    return dataclasses.replace(hardware, overhead_ms=fit.overhead_ms, overhead_per_seq_ms=fit.overhead_per_seq_ms,
+                               calibration_scale=fit.calibration_scale)
 
 
 def speed(args) -> int:
@@ -114,6 +139,8 @@ def main() -> int:
     p.add_argument("--hardware", default=str(CONF_DIR / "hardware" / "cpu.yaml"))
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--recalibrate", action="store_true",
+                   help="fit the overhead terms again right before each real run (a shared, busy machine)")
     p.add_argument("--out", default="/tmp/bench_sim")
     p.add_argument("override", nargs="*", help="extra Hydra overrides for every run")
     args = p.parse_args()
