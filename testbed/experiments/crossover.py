@@ -52,7 +52,9 @@ def _sim_rows(models, hardware, links, chunks, contexts) -> list[dict]:
 
 # -- the real engine ---------------------------------------------------------------------------------
 def _prefill_s(executor, bm, scheduler_cfg, prompt: list[int], chunk: int | None, repeats: int) -> float:
-    """Median wall time of prefilling `prompt` alone, whole (chunk None) or in chunks."""
+    """Median time of prefilling `prompt` alone, whole (chunk None) or in chunks:
+    this thread's CPU time (the engine runs on torch_threads=1 here), which
+    other processes sharing the cores do not inflate the way they do wall time."""
     from testbed.engine import Engine, WallClock
     from testbed.request import Request
     from testbed.schedulers import make_scheduler
@@ -63,10 +65,10 @@ def _prefill_s(executor, bm, scheduler_cfg, prompt: list[int], chunk: int | None
         eng = Engine(sched, executor, WallClock())
         eng.add_request(Request(f"x{rep}", prompt, max_tokens=1))
         bm.reset_prefix_cache()
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         while eng.has_work():
             eng.step()
-        times.append(time.perf_counter() - t0)
+        times.append(time.thread_time() - t0)
     return sorted(times)[len(times) // 2]
 
 
