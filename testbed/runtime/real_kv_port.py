@@ -5,6 +5,9 @@ acknowledges them to the sender."""
 from __future__ import annotations
 
 import sys
+from collections import OrderedDict
+
+import torch
 
 from testbed.config import RunConfig
 from testbed.engine import Engine
@@ -18,7 +21,15 @@ def uses_torch_dist(cfg: RunConfig) -> bool:
     return (t.shaped_inner if t.transport == "shaped" else t.transport) == "torch_dist"
 
 
+MAX_POOLED_BUFFERS = 8
+
+
 class RealKVPort(KVPort):
+    """Packing goes into reused staging buffers: fresh multi-MB allocations
+    page-fault at a few GB/s here, slower than the link. A buffer is reused
+    only once the receiver has acknowledged the request it carried (by then
+    every byte has left); one never acknowledged is simply not reused."""
+
     def __init__(self, cfg: RunConfig, spec: dict, engine: Engine):
         self.cache = engine.executor.kv_cache
         self.bm = engine.bm
@@ -31,6 +42,19 @@ class RealKVPort(KVPort):
         role = spec["role"]
         self.receiver = make_receiver(cfg.transfer, group=self.group) if role == "decode" else None
         self.sender = make_sender(cfg.transfer, name=spec["worker_id"], group=self.group) if role == "prefill" else None
+        self._free_buffers: list[torch.Tensor] = []
+        self._in_flight: OrderedDict[str, list[torch.Tensor]] = OrderedDict()   # request id -> its buffers
+
+    def _staging(self, request_id: str, nbytes: int) -> torch.Tensor:
+        fits = [i for i, b in enumerate(self._free_buffers) if b.numel() >= nbytes]
+        if fits:
+            buf = self._free_buffers.pop(min(fits, key=lambda i: self._free_buffers[i].numel()))
+        else:
+            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cache.is_cuda)
+        self._in_flight.setdefault(request_id, []).append(buf)
+        if len(self._in_flight) > 4 * MAX_POOLED_BUFFERS:      # never acknowledged: forget, never reuse
+            self._in_flight.popitem(last=False)
+        return buf
 
     @property
     def address(self) -> str:
@@ -40,8 +64,10 @@ class RealKVPort(KVPort):
         self.sender.connect(peer, address)
 
     def send(self, request_id, peer, src_block_ids, dst_block_ids, num_tokens, layers, last, meta) -> int:
+        nbytes = (layers[1] - layers[0]) * 2 * len(src_block_ids) * self.cache[0, 0, 0].numel() \
+            * self.cache.element_size()
         payload = pack_kv(self.cache, layers, src_block_ids, dst_block_ids, num_tokens, request_id,
-                          last=last, meta=meta)
+                          last=last, meta=meta, out=self._staging(request_id, nbytes))
         try:
             self.sender.send(peer, payload)
         except TransferError as e:
@@ -74,10 +100,12 @@ class RealKVPort(KVPort):
         return out
 
     def pump(self, service) -> None:
-        """Prefill side: drain acknowledgements (the frontend's `release` is what
-        frees the blocks; acks only keep the sender's queues short)."""
+        """Prefill side: drain acknowledgements, which free the staging buffers
+        (the frontend's `release` is what frees the KV blocks)."""
         if self.sender is not None:
-            self.sender.poll_acks(0)
+            for ack in self.sender.poll_acks(0):
+                self._free_buffers.extend(self._in_flight.pop(ack.request_id, []))
+            del self._free_buffers[MAX_POOLED_BUFFERS:]
 
     def close(self) -> None:
         for t in (self.sender, self.receiver):
