@@ -206,3 +206,24 @@ def test_short_batches_on_a_profiled_cpu_cost_the_same_in_python_as_in_numpy():
         assert cost.iteration_time_s(pairs) == pytest.approx(cost.iteration_time_s(np.array(pairs)), rel=1e-12)
     one, two = cost.breakdown([(1, 100)]), cost.breakdown([(1, 100), (1, 100)])
     assert two["overhead_s"] - one["overhead_s"] == pytest.approx(0.05e-3)
+
+
+# -- hardware presets after `testbed profile` ---------------------------------------------------
+
+def test_gpu_presets_do_not_inherit_the_cpus_measurements(tmp_path):
+    """Hydra merges hardware=NAME over RunConfig's default hardware, the cpu
+    preset; once `testbed profile` wrote tables and overheads into it, the
+    fields a GPU preset leaves unset must not keep the CPU's values."""
+    from dataclasses import asdict
+
+    import yaml
+    measured = HardwareConfig(**{**load_hardware_preset("cpu").__dict__, "gemm_profile": [[1.0, 8.0, 8.0, 1e-6],
+                              [64.0, 8.0, 8.0, 2e-6]], "calibration_scale": 1.3, "frontend_hop_ms": 0.8,
+                              "overhead_per_seq_ms": 0.2, "profiled_for": "cpu"})
+    (tmp_path / "cpu.yaml").write_text(yaml.safe_dump(asdict(measured)))
+    base = OmegaConf.structured(load_hardware_preset(str(tmp_path / "cpu.yaml")))
+    assert OmegaConf.to_object(base) == measured                         # the CPU keeps its own
+    for name in ("h100-sxm", "a100-80gb-sxm", "h200"):
+        merged = OmegaConf.to_object(OmegaConf.merge(base, OmegaConf.load(CONF_DIR / "hardware" / f"{name}.yaml")))
+        assert merged == load_hardware_preset(name)
+        assert not merged.gemm_profile and merged.calibration_scale == 1.0 and merged.frontend_hop_ms == 0.0

@@ -95,7 +95,7 @@ def recalibrated(hardware):
     import torch
 
     from testbed.model.config import load_model_preset
-    from testbed.sim.overhead import measure_overhead
+    from testbed.sim.calibration import measure_overhead
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

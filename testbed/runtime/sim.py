@@ -7,7 +7,8 @@ Events are (time, seq, action, arg) in a heap; arrivals wait in their own
 sorted list beside it (a 100K-request workload never sits in the heap). A
 worker steps whenever it is idle and has work; the events it emits reach the
 controller when its iteration ends. Commands from the controller and events
-from workers take hardware.frontend_hop_ms: 0 on the GPU presets (control
+from workers take hardware.frontend_hop_ms, and the frontend spends
+frontend_message_ms on each command it sends: 0 on the GPU presets (control
 messages are small next to iterations), measured on this CPU, where the real
 runtime's loopback ZMQ hop is a few percent of a tiny model's TTFT. Commands
 carry the request's prompt as it is: a lazy 1M-token prompt is never copied."""
@@ -108,6 +109,8 @@ class SimRuntime:
         # frontend <-> worker messages (commands, events) take this long; KV
         # goes worker to worker over the link model instead
         self.hop_s = cfg.hardware.frontend_hop_ms * 1e-3
+        self.message_s = cfg.hardware.frontend_message_ms * 1e-3
+        self.frontend_free_s = 0.0
         cost = CostModel(cfg.model, cfg.hardware, cfg.parallel)
         self.footprint = kv_footprint(cfg, cost)
         (log or _stderr)(format_footprint(self.footprint))
@@ -152,8 +155,11 @@ class SimRuntime:
             on_event(ev, now)
 
     def _send(self, worker_id: str, msg: dict) -> None:
-        if self.hop_s:
-            self.at(self.clock.t + self.hop_s, self._handle, (worker_id, msg))
+        if self.hop_s or self.message_s:
+            # the frontend sends one command after another, each a hop away
+            leave = max(self.clock.t, self.frontend_free_s)
+            self.frontend_free_s = leave + self.message_s
+            self.at(leave + self.hop_s, self._handle, (worker_id, msg))
         else:
             self._handle((worker_id, msg))
 

@@ -15,7 +15,10 @@ shapes alike. Each shape's median step time is fitted to
     overhead_ms + overhead_per_seq_ms · num_seqs + calibration_scale · modeled
 where `modeled` is the cost model's time without overhead; all three >= 0,
 minimising relative error (a 1-decode step and a 512-token prefill count
-alike)."""
+alike).
+
+Two frontend figures complete it: the one-way frontend <-> worker hop, from a
+short real run, and the frontend's own time per command it sends."""
 from __future__ import annotations
 
 import dataclasses
@@ -173,3 +176,32 @@ def measure_frontend_hop(model: ModelConfig, num_requests: int = 8) -> float:
     if not way_in or not way_out:
         raise RuntimeError("frontend hop: the real run served no request; check `testbed run` works here")
     return 1e3 * (float(np.median(way_in)) + float(np.median(way_out))) / 2
+
+
+def measure_frontend_message(model: ModelConfig, num_requests: int = 500) -> float:
+    """The frontend's time per command, in ms: the colocated controller routing
+    short requests, each command packed with msgpack and sent over a loopback
+    ZMQ socket, as the real runtime's frontend does."""
+    import zmq
+
+    from testbed.modes.base import WorkerInfo
+    from testbed.modes.colocated import ColocatedController
+    from testbed.workloads.build import build_workload
+    from testbed.workloads.config import WorkloadConfig
+    workload = WorkloadConfig(name="frontend_message", num_requests=num_requests, prompt_dist="fixed",
+                              prompt_len=64, output_dist="fixed", output_len=16)
+    requests = build_workload(workload, model.vocab_size, 0)
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    try:
+        push.connect(f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}")
+        ctl = ColocatedController([WorkerInfo("w", "colocated", 1 << 20, 16)],
+                                  lambda _w, msg: push.send(msgpack.packb(msg)))
+        t0 = time.perf_counter()
+        for req in requests:
+            ctl.on_arrival(req, 0.0)
+        return (time.perf_counter() - t0) / num_requests * 1e3
+    finally:
+        push.close(0)
+        pull.close(0)
+        ctx.term()

@@ -9,7 +9,7 @@ Plain types only (Hydra structured configs). Fields without a default must
 come from a preset: there is no sensible default accelerator."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING as MISSING_FIELD, dataclass, field, fields
 from pathlib import Path
 from typing import Optional
 
@@ -46,12 +46,26 @@ class HardwareConfig:
     # plus the receiver's wake-up), measured by `testbed profile`; 0 on the GPU
     # presets, whose serving frontend is not modeled
     frontend_hop_ms: float = 0.0
+    # the frontend's own time per command (route, serialize, send): commands
+    # leave one after another, so a burst reaches an idle worker spread out
+    # and its first iteration may start with only the first request
+    frontend_message_ms: float = 0.0
     # Measured tables (written by testbed.sim.profile); when present the cost
     # model uses them instead of the roofline for the shapes they cover.
     gemm_profile: list[list[float]] = field(default_factory=list)       # rows [m, n, k, seconds]
     attention_profile: list[list[float]] = field(default_factory=list)  # rows [num_seqs, flops, bytes, seconds]
+    # the preset `testbed profile` measured the fields above for ("" if none):
+    # they describe that machine only (see __post_init__)
+    profiled_for: str = ""
 
     def __post_init__(self) -> None:
+        if self.profiled_for and self.profiled_for != self.name:
+            # Hydra merges a preset (hardware=h100-sxm) over RunConfig's default
+            # hardware, the cpu preset: the fields the GPU preset leaves unset
+            # would keep this CPU's measurements. They are not the GPU's.
+            for f in _MEASURED:
+                setattr(self, f.name, f.default_factory() if f.default_factory is not MISSING_FIELD else f.default)
+            self.profiled_for = ""
         self.validate()
 
     def peak_flops(self, dtype: str) -> float:
@@ -77,7 +91,7 @@ class HardwareConfig:
         if not self.calibration_scale > 0:
             raise ValueError(f"hardware.calibration_scale: must be > 0, got {self.calibration_scale}")
         for f in ("peak_tflops_fp8", "gemm_ramp_tokens", "overhead_ms", "overhead_per_seq_ms",
-                  "frontend_hop_ms"):
+                  "frontend_hop_ms", "frontend_message_ms"):
             if getattr(self, f) < 0:
                 raise ValueError(f"hardware.{f}: must be >= 0, got {getattr(self, f)}")
         for f, width in (("gemm_profile", 4), ("attention_profile", 4)):
@@ -85,6 +99,11 @@ class HardwareConfig:
                 if len(row) != width or row[-1] <= 0:
                     raise ValueError(f"hardware.{f}[{i}]: expected {width} numbers ending in a positive "
                                      f"time in seconds, got {row}; rerun `testbed profile`")
+
+
+_MEASURED = [f for f in fields(HardwareConfig) if f.name in (
+    "overhead_per_seq_ms", "calibration_scale", "frontend_hop_ms", "frontend_message_ms", "gemm_profile",
+    "attention_profile")]
 
 
 @dataclass

@@ -12,9 +12,10 @@ Measures, with one torch thread per worker as the real engine runs:
   count the whole q x ctx rectangle, which SDPA computes before masking;
 - memcpy bandwidth -> hbm_bw_gbps (read plus written bytes), and the best GEMM
   throughput -> peak_tflops, for whatever the tables do not cover;
-- the real engine's step times against the model of them (overhead.py) ->
-  overhead_ms, overhead_per_seq_ms and calibration_scale; and a short real
-  run -> frontend_hop_ms.
+- the real engine's step times against the model of them (calibration.py) ->
+  overhead_ms, overhead_per_seq_ms and calibration_scale; a short real run ->
+  frontend_hop_ms; the frontend routing and sending commands ->
+  frontend_message_ms.
 
 `testbed profile [--quick] [--out PATH] [--model NAME]` runs it (profile_main)."""
 from __future__ import annotations
@@ -148,22 +149,23 @@ def profile_cpu(out_path: str | Path, model_name: str = "tiny", quick: bool = Fa
             # all floats: Hydra's typed list[list[float]] rejects ints
             gemm_profile=[[float(m), float(n), float(k), float(f"{s:.4g}")] for m, n, k, s in gemm_rows],
             attention_profile=[[float(b), float(fl), float(by), float(f"{s:.4g}")]
-                               for b, fl, by, s in attention_rows])
+                               for b, fl, by, s in attention_rows], profiled_for=name)
         overhead_note = "not measured (engine_overhead=False)"
         if engine_overhead:
-            from testbed.sim.overhead import measure_overhead
+            from testbed.sim.calibration import measure_overhead
             fit = measure_overhead(model, hardware, quick)
             hardware.overhead_ms = round(fit.overhead_ms, 4)
             hardware.overhead_per_seq_ms = round(fit.overhead_per_seq_ms, 4)
             hardware.calibration_scale = round(fit.calibration_scale, 4)
-            from testbed.sim.overhead import measure_frontend_hop
+            from testbed.sim.calibration import measure_frontend_hop, measure_frontend_message
             hardware.frontend_hop_ms = round(measure_frontend_hop(model), 4)
+            hardware.frontend_message_ms = round(measure_frontend_message(model), 4)
             for seqs, tokens, wall, modeled in fit.rows:
                 fitted = fit.overhead_ms + fit.overhead_per_seq_ms * seqs + fit.calibration_scale * modeled * 1e3
                 log(f"  step of {seqs:2d} seqs, {tokens:4d} tokens: engine {wall * 1e3:7.2f} ms, "
                     f"model {fitted:7.2f} ms ({fitted / (wall * 1e3) - 1:+.0%})")
             overhead_note = (f"fitted with calibration_scale to the real engine's step times over "
-                             f"{len(fit.rows)} batch shapes (testbed.sim.overhead)")
+                             f"{len(fit.rows)} batch shapes (testbed.sim.calibration)")
     finally:
         torch.set_num_threads(threads)
     header = (f"# Measured on this machine by testbed.sim.profile.profile_cpu ({time.strftime('%Y-%m-%d %H:%M')}):\n"
@@ -172,7 +174,8 @@ def profile_cpu(out_path: str | Path, model_name: str = "tiny", quick: bool = Fa
               "# gemm_profile rows [m, n, k, seconds]; attention_profile rows [num_seqs, flops, bytes, seconds]\n"
               "# of one torch-backend attention call (one layer).\n"
               f"# overhead_ms + overhead_per_seq_ms * num_seqs: {overhead_note}.\n"
-              "# frontend_hop_ms: one way, frontend <-> worker process, from a short real run.\n")
+              "# frontend_hop_ms: one way, frontend <-> worker process, from a short real run;\n"
+              "# frontend_message_ms: the frontend's time to route, pack and send one command.\n")
     body = yaml.safe_dump(dataclasses.asdict(hardware), sort_keys=False, default_flow_style=None, width=120)
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     Path(out_path).write_text(header + body)
@@ -204,7 +207,8 @@ def profile_main(argv: list[str]) -> int:
     print(f"wrote {out} in {time.perf_counter() - t0:.0f} s: {len(hw.gemm_profile)} GEMM rows, "
           f"{len(hw.attention_profile)} attention rows, {hw.peak_tflops * 1e3:.1f} GFLOP/s peak, "
           f"{hw.hbm_bw_gbps:.1f} GB/s copy, overhead {hw.overhead_ms:.3f} ms + {hw.overhead_per_seq_ms:.3f} ms/seq, "
-          f"calibration scale {hw.calibration_scale:.3f}, frontend hop {hw.frontend_hop_ms:.3f} ms")
+          f"calibration scale {hw.calibration_scale:.3f}, frontend hop {hw.frontend_hop_ms:.3f} ms "
+          f"+ {hw.frontend_message_ms:.3f} ms per command")
     hint = f"hardware={out.stem}" if out.parent.resolve() == (CONF_DIR / "hardware").resolve() else \
         f"copy it to {CONF_DIR / 'hardware'} and use hardware={out.stem}"
     print(f"use it: testbed run runtime=sim {hint}")
