@@ -264,11 +264,15 @@ def test_client_aborts_during_prefill_transfer_and_decode():
     """One run over a slow link, three aborts: the long prompt while the
     prefill worker computes it (at its second iteration after the
     reservation), the first request whose KV is on the link (at `prefilled`),
-    and the first request the decode worker has started (at `kv_received`)."""
-    cfg = config(transfer=SLOW_LINK, workload={"inject_output_len": [16]})
+    and the first request the decode worker has started (at `kv_received`).
+    66 blocks per worker: the long prompt's reservation (65) leaves no room,
+    so the requests behind it wait while the decode worker sits idle; its
+    abort must free them (an idle worker reports no iterations)."""
+    cfg = config(transfer=SLOW_LINK, num_kv_blocks=66)
     long_rid, watch = long_request(cfg), Watch()
     aborted: dict[str, str] = {}
     prefill_its = [None]
+    waiting_behind_long: list[int] = []
 
     def hook(rt: RealRuntime, ev: dict) -> None:
         kind, rid = ev["type"], ev.get("id")
@@ -280,6 +284,7 @@ def test_client_aborts_during_prefill_transfer_and_decode():
             prefill_its[0] += 1
             if prefill_its[0] == 2:
                 aborted["prefill"] = long_rid
+                waiting_behind_long.append(len(rt.controller.queue))
                 rt.controller.abort(long_rid, now)
         elif kind == "prefilled" and rid != long_rid and "transfer" not in aborted:
             aborted["transfer"] = rid
@@ -297,6 +302,7 @@ def test_client_aborts_during_prefill_transfer_and_decode():
     assert during_transfer.transfer_start_s is not None and during_transfer.transfer_end_s is None
     assert watch.count("kv_received", id=aborted["transfer"]) == 0
     assert during_decode.transfer_end_s is not None and len(during_decode.output_token_ids) >= 1
+    assert waiting_behind_long[0] >= 1 and watch.count("free_blocks", worker="decode0") >= 1
 
 
 # ---- out of KV blocks, corruption ---------------------------------------------------------
