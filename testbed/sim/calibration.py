@@ -11,7 +11,10 @@ with msgpack as a worker process does) step batches of known shapes: decode
 batches of 1 to 32 requests (contexts spread over 64..512), whole prefills of
 16 to 512 tokens, and a 64-token chunk beside 1 to 8 decodes; one step of each
 shape per round, so that whatever else runs on the machine spreads over all
-shapes alike. Each shape's median step time is fitted to
+shapes alike. A burst served by the real runtime adds the same engine's
+iterations as a worker process sees them (beside the frontend, events over
+ZMQ), each paired with the batch the simulator runs at that point. Each
+shape's median step time is fitted to
     overhead_ms + overhead_per_seq_ms · num_seqs + calibration_scale · modeled
 where `modeled` is the cost model's time without overhead; all three >= 0,
 minimising relative error (a 1-decode step and a 512-token prefill count
@@ -52,14 +55,17 @@ class _Recording(Executor):
     """Delegates to the real executor and remembers each batch's (new tokens,
     context) pairs, which is what the cost model prices."""
 
-    def __init__(self, inner: Executor):
+    def __init__(self, inner: Executor, history: list | None = None):
         self.inner = inner
         self.kv_bytes_per_token = inner.kv_bytes_per_token
         self.num_layers = inner.num_layers
         self.pairs: list[tuple[int, int]] = []
+        self.history = history
 
     def execute(self, batch: Batch, on_layer_done: LayerHook | None = None) -> StepResult:
         self.pairs = [(s.num_tokens, s.end) for s in batch.slices]
+        if self.history is not None:
+            self.history.append(self.pairs)
         return self.inner.execute(batch, on_layer_done)
 
 
@@ -83,10 +89,12 @@ def _timed_steps(svc: WorkerService, rec: _Recording, n: int) -> list[tuple[list
     return out
 
 
-def measure_overhead(model: ModelConfig, hardware: HardwareConfig, quick: bool = False) -> OverheadFit:
+def measure_overhead(model: ModelConfig, hardware: HardwareConfig, quick: bool = False,
+                     in_runtime: bool = True) -> OverheadFit:
     """Fit the overhead terms and the calibration scale for `hardware` (whose
     tables were just measured on this machine) from real steps of `model`."""
-    bare = dataclasses.replace(hardware, overhead_ms=0.0, overhead_per_seq_ms=0.0, calibration_scale=1.0)
+    bare = dataclasses.replace(hardware, overhead_ms=0.0, overhead_per_seq_ms=0.0, calibration_scale=1.0,
+                               frontend_hop_ms=0.0, frontend_message_ms=0.0)
     cost = CostModel(model, bare)
     decode_batches = (1, 4, 16) if quick else (1, 2, 3, 4, 6, 8, 16, 32)
     prefills = (32, 256) if quick else (16, 64, 256, 512)
@@ -125,11 +133,51 @@ def measure_overhead(model: ModelConfig, hardware: HardwareConfig, quick: bool =
         for pairs, wall in timed:
             key = (len(pairs), sum(q for q, _ in pairs))
             samples.setdefault(key, []).append((wall, cost.iteration_time_s(pairs)))
+    if in_runtime:
+        for key, xs in _runtime_samples(model, bare).items():
+            samples.setdefault(key, []).extend(xs)
     rows = []
     for (num_seqs, num_tokens), xs in sorted(samples.items()):
         walls, modeled = zip(*xs)
         rows.append((num_seqs, num_tokens, float(np.median(walls)), float(np.median(modeled))))
     return _fit(rows)
+
+
+def _runtime_samples(model: ModelConfig, bare: HardwareConfig) -> dict[tuple[int, int], list[tuple[float, float]]]:
+    """Step times inside the real runtime (a worker process beside the
+    frontend, events over ZMQ), which the in-process steps above do not see.
+    A burst of requests is served by runtime=real and by runtime=sim on the
+    bare cost model: both run the same iterations (the first holds only the
+    first prompt, whatever arrived by then; tests/test_sim.py checks the
+    schedules match), so each real iteration's time to the next one pairs
+    with the batch the simulator priced. Empty if the schedules differ."""
+    from testbed.config import RunConfig, WandbConfig
+    from testbed.runtime.real import RealRuntime
+    from testbed.runtime.sim import SimRuntime
+    from testbed.workloads.build import build_workload
+    from testbed.workloads.config import WorkloadConfig
+    prompts = [96, 16, 200, 40, 130, 64, 300, 24, 80, 160]
+    outputs = [48, 12, 30, 40, 8, 56, 20, 36, 16, 44]
+    workload = WorkloadConfig(name="calibration", num_requests=0, arrival="burst",
+                              inject_arrival_s=[0.0] * len(prompts), inject_prompt_len=prompts,
+                              inject_output_len=outputs)
+    cfg = RunConfig(model=model, workload=workload, scheduler="sarathi", token_budget=96, num_kv_blocks=256,
+                    hardware=bare, wandb=WandbConfig(mode="disabled"), progress=False)
+    real = RealRuntime(cfg).run(build_workload(workload, model.vocab_size, 0)).iterations
+    sim = SimRuntime(cfg, log=lambda _: None)
+    batches: list[list[tuple[int, int]]] = []
+    for svc in sim.services.values():
+        svc.engine.executor = _Recording(svc.engine.executor, batches)
+    simulated = sim.run(build_workload(workload, model.vocab_size, 0)).iterations
+    shape = [[(it.num_prefill_tokens, it.num_decode_tokens) for it in its] for its in (real, simulated)]
+    if shape[0] != shape[1]:
+        return {}
+    cost = CostModel(model, bare)
+    samples: dict[tuple[int, int], list[tuple[float, float]]] = {}
+    for it, nxt, pairs in zip(real, real[1:], batches):
+        key = (len(pairs), sum(q for q, _ in pairs))
+        samples.setdefault(key, []).append((nxt.start_s - it.start_s, cost.iteration_time_s(pairs)))
+    return samples
 
 
 def _fit(rows: list[tuple[int, int, float, float]]) -> OverheadFit:
