@@ -10,6 +10,7 @@ from typing import Callable
 
 from testbed.batch import Batch
 from testbed.engine import Engine, StepOutput
+from testbed.kv_transfer.base import TransferError
 from testbed.request import Request, RequestStatus
 from testbed.runtime.kv_port import KVPort
 from testbed.runtime.protocol import failed, finished_msg, request_from_msg
@@ -30,6 +31,7 @@ class WorkerService:
         self.awaiting_release: set[str] = set()                  # prefill: KV sent, waiting for the ack
         # prefill, layer-wise: id -> (engine time its first layer left, bytes sent so far)
         self.streamed: dict[str, tuple[float, int]] = {}
+        self.send_failed: dict[str, str] = {}                    # prefill, layer-wise: id -> why a layer did not go
         self.reserved: dict[str, Request] = {}                   # decode: blocks held, KV not yet complete
         self.stopping = False
 
@@ -73,6 +75,7 @@ class WorkerService:
         self.reserved.pop(request_id, None)
         self.handoff.pop(request_id, None)
         self.streamed.pop(request_id, None)
+        self.send_failed.pop(request_id, None)
         self.engine.release(request_id)
         if self.role == "decode":
             # an idle decode worker reports no iteration: without this the router would
@@ -127,10 +130,15 @@ class WorkerService:
             return
         for sl in batch.slices:
             req = sl.request
-            if sl.end == req.prompt_len and req.request_id in self.handoff:
-                start_s, so_far = self.streamed.get(req.request_id, (self.engine.clock.now(), 0))
-                sent = self._send(req, (layer, layer + 1), last=False, meta={})
-                self.streamed[req.request_id] = (start_s, so_far + sent)
+            rid = req.request_id
+            if sl.end == req.prompt_len and rid in self.handoff and rid not in self.send_failed:
+                start_s, so_far = self.streamed.get(rid, (self.engine.clock.now(), 0))
+                try:
+                    sent = self._send(req, (layer, layer + 1), last=False, meta={})
+                except TransferError as e:       # failed at the hand-off, once the step is over
+                    self.send_failed[rid] = str(e)
+                    continue
+                self.streamed[rid] = (start_s, so_far + sent)
 
     def _hand_off(self, req: Request, now: float, last_iteration_s: float) -> None:
         first = (self.num_layers - 1) if self.layerwise else 0
@@ -138,7 +146,17 @@ class WorkerService:
                 "first_scheduled_s": req.first_scheduled_s, "num_preemptions": req.num_preemptions}
         # layer-wise, the earlier layers left during the step: count them, and start the transfer there
         start_s, streamed = self.streamed.pop(req.request_id, (now, 0))
-        sent = streamed + self._send(req, (first, self.num_layers), last=True, meta=meta)
+        why = self.send_failed.pop(req.request_id, None)
+        if why is None:
+            try:
+                sent = streamed + self._send(req, (first, self.num_layers), last=True, meta=meta)
+            except TransferError as e:
+                why = str(e)
+        if why is not None:
+            # the frontend releases the decode side's reservation when it sees this
+            self._release(req.request_id)
+            self.emit(failed(req.request_id, f"KV transfer failed: {why}"))
+            return
         self.awaiting_release.add(req.request_id)
         self.emit({"type": "prefilled", "id": req.request_id, "worker": self.worker_id, "t": now,
                    "kv_bytes": sent, "transfer_start_s": start_s})

@@ -4,7 +4,6 @@ decode side writes verified arrivals straight into the reserved blocks and
 acknowledges them to the sender."""
 from __future__ import annotations
 
-import sys
 from collections import OrderedDict
 
 import torch
@@ -70,10 +69,10 @@ class RealKVPort(KVPort):
                           last=last, meta=meta, out=self._staging(request_id, nbytes))
         try:
             self.sender.send(peer, payload)
-        except TransferError as e:
-            # the peer is gone or stuck; the frontend's liveness check fails the request
-            print(f"kv send of {request_id} to {peer} failed: {e}", file=sys.stderr)
-            return 0
+        except (TransferError, RuntimeError) as e:
+            # RuntimeError: gloo's, at once, for a peer whose process is gone. The worker fails
+            # the request: a live peer's reservation would otherwise wait until timeout_s
+            raise TransferError(f"KV of {request_id} to {peer}: {e}") from e
         # the logical KV of the prompt (the wire also carries the last block's padding)
         return num_tokens * self.kv_bytes_per_token * (layers[1] - layers[0]) // self.num_layers
 
