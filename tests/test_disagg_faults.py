@@ -230,6 +230,37 @@ def test_decode_worker_killed_with_a_reservation_in_flight():
           {"prefill0", *({"decode0", "decode1"} - {dead})})
 
 
+def test_decode_worker_killed_before_its_kv_is_sent_over_gloo():
+    """1P2D over gloo, a burst: the decode worker that answers the first
+    reservation is killed right then. The prefill worker computes that prompt
+    and, unless the frontend's abort reaches it first, sends the KV to a rank
+    whose process is gone or going: gloo raises at once when it has seen the
+    connection close (a crash of the prefill worker, and of the run, before
+    the KV port caught it), else the bytes are lost. Either way that request
+    fails (its worker died, or its KV could not be sent) and the prefill
+    worker goes on serving the rest through the other decode worker."""
+    cfg = config(decode_workers=2, transfer={"transport": "torch_dist"},
+                 workload={"arrival": "burst", "inject_arrival_s": [0.0]})
+    watch, killed = Watch(), []
+
+    def hook(rt: RealRuntime, ev: dict) -> None:
+        if ev["type"] == "reserved" and not killed:
+            killed.append((ev["worker"], ev["id"]))
+            rt.kill(ev["worker"])
+
+    result = run(cfg, watch, hook)
+    ((dead, first),) = killed
+    records = {r.request_id: r for r in result.records}
+    failed = {rid for rid, r in records.items() if r.status != "finished"}
+    assert first in failed and all(watch.reserved_on[rid] == dead for rid in failed)
+    for rid in failed:
+        err = records[rid].error
+        assert err == f"worker {dead} died" or err.startswith(f"KV transfer failed: KV of {rid} to {dead}: "), err
+    check(result, cfg, {rid: ("failed", records[rid].error) for rid in failed},
+          {"prefill0", *({"decode0", "decode1"} - {dead})})
+    assert len(failed) < len(records) - 2
+
+
 def test_prefill_worker_killed_mid_prefill():
     """2P1D: the prefill worker chosen for the long prompt is killed after two
     of its iterations once it got the prompt (16 chunks, so it is mid-prefill).
