@@ -7,7 +7,9 @@ previous one has left (a token bucket with no burst allowance), then arrives
 payload to the inner sender. send() returns at once, so a prefill worker
 keeps computing while its layers are "on the wire" (what layer-wise streaming
 overlaps); flush() waits for the link to drain. Only sending is shaped: the
-receiving side is the inner transport's own receiver.
+receiving side is the inner transport's own receiver. A failed delivery fails
+that peer only: its queued payloads are dropped, later sends to it raise
+TransferError, and the link keeps serving the other peers.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ class ShapedSender(KVSender):
         self._link_free_at = 0.0          # monotonic time the link finishes its last queued payload
         self._num_queued = 0
         self._num_delivered = 0
-        self._error: BaseException | None = None
+        self._failed_peers: dict[str, BaseException] = {}
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"shaped-link-{self.name}", daemon=True)
         self._thread.start()
@@ -49,6 +51,9 @@ class ShapedSender(KVSender):
     def send(self, peer: str, payload: KVPayload) -> None:
         with self._cond:
             self._raise_if_failed()
+            if peer in self._failed_peers:
+                raise TransferError(f"sender {self.name}: the link to {peer} failed: "
+                                    f"{self._failed_peers[peer]}") from self._failed_peers[peer]
             start = max(time.monotonic(), self._link_free_at)
             self._link_free_at = start + payload.nbytes / self.rate_bytes_per_s
             self._queue.append((self._link_free_at + self.latency_s, peer, payload))
@@ -58,8 +63,7 @@ class ShapedSender(KVSender):
     def flush(self, timeout_s: float | None = None) -> None:
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         with self._cond:
-            done = self._cond.wait_for(lambda: self._error is not None or self._closed
-                                       or self._num_delivered == self._num_queued,
+            done = self._cond.wait_for(lambda: self._closed or self._num_delivered == self._num_queued,
                                        max(0.0, deadline - time.monotonic()))
             self._raise_if_failed()
             if not done:
@@ -87,8 +91,6 @@ class ShapedSender(KVSender):
         self.inner.close()
 
     def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise TransferError(f"sender {self.name}: the shaped link failed: {self._error}") from self._error
         if self._closed:
             raise TransferError(f"sender {self.name} is closed")
 
@@ -109,12 +111,15 @@ class ShapedSender(KVSender):
             try:
                 with self._inner_lock:
                     self.inner.send(peer, payload)
-            except BaseException as e:             # surfaced to the caller by its next send/flush
+            except Exception as e:                 # that peer is gone: fail it, keep the link for the rest
                 with self._cond:
-                    self._error = e
-                    self._queue.clear()
+                    self._failed_peers[peer] = e
+                    dropped = [item for item in self._queue if item[1] == peer]
+                    for item in dropped:
+                        self._queue.remove(item)
+                    self._num_delivered += 1 + len(dropped)
                     self._cond.notify_all()
-                return
+                continue
             with self._cond:
                 self._num_delivered += 1
                 self._cond.notify_all()

@@ -105,7 +105,11 @@ class TorchDistSender(ChannelSender):
             flat = flat.to(self.group.device)
         sock.send_multipart([HEADER, payload.encode_header(), msgpack.packb(self.group.rank)])
         # the work keeps `flat` alive until the receiver has taken it
-        self._in_flight.append((self.group.pg.send([flat], self._ranks[peer], DATA_TAG), flat))
+        try:
+            work = self.group.pg.send([flat], self._ranks[peer], DATA_TAG)
+        except RuntimeError as e:      # gloo: the peer's rank is gone
+            raise TransferError(f"sender {self.name}: send to {peer} (rank {self._ranks[peer]}) failed: {e}") from None
+        self._in_flight.append((work, flat))
         while self._in_flight and self._in_flight[0][0].is_completed():
             self._in_flight.popleft()
 
