@@ -4,9 +4,16 @@ Plain dicts with a "type" key, msgpack-able (never pickled): the real runtime
 sends them over ZMQ, the simulator hands them over in virtual-time order. A
 request travels as its fields; token ids as lists of ints.
 
-frontend -> worker: add, reserve, prefill, release, abort, stop
-worker -> frontend: ready, tokens, finished, reserved, rejected, prefilled,
-                    kv_received, failed, iterations, stats
+frontend -> worker: add, prefill, reserve, release, abort, connect, stop (ping
+                    only wakes the route)
+worker -> frontend: ready; tokens (items [id, token, engine_s, index]: a disagg
+                    request's first token and the rest come from two workers on
+                    two sockets, the index restores their order); finished
+                    (also for failed and aborted requests); preempted; iteration
+                    (one per engine step, with the worker's free KV blocks);
+                    free_blocks (a decode worker that freed blocks outside a
+                    step); reserved / rejected; prefilled; kv_received; stats
+                    (at stop: free blocks, leaks); error (a worker crashed)
 """
 from __future__ import annotations
 
