@@ -133,6 +133,20 @@ class ModeController(ABC):
         self.on_request_end(rid, ev, now)
         self._resolve(rid, ev["status"], ev.get("error"), now)
 
+    def _fail_if_never_fits(self, req: Request, pool: list[str], what: str, now: float) -> bool:
+        """A request whose prompt and outputs need more KV blocks than any worker
+        of `pool` has would wait (or preempt itself) forever and block the queue
+        behind it: fail it at once instead of at the run's timeout."""
+        most = max(self.workers[w].num_blocks for w in pool)
+        need = -(-(req.prompt_len + req.max_tokens - 1) // self.workers[pool[0]].block_size)
+        if need <= most:
+            return False
+        self._resolve(req.request_id, "failed",
+                      f"prompt of {req.prompt_len} tokens plus {req.max_tokens} outputs needs {need} KV blocks, "
+                      f"more than a {what} has ({most}, num_kv_blocks); raise num_kv_blocks or clip "
+                      f"workload.max_prompt_len / workload.max_output_len", now)
+        return True
+
     def _resolve(self, rid: str, status: str, error: str | None, now: float) -> None:
         rec = self.records[rid]
         rec.status, rec.error, rec.finish_s = status, error, now

@@ -26,15 +26,7 @@ class ColocatedController(ModeController):
         return alive[(self._next - 1) % len(alive)]
 
     def route(self, req: Request, now: float) -> None:
-        # A request whose whole life cannot fit in a replica's KV would wait (or
-        # preempt itself) forever: fail it now instead of at the run's timeout.
-        info = self.workers[self.replicas[0]]
-        need = -(-(req.prompt_len + req.max_tokens - 1) // info.block_size)
-        if need > info.num_blocks:
-            self._resolve(req.request_id, "failed",
-                          f"prompt of {req.prompt_len} tokens plus {req.max_tokens} outputs needs {need} KV blocks, "
-                          f"more than a replica has ({info.num_blocks}, num_kv_blocks); raise num_kv_blocks or "
-                          f"clip workload.max_prompt_len / workload.max_output_len", now)
+        if self._fail_if_never_fits(req, self.replicas, "replica", now):
             return
         w = self._pick()
         self.outstanding[w] += 1

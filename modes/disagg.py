@@ -46,16 +46,8 @@ class DisaggController(ModeController):
         return -(-(req.prompt_len + 1) // self.workers[self.decode[0]].block_size)
 
     def route(self, req: Request, now: float) -> None:
-        # The decode worker ends up holding the prompt's and the outputs' KV: a
-        # request that cannot fit there alone would preempt itself forever and
-        # block the queue behind it. Fail it now, as the colocated router does.
-        bs = self.workers[self.decode[0]].block_size
-        need = -(-(req.prompt_len + req.max_tokens - 1) // bs)
-        if need > max(self.workers[w].num_blocks for w in self.decode):
-            self._resolve(req.request_id, "failed",
-                          f"prompt of {req.prompt_len} tokens plus {req.max_tokens} outputs needs {need} KV blocks, "
-                          f"more than a decode worker has (num_kv_blocks); raise num_kv_blocks or clip "
-                          f"workload.max_prompt_len / workload.max_output_len", now)
+        # the decode worker ends up holding the prompt's and the outputs' KV
+        if self._fail_if_never_fits(req, self.decode, "decode worker", now):
             return
         gone = self._dead_pool()
         if gone is not None:
