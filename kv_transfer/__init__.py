@@ -1,15 +1,25 @@
 """KV transfer between disaggregated workers: payloads (payload.py), packing
 a paged cache into them (pack.py), the sender/receiver interface (base.py) and
-its transports (zmq, torch_dist, shaped), chosen by name in registry.py."""
-from testbed.kv_transfer.base import Ack, KVReceiver, KVSender, TransferError
-from testbed.kv_transfer.config import TransferConfig
-from testbed.kv_transfer.pack import coalesce_runs, pack_kv, unpack_kv
-from testbed.kv_transfer.payload import KVPayload, PayloadError
-from testbed.kv_transfer.registry import make_receiver, make_sender
-from testbed.kv_transfer.torch_dist import TorchDistGroup, start_rendezvous
+its transports (zmq, torch_dist, shaped), chosen by name in registry.py.
 
-__all__ = [
-    "Ack", "KVPayload", "KVReceiver", "KVSender", "PayloadError", "TorchDistGroup", "TransferConfig",
-    "TransferError", "coalesce_runs", "make_receiver", "make_sender", "pack_kv", "start_rendezvous",
-    "unpack_kv",
-]
+Names are resolved on first use, so that reading a TransferConfig (every run
+config does) does not import torch: the simulator starts in a fraction of the time."""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "Ack": "base", "KVReceiver": "base", "KVSender": "base", "TransferError": "base",
+    "TransferConfig": "config",
+    "coalesce_runs": "pack", "pack_kv": "pack", "unpack_kv": "pack",
+    "KVPayload": "payload", "PayloadError": "payload",
+    "make_receiver": "registry", "make_sender": "registry",
+    "TorchDistGroup": "torch_dist", "start_rendezvous": "torch_dist",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'testbed.kv_transfer' has no attribute '{name}'")
+    return getattr(importlib.import_module(f"testbed.kv_transfer.{_EXPORTS[name]}"), name)

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from testbed.kv_transfer.payload import KVPayload
+if TYPE_CHECKING:       # payload.py imports torch; the interface itself does not need it
+    from testbed.kv_transfer.payload import KVPayload
 
 
 class TransferError(RuntimeError):

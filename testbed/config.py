@@ -65,7 +65,9 @@ class RunConfig:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     slo: SLOConfig = field(default_factory=SLOConfig)
     # the presets conf/config.yaml selects (hardware=NAME, link=NAME)
-    hardware: HardwareConfig = field(default_factory=lambda: load_hardware_preset("cpu"))
+    # the schema's default is a table-free GPU preset: Hydra merges the chosen preset
+    # over it, so a profiled cpu.yaml's measured tables can never leak into another
+    hardware: HardwareConfig = field(default_factory=lambda: load_hardware_preset("h100-sxm"))
     link: LinkConfig = field(default_factory=lambda: load_link_preset("tcp-25"))
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
@@ -78,13 +80,14 @@ def _one_of(field_name: str, value: str, choices) -> None:
 
 
 def validate(cfg: RunConfig) -> None:
-    from testbed.kernels.attention import attention_backend_names
     from testbed.schedulers import SCHEDULERS
     _one_of("mode", cfg.mode, MODES)
     _one_of("runtime", cfg.runtime, RUNTIMES)
     _one_of("scheduler", cfg.scheduler, SCHEDULERS)
     _one_of("router", cfg.router, ROUTERS)
-    _one_of("attention_backend", cfg.attention_backend, attention_backend_names())
+    if cfg.runtime == "real":      # (the registry imports torch; the simulator never needs it)
+        from testbed.kernels.attention import attention_backend_names
+        _one_of("attention_backend", cfg.attention_backend, attention_backend_names())
     _one_of("wandb.mode", cfg.wandb.mode, ("offline", "online", "disabled"))
     for f in ("token_budget", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size",
               "replicas", "prefill_workers", "decode_workers", "torch_threads"):
