@@ -65,9 +65,9 @@ class RunConfig:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     slo: SLOConfig = field(default_factory=SLOConfig)
     # the presets conf/config.yaml selects (hardware=NAME, link=NAME)
-    # the schema's default is a table-free GPU preset: Hydra merges the chosen preset
-    # over it, so a profiled cpu.yaml's measured tables can never leak into another
-    hardware: HardwareConfig = field(default_factory=lambda: load_hardware_preset("h100-sxm"))
+    # Hydra merges the chosen preset over this default; measured tables only count for
+    # the preset named in their profiled_for, so cpu.yaml's never leak into a GPU's
+    hardware: HardwareConfig = field(default_factory=lambda: load_hardware_preset("cpu"))
     link: LinkConfig = field(default_factory=lambda: load_link_preset("tcp-25"))
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
