@@ -17,6 +17,17 @@ _STUDIES = {
 }
 
 
+def save_figure(fig, path: Path, title: str | None = None) -> Path:
+    """Every study's figure epilogue: title, tight layout, PNG at 110 dpi, closed."""
+    import matplotlib.pyplot as plt
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def run_experiment(cfg, out_dir: str | Path) -> dict:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from testbed.config import RunConfig
+from testbed.experiments import save_figure
 from testbed.kv_transfer import TransferConfig
 from testbed.model.config import load_model_preset
 from testbed.sim.config import LinkConfig, link_preset_names, load_hardware_preset, load_link_preset
@@ -207,10 +208,8 @@ def _plot(rows: list[dict], summary: list[dict], out: Path) -> list[Path]:
             ax.set_xlabel("context length L (tokens)")
             ax.set_ylabel("ms per prompt")
             ax.legend(fontsize=6, loc="upper left")
-        fig.tight_layout()
         path = out / f"crossover_{model}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        save_figure(fig, path)
         paths.append(path)
     return paths
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from testbed.experiments import save_figure
 from testbed.batch import Batch, ScheduledSlice
 from testbed.config import RunConfig
 from testbed.model.config import load_model_preset
@@ -171,10 +172,7 @@ def _plot_overhead(rows: list[dict], path: Path) -> None:
         ax.set_xlabel("prompt length (tokens)")
         ax.set_ylabel("chunked / whole prefill time")
         ax.legend(fontsize=7)
-    fig.suptitle("Prefill time in chunks of C over one whole prefill (Sarathi-Serve Fig. 9a)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, "Prefill time in chunks of C over one whole prefill (Sarathi-Serve Fig. 9a)")
 
 
 def run_chunk_overhead(cfg: RunConfig, out: Path, log=print) -> dict:
@@ -275,10 +273,7 @@ def _plot_hybrid(rows: list[dict], path: Path) -> None:
         ax.set_ylabel("iteration ms (= the decodes' TBT)")
         ax.set_title(f"{model} on {hw} ({'measured' if source == 'real' else 'cost model'})")
         ax.legend(fontsize=7, loc="upper left")
-    fig.suptitle("One iteration: decodes alone, with a prompt's last chunk (blue), with a whole prefill (red)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, "One iteration: decodes alone, with a prompt's last chunk (blue), with a whole prefill (red)")
 
 
 def run_hybrid_batch(cfg: RunConfig, out: Path, log=print) -> dict:

@@ -20,6 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from testbed.experiments import save_figure
 from testbed.config import RunConfig
 from testbed.experiments.config import ExperimentConfig, parse_split
 from testbed.metrics import read_requests
@@ -110,10 +111,7 @@ def _plot_stall(runs: list[tuple[Policy, Path]], cfg: RunConfig, path: Path) -> 
         ax.set_ylabel("TBT ms")
     axes[0, 0].legend(fontsize=7, loc="upper right")
     axes[-1, 0].set_xlabel("time since the first arrival (s); dashed: a long prompt arrives")
-    fig.suptitle(f"A long prompt among running decodes ({cfg.model.name}, real engine on this CPU)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, f"A long prompt among running decodes ({cfg.model.name}, real engine on this CPU)")
 
 
 def run_stall(cfg: RunConfig, out: Path, log=print) -> dict:
@@ -265,10 +263,7 @@ def _plot_capacity(rows: list[dict], probe_rows: list[dict], path: Path) -> None
             ax.set_xlabel("offered rate, req/s per GPU")
             ax.set_ylabel(name)
             ax.legend(fontsize=6)
-    fig.suptitle("Capacity under p99 TTFT and TBT SLOs, colocated vs disaggregated at equal GPU count")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, "Capacity under p99 TTFT and TBT SLOs, colocated vs disaggregated at equal GPU count")
 
 
 def run_capacity(cfg: RunConfig, out: Path, log=print) -> dict:
