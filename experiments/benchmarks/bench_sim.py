@@ -108,6 +108,39 @@ def recalibrated(hardware):
                                calibration_scale=fit.calibration_scale)
 
 
+def _timed_run(label: str, overrides: list[str], out: Path) -> None:
+    """One `testbed run` in a fresh process: wall time (start-up included), peak RSS."""
+    cmd = [sys.executable, "-m", "testbed.cli", "run", *overrides, f"hydra.run.dir={out}"]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    summary = json.loads((out / "summary.json").read_text())
+    print(f"{label:<22} wall {wall:6.2f} s  cpu {cpu:6.2f} s  peak RSS {after.ru_maxrss / 1024:6.0f} MiB  "
+          f"{summary['num_finished']}/{summary['num_requests']} finished, "
+          f"{summary['iterations']['num_iterations']} iterations, "
+          f"{summary['num_requests'] / wall:,.0f} simulated requests/s")
+
+
+def scale(args) -> int:
+    """A 1M-token prompt (llama3-8b, TP8 on h100-sxm) and a 100K-request chat
+    workload: memory stays flat (peak RSS of the largest child so far)."""
+    common = ["runtime=sim", "model=llama3-8b", "hardware=h100-sxm", "wandb.mode=disabled", "progress=false",
+              "enable_prefix_caching=false", *args.override]
+    _timed_run("1M-token prompt, tp8", [*common, "parallel=tp8", "num_kv_blocks=70000", "workload.num_requests=1",
+                                         "workload.prompt_dist=fixed", "workload.prompt_len=1048576",
+                                         "workload.max_prompt_len=null", "workload.output_dist=fixed",
+                                         "workload.output_len=16", "workload.arrival=burst"],
+               Path(args.out) / "scale-1m-prompt")
+    for mode in ("colocated", "disagg"):
+        _timed_run(f"100K chat, {mode}", [*common, f"mode={mode}", "workload=chat", "workload.num_requests=100000",
+                                          "workload.rate=20", "num_kv_blocks=20000"],
+                   Path(args.out) / f"scale-100k-{mode}")
+    return 0
+
+
 def speed(args) -> int:
     """Each case in a fresh process, so the timing includes start-up (imports)."""
     base = ["runtime=sim", "model=llama3-8b", "hardware=h100-sxm", "link=rdma-400", "workload=azure_code",
@@ -116,26 +149,14 @@ def speed(args) -> int:
     if args.no_prefix_caching:
         base.append("enable_prefix_caching=false")
     for mode in ("colocated", "disagg"):
-        out = Path(args.out) / f"speed-{mode}"
-        cmd = [sys.executable, "-m", "testbed.cli", "run", f"mode={mode}", *base, *args.override,
-               f"hydra.run.dir={out}"]
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        t0 = time.perf_counter()
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        wall = time.perf_counter() - t0
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
-        summary = json.loads((out / "summary.json").read_text())
-        print(f"{mode:<10} wall {wall:6.2f} s  cpu {cpu:6.2f} s  peak RSS {after.ru_maxrss / 1024:6.0f} MiB  "
-              f"{summary['num_finished']}/{summary['num_requests']} finished, "
-              f"{summary['iterations']['num_iterations']} iterations, "
-              f"{summary['num_requests'] / wall:,.0f} simulated requests/s")
+        _timed_run(mode, [f"mode={mode}", *base, *args.override], Path(args.out) / f"speed-{mode}")
     return 0
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--speed", action="store_true", help="time the simulator on the Azure code trace")
+    p.add_argument("--scale", action="store_true", help="a 1M-token prompt and 100K requests: time and peak RSS")
     p.add_argument("--no-prefix-caching", action="store_true", help="--speed with enable_prefix_caching=false")
     p.add_argument("--profile", action="store_true", help="run `testbed profile` into --hardware first")
     p.add_argument("--hardware", default=str(CONF_DIR / "hardware" / "cpu.yaml"))
@@ -146,6 +167,8 @@ def main() -> int:
     p.add_argument("--out", default="/tmp/bench_sim")
     p.add_argument("override", nargs="*", help="extra Hydra overrides for every run")
     args = p.parse_args()
+    if args.scale:
+        return scale(args)
     return speed(args) if args.speed else fidelity(args)
 
 
