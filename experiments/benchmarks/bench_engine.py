@@ -25,7 +25,6 @@ parallel region waits for a descheduled thread and the figures mean nothing.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import time
@@ -238,7 +237,7 @@ def main() -> None:
               f"{r['tokens'] / r['engine_s']:12.0f} {r['tokens'] / r['dense_s']:11.0f} {ratio:6.0%} {best:6.0%} "
               f"{target:6.0%} {gflops:8.1f} {gflops / peak:6.0%}" + ("" if ratio >= target else "  MISSED"))
     print("\nbaselines: " + "; ".join(sorted({f"{r['phase'].split()[0]}: {r['baseline']}" for _, r, _ in rows})))
-    print(f"spreads (min-max ms): " + "; ".join(
+    print("spreads (min-max ms): " + "; ".join(
         f"{n} {r['phase']}: engine {r['engine_spread'][0] * 1e3:.0f}-{r['engine_spread'][1] * 1e3:.0f}, "
         f"dense {r['dense_spread'][0] * 1e3:.0f}-{r['dense_spread'][1] * 1e3:.0f}" for n, r, _ in rows))
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")

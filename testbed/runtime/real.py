@@ -23,7 +23,6 @@ from testbed.engine import WallClock
 from testbed.metrics import IterationRecord, RequestRecord
 from testbed.modes.base import ModeController, WorkerInfo
 from testbed.request import Request
-from testbed.runtime.protocol import request_to_msg
 from testbed.runtime.worker_process import worker_main
 
 READY_TIMEOUT_S = 120.0

@@ -3,7 +3,7 @@ when the previous one has drained; its requests reserve KV for their whole
 lifetime (prompt + max_tokens) and nobody joins until all of them finish."""
 from __future__ import annotations
 
-from testbed.batch import Batch, ScheduledSlice
+from testbed.batch import Batch
 from testbed.schedulers.base import Scheduler
 
 
