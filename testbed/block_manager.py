@@ -184,8 +184,10 @@ class BlockManager:
             raise AssertionError(f"commit: request {rid} has {request.num_computed_tokens} computed tokens "
                                  f"but only {len(table)} blocks of {bs}")
         parent_hash, parent_serial = chain[-1] if chain else (ROOT_HASH, ROOT_SERIAL)
+        # one fetch for every block that filled: a lazy prompt pays per call, not per token
+        new_tokens = request.token_ids(done * bs, num_full * bs)
         for i in range(done, num_full):
-            tokens = tuple(request.token_ids(i * bs, (i + 1) * bs))
+            tokens = tuple(new_tokens[(i - done) * bs:(i - done + 1) * bs])
             h = self.hash_block(parent_hash, tokens)
             cached_id = self._hash_to_block.get(h)
             if cached_id is None:
