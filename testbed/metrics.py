@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from testbed.batch import Batch, StepResult
+from testbed.jsonl import jsonl_objects
 from testbed.request import Request
 
 PERCENTILES = {"p50": 50.0, "p90": 90.0, "p99": 99.0, "p999": 99.9}
@@ -282,24 +283,15 @@ def write_jsonl(path: str | Path, records: Iterable[RequestRecord | IterationRec
 def _read_jsonl(path: str | Path, cls: type) -> list:
     known = {f.name for f in fields(cls)}
     records = []
-    with open(path) as f:
-        for line_no, text in enumerate(f, start=1):
-            if not text.strip():
-                continue
-            where = f"{path}:{line_no}"
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
-            if not isinstance(obj, dict):
-                raise ValueError(f"{where}: expected a JSON object")
-            unknown = sorted(set(obj) - known)
-            if unknown:
-                raise ValueError(f"{where}: unknown field(s) {unknown} for {cls.__name__}")
-            try:
-                records.append(cls(**obj))
-            except TypeError as e:
-                raise ValueError(f"{where}: {e}") from None
+    for line_no, obj in jsonl_objects(path):
+        where = f"{path}:{line_no}"
+        unknown = sorted(set(obj) - known)
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {unknown} for {cls.__name__}")
+        try:
+            records.append(cls(**obj))
+        except TypeError as e:
+            raise ValueError(f"{where}: {e}") from None
     return records
 
 

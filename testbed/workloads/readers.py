@@ -8,12 +8,12 @@ wrong; no row is ever skipped. Blank lines are not rows.
 from __future__ import annotations
 
 import csv
-import json
 import math
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from testbed.jsonl import jsonl_objects
 from testbed.workloads.config import WorkloadConfig
 
 
@@ -61,25 +61,6 @@ def _csv_rows(path: Path, columns: tuple[str, ...], limit: int | None):
                 raise ValueError(f"{where}: expected {len(reader.fieldnames)} fields "
                                  f"({','.join(reader.fieldnames)}), got a different number")
             yield reader.line_num, row
-
-
-def _jsonl_objects(path: Path, limit: int | None):
-    """(line number, dict) for each non-blank line of a JSONL file."""
-    count = 0
-    with open(path) as f:
-        for line_no, text in enumerate(f, start=1):
-            if not text.strip():
-                continue
-            if limit is not None and count >= limit:
-                return
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{_where(path, line_no)}: not valid JSON ({e.msg})") from None
-            if not isinstance(obj, dict):
-                raise ValueError(f"{_where(path, line_no)}: expected a JSON object, got {type(obj).__name__}")
-            count += 1
-            yield line_no, obj
 
 
 def _parse_azure_time(text: str, where: str) -> float:
@@ -130,7 +111,7 @@ class MooncakeReader:
 
     def read(self, path: Path, limit: int | None = None) -> list[TraceRow]:
         rows = []
-        for line, obj in _jsonl_objects(path, limit):
+        for line, obj in jsonl_objects(path, limit):
             where = _where(path, line)
             missing = [k for k in self.keys if k not in obj]
             if missing:
@@ -163,7 +144,7 @@ class JsonlReader:
 
     def read(self, path: Path, limit: int | None = None) -> list[TraceRow]:
         rows = []
-        for line, obj in _jsonl_objects(path, limit):
+        for line, obj in jsonl_objects(path, limit):
             where = _where(path, line)
             unknown = sorted(set(obj) - set(self.keys))
             if unknown:
