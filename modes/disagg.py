@@ -177,5 +177,4 @@ class DisaggController(ModeController):
             self.prefill_tokens[ho.prefill] -= ho.request.prompt_len
         if rid in self.queue:
             self.queue.remove(rid)
-        if self.reserving == rid:
-            pass    # its reserved/rejected reply will still arrive and be released above
+        # a reservation in flight for it is released when its reply arrives (on_mode_event)

@@ -71,7 +71,7 @@ class RealRuntime:
 
     # -- sockets -------------------------------------------------------------------
     def _send(self, worker_id: str, msg: dict) -> None:
-        if worker_id in self.controller.dead if self.controller else False:
+        if self.controller is not None and worker_id in self.controller.dead:
             return
         try:
             self.cmd.send_multipart([worker_id.encode(), msgpack.packb(msg)], flags=zmq.NOBLOCK)
