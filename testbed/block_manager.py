@@ -20,18 +20,18 @@ A full block's key is chained: hash(parent block's hash, its token ids), so
 one dict lookup per block walks a prompt's prefix. A hit is then verified
 exactly, never trusting the hash: each registered block gets a serial number
 (never reused) naming the exact token prefix it ends, and it stores its own
-token ids and its parent's serial; a lookup compares both against the block
-matched just before. By induction a matched chain holds exactly the request's
+token ids (as the bytes it hashed) and its parent's serial; a lookup compares
+both against the block matched just before. By induction a matched chain holds exactly the request's
 prefix, so a collision (even one that makes a chain loop back on itself) is a
 miss, never wrong KV.
 """
 from __future__ import annotations
 
-import struct
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import xxhash
 
 from testbed.request import Request
@@ -46,7 +46,12 @@ def hash_block_tokens(parent_hash: int, token_ids: Sequence[int]) -> int:
     little-endian int64, seeded with the parent's key (chaining without building
     a parent+tokens buffer). Deterministic across processes and machines, so a
     KV store shared by workers can use the same keys."""
-    return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(token_ids)}q", *token_ids), seed=parent_hash)
+    return xxhash.xxh3_64_intdigest(token_bytes(token_ids), parent_hash)
+
+
+def token_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids as the little-endian int64 bytes that block keys hash."""
+    return np.asarray(token_ids, dtype="<i8").tobytes()
 
 
 class NoFreeBlocks(RuntimeError):
@@ -62,7 +67,7 @@ class Block:
     hash: int | None = None
     serial: int | None = None          # names the exact token prefix this block ends
     parent_serial: int | None = None
-    token_ids: tuple[int, ...] | None = None
+    tokens: bytes | None = None         # its token ids, little-endian int64
 
 
 class BlockManager:
@@ -88,11 +93,11 @@ class BlockManager:
         # cached in another block) so the chain continues past them
         self._chains: dict[str, list[tuple[int, int]]] = {}
         self._next_serial = ROOT_SERIAL + 1
-        self._pack_block = struct.Struct(f"<{block_size}q").pack
 
-    def hash_block(self, parent_hash: int, token_ids: Sequence[int]) -> int:
-        """hash_block_tokens for a full block, with the packing format built once."""
-        return xxhash.xxh3_64_intdigest(self._pack_block(*token_ids), seed=parent_hash)
+    def hash_block(self, parent_hash: int, tokens: bytes) -> int:
+        """hash_block_tokens of one full block given as its bytes (what the
+        prefix walk slices out of one fetch of the request's tokens)."""
+        return xxhash.xxh3_64_intdigest(tokens, parent_hash)
 
     # ---- queries -------------------------------------------------------------
     @property
@@ -144,18 +149,22 @@ class BlockManager:
                              "call it only before the request's first allocation (or after free)")
         if not self.enable_prefix_caching:
             return 0
-        bs = self.block_size
         table = self._tables.setdefault(rid, [])
         chain = self._chains.setdefault(rid, [])
+        num_full = (request.num_tokens - 1) // self.block_size
+        if not num_full or not self._hash_to_block:
+            return 0
+        data = token_bytes(request.token_array(0, num_full * self.block_size))
+        nbytes = 8 * self.block_size
         parent_hash, parent_serial = ROOT_HASH, ROOT_SERIAL
-        for i in range((request.num_tokens - 1) // bs):
-            tokens = tuple(request.token_ids(i * bs, (i + 1) * bs))
+        for off in range(0, len(data), nbytes):
+            tokens = data[off:off + nbytes]
             h = self.hash_block(parent_hash, tokens)
             block_id = self._hash_to_block.get(h)
             if block_id is None:
                 break
             block = self._blocks[block_id]
-            if block.token_ids != tokens or block.parent_serial != parent_serial:
+            if block.tokens != tokens or block.parent_serial != parent_serial:
                 break  # hash collision: different content under the same key
             if block.ref_count == 0:
                 del self._evictable[block_id]
@@ -163,7 +172,7 @@ class BlockManager:
             table.append(block_id)
             parent_hash, parent_serial = h, block.serial
             chain.append((h, parent_serial))
-        return len(table) * bs
+        return len(table) * self.block_size
 
     def commit(self, request: Request) -> None:
         """Register the request's blocks that are now full of computed tokens.
@@ -184,24 +193,28 @@ class BlockManager:
             raise AssertionError(f"commit: request {rid} has {request.num_computed_tokens} computed tokens "
                                  f"but only {len(table)} blocks of {bs}")
         parent_hash, parent_serial = chain[-1] if chain else (ROOT_HASH, ROOT_SERIAL)
-        # one fetch for every block that filled: a lazy prompt pays per call, not per token
-        new_tokens = request.token_ids(done * bs, num_full * bs)
+        # one fetch for every block that filled, sliced per block as bytes: the
+        # hot path of a simulated run with prefix caching (no tuple, no packing)
+        data = token_bytes(request.token_array(done * bs, num_full * bs))
+        nbytes = 8 * bs
+        blocks, hash_to_block, hash_block = self._blocks, self._hash_to_block, self.hash_block
         for i in range(done, num_full):
-            tokens = tuple(new_tokens[(i - done) * bs:(i - done + 1) * bs])
-            h = self.hash_block(parent_hash, tokens)
-            cached_id = self._hash_to_block.get(h)
+            off = (i - done) * nbytes
+            tokens = data[off:off + nbytes]
+            h = hash_block(parent_hash, tokens)
+            cached_id = hash_to_block.get(h)
             if cached_id is None:
-                block = self._blocks[table[i]]
-                block.hash, block.token_ids, block.parent_serial = h, tokens, parent_serial
+                block = blocks[table[i]]
+                block.hash, block.tokens, block.parent_serial = h, tokens, parent_serial
                 block.serial = serial = self._next_serial
                 self._next_serial += 1
-                self._hash_to_block[h] = block.block_id
+                hash_to_block[h] = block.block_id
             else:
                 # the key is taken, so ours stays unregistered: by the same prefix
                 # (another request computed it too), whose serial we share, or by
                 # a collision, and then our prefix gets a serial nobody can match
-                cached = self._blocks[cached_id]
-                if cached.token_ids == tokens and cached.parent_serial == parent_serial:
+                cached = blocks[cached_id]
+                if cached.tokens == tokens and cached.parent_serial == parent_serial:
                     serial = cached.serial
                 else:
                     serial = self._next_serial
@@ -236,16 +249,21 @@ class BlockManager:
         if need > len(free) + len(self._evictable):
             return False
         blocks = self._blocks
-        for _ in range(need):
-            if free:
-                block_id = free.popleft()
-            else:
-                block_id, _ = self._evictable.popitem(last=False)
-                block = blocks[block_id]
-                del self._hash_to_block[block.hash]
-                self._clear_hash(block)
+        from_free = min(need, len(free))
+        for _ in range(from_free):
+            block_id = free.popleft()
             blocks[block_id].ref_count = 1
             table.append(block_id)
+        if need > from_free:
+            # evict the least recently released cached blocks
+            evict, hash_to_block = self._evictable.popitem, self._hash_to_block
+            for _ in range(need - from_free):
+                block_id, _ = evict(last=False)
+                block = blocks[block_id]
+                del hash_to_block[block.hash]
+                block.hash = block.serial = block.parent_serial = block.tokens = None
+                block.ref_count = 1
+                table.append(block_id)
         return True
 
     def free(self, request_id: str) -> None:
@@ -270,7 +288,7 @@ class BlockManager:
 
     @staticmethod
     def _clear_hash(block: Block) -> None:
-        block.hash = block.serial = block.parent_serial = block.token_ids = None
+        block.hash = block.serial = block.parent_serial = block.tokens = None
 
     # ---- checking ----------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -303,7 +321,7 @@ class BlockManager:
         for h, bid in self._hash_to_block.items():
             block = self._blocks[bid]
             assert block.hash == h, f"hash {h:#x} maps to block {bid} which holds another hash"
-            assert block.serial is not None and block.parent_serial is not None and block.token_ids is not None
+            assert block.serial is not None and block.parent_serial is not None and block.tokens is not None
             assert ROOT_SERIAL <= block.parent_serial < block.serial < self._next_serial, f"block {bid}'s serials"
             serials.append(block.serial)
         assert len(set(serials)) == len(serials), "two cached blocks share a prefix serial"

@@ -12,6 +12,8 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 class RequestStatus(str, enum.Enum):
     WAITING = "waiting"          # queued, holds no KV blocks
@@ -39,7 +41,7 @@ class SamplingParams:
 @dataclass(eq=False)
 class Request:
     request_id: str
-    prompt_token_ids: Sequence[int]      # a list, or a lazy synthetic sequence (testbed.workloads)
+    prompt_token_ids: Sequence[int]      # a list, an int64 array, or a lazy synthetic sequence (testbed.workloads)
     max_tokens: int
     arrival_s: float = 0.0
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -57,7 +59,7 @@ class Request:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"request {self.request_id}: max_tokens={self.max_tokens} must be >= 1")
-        if not self.prompt_token_ids:
+        if len(self.prompt_token_ids) == 0:
             raise ValueError(f"request {self.request_id}: the prompt is empty; give at least one token")
 
     @property
@@ -89,6 +91,19 @@ class Request:
         if start >= p:
             return self.output_token_ids[start - p:end - p]
         return list(self.prompt_token_ids[start:p]) + self.output_token_ids[:end - p]
+
+    def token_array(self, start: int, end: int) -> np.ndarray:
+        """Tokens [start, end) of prompt + outputs as an int64 array: one call
+        for a lazy prompt's slice (its `numpy`), no list of Python ints."""
+        p = self.prompt_len
+        prompt = self.prompt_token_ids
+        if start >= p:
+            return np.array(self.output_token_ids[start - p:end - p], dtype=np.int64)
+        numpy = getattr(prompt, "numpy", None)
+        head = numpy(start, min(end, p)) if numpy is not None else np.asarray(prompt[start:min(end, p)], dtype=np.int64)
+        if end <= p:
+            return head
+        return np.concatenate([head, np.array(self.output_token_ids[:end - p], dtype=np.int64)])
 
     def all_token_ids(self) -> list[int]:
         return list(self.prompt_token_ids) + self.output_token_ids

@@ -3,6 +3,9 @@ LRU eviction, and a hypothesis state machine that checks the invariants and
 the content of every reused block after each operation."""
 from __future__ import annotations
 
+import struct
+
+import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -156,7 +159,7 @@ def test_outputs_are_cached_too():
 class ConstantHash(BlockManager):
     """Every block gets the same key, the root's own: collisions we cannot
     cause with xxh3, including a chain that loops back to its first block."""
-    def hash_block(self, parent_hash, token_ids):
+    def hash_block(self, parent_hash, tokens):
         return ROOT_HASH
 
 
@@ -171,8 +174,8 @@ def test_collision_cannot_loop_a_chain_onto_itself():
 
 class ParentBlindHash(BlockManager):
     """Keys ignore the parent, so equal blocks in different chains collide."""
-    def hash_block(self, parent_hash, token_ids):
-        return hash(tuple(token_ids))
+    def hash_block(self, parent_hash, tokens):
+        return hash(tokens)
 
 
 def test_hash_collision_is_rejected_by_token_ids():
@@ -204,9 +207,9 @@ def test_commit_hashes_only_new_full_blocks():
     calls = []
 
     class Counting(BlockManager):
-        def hash_block(self, parent_hash, token_ids):
-            calls.append(tuple(token_ids))
-            return super().hash_block(parent_hash, token_ids)
+        def hash_block(self, parent_hash, tokens):
+            calls.append(tuple(np.frombuffer(tokens, dtype="<i8").tolist()))
+            return super().hash_block(parent_hash, tokens)
 
     bm = Counting(num_blocks=8, block_size=4)
     a = req("a", range(11))
@@ -397,8 +400,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 class CollidingBlockManager(BlockManager):
     """Few distinct keys, parent ignored: collisions on most commits."""
-    def hash_block(self, parent_hash, token_ids):
-        return sum(token_ids) % 3
+    def hash_block(self, parent_hash, tokens):
+        return sum(np.frombuffer(tokens, dtype="<i8").tolist()) % 3
 
 
 class CollidingMachine(BlockManagerMachine):
@@ -413,9 +416,10 @@ TestCollidingMachine.settings = settings(max_examples=100, stateful_step_count=4
 
 def test_root_hash_is_the_first_blocks_parent():
     bm = BlockManager(num_blocks=2, block_size=2)
-    from testbed.block_manager import hash_block_tokens
+    from testbed.block_manager import hash_block_tokens, token_bytes
     h0 = hash_block_tokens(ROOT_HASH, [1, 2])
-    assert h0 == hash_block_tokens(ROOT_HASH, (1, 2)) == bm.hash_block(ROOT_HASH, (1, 2))
+    assert h0 == hash_block_tokens(ROOT_HASH, (1, 2)) == bm.hash_block(ROOT_HASH, token_bytes([1, 2]))
+    assert token_bytes([1, 2]) == struct.pack("<2q", 1, 2)
     assert h0 != hash_block_tokens(h0, [1, 2]) and h0 != hash_block_tokens(ROOT_HASH, [2, 1])
     compute(bm, req("a", [1, 2, 3]), 3)
     assert bm.match_prefix(req("b", [1, 2, 3])) == 2

@@ -16,8 +16,12 @@ def scheduler_config(cfg: RunConfig) -> SchedulerConfig:
 
 
 def build_engine(cfg: RunConfig, role: str, clock: Clock, executor_factory=None) -> Engine:
-    """`executor_factory(block_table_fn) -> Executor`; default: the real model."""
-    bm = BlockManager(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
+    """`executor_factory(block_table_fn) -> Executor`; default: the real model.
+
+    Prefix caching is a prefill-side feature: a decode worker's blocks are
+    reserved fresh and filled by transfer, and nothing there looks a prefix
+    up, so hashing them would cost as much as on the prefill side for no hit."""
+    bm = BlockManager(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching and role != "decode")
     scheduler = make_scheduler(cfg.scheduler, scheduler_config(cfg), bm)
     if executor_factory is None:
         from testbed.model_executor import ModelExecutor
