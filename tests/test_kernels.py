@@ -178,6 +178,22 @@ def test_backend_matches_torch_backend_and_reuses_its_plan(device):
     assert backend._plan is not plan
 
 
+def test_torch_backend_groups_decodes_by_length(monkeypatch):
+    """Decodes of very different lengths go to separate padded SDPA calls
+    (each padding at most doubles its work), in any order in the batch, and
+    every row still equals the reference."""
+    calls = []
+    backend = TorchAttentionBackend()
+    group = backend._decode_group
+    monkeypatch.setattr(backend, "_decode_group", lambda *a: calls.append(sorted(a[5])) or group(*a))
+    q_lens, seq_lens = [1, 1, 9, 1, 1, 1], [700, 20, 40, 25, 17, 650]
+    q, k, v, meta = make_case(q_lens, seq_lens, 4, 1, 32, 16, torch.float32, "cpu")
+    out = backend.forward(q, k, v, meta, 0.2)
+    ref = ref_paged_attention(q, k, v, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.2)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    assert calls == [[1, 3, 4], [0, 5]]       # 17-25 tokens together, 650-700 together; the chunk alone
+
+
 def test_flash_attn_missing_is_named():
     try:
         import flash_attn  # noqa: F401
