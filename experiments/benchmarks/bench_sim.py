@@ -96,6 +96,7 @@ def recalibrated(hardware):
 
     from testbed.model.config import load_model_preset
     from testbed.sim.calibration import measure_overhead
+    from testbed.sim.jitter import jitter_quantiles
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -105,7 +106,8 @@ def recalibrated(hardware):
     print(f"recalibrated: overhead {fit.overhead_ms:.3f} ms + {fit.overhead_per_seq_ms:.3f} ms/seq, "
           f"scale {fit.calibration_scale:.3f}")
     return dataclasses.replace(hardware, overhead_ms=fit.overhead_ms, overhead_per_seq_ms=fit.overhead_per_seq_ms,
-                               calibration_scale=fit.calibration_scale)
+                               calibration_scale=fit.calibration_scale,
+                               step_jitter=jitter_quantiles(fit.step_ratios))
 
 
 def _timed_run(label: str, overrides: list[str], out: Path) -> None:

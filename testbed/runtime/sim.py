@@ -27,9 +27,13 @@ from testbed.runtime.kv_port import KVArrival, KVPort
 from testbed.runtime.real import RunResult, make_controller, worker_layout
 from testbed.sim.cost_executor import CostModelExecutor
 from testbed.sim.cost_model import CostModel
+from testbed.sim.jitter import StepJitter
 from testbed.sim.link_model import LinkModel
 from testbed.sim.memory import format_footprint, kv_footprint
 from testbed.worker import WorkerService
+from testbed.workloads.tokens import stream_key
+
+_JITTER_STREAM = 0x6A17   # keeps each worker's jitter draws apart from the workload's streams
 
 
 def in_process_request_msg(req: Request) -> dict:
@@ -120,8 +124,11 @@ class SimRuntime:
         self.busy_until: dict[str, float] = {}
         self.step_scheduled: set[str] = set()
         self.outbox: dict[str, list[dict]] = {}
-        for w in self.workers:
-            engine = build_engine(cfg, w.role, self.clock, executor_factory=lambda _bt: CostModelExecutor(cost))
+        for index, w in enumerate(self.workers):
+            jitter = (StepJitter(cfg.hardware.step_jitter, stream_key(cfg.seed, _JITTER_STREAM, index))
+                      if cfg.hardware.step_jitter else None)
+            engine = build_engine(cfg, w.role, self.clock,
+                                  executor_factory=lambda _bt, j=jitter: CostModelExecutor(cost, j))
             port = None
             if cfg.mode == "disagg":
                 port = SimKVPort(self, w.worker_id, LinkModel(cfg.link), cfg.model.kv_bytes_per_token,

@@ -20,6 +20,9 @@ where `modeled` is the cost model's time without overhead; all three >= 0,
 minimising relative error (a 1-decode step and a 512-token prefill count
 alike).
 
+The same rounds give the machine's noise: every step's time over the median
+of its shape, whose quantiles become hardware.step_jitter (jitter.py).
+
 Two frontend figures complete it: the one-way frontend <-> worker hop, from a
 short real run, and the frontend's own time per command it sends."""
 from __future__ import annotations
@@ -49,6 +52,7 @@ class OverheadFit:
     overhead_per_seq_ms: float
     calibration_scale: float
     rows: list[tuple[int, int, float, float]]   # (num_seqs, num_tokens, median step s, median modeled s)
+    step_ratios: list[float]                     # every repeated step's time over its shape's median
 
 
 class _Recording(Executor):
@@ -133,6 +137,14 @@ def measure_overhead(model: ModelConfig, hardware: HardwareConfig, quick: bool =
         for pairs, wall in timed:
             key = (len(pairs), sum(q for q, _ in pairs))
             samples.setdefault(key, []).append((wall, cost.iteration_time_s(pairs)))
+    # the spread of repeated steps of one shape (the in-process rounds; a shape
+    # the runtime burst ran once or twice tells nothing about it)
+    ratios = []
+    for xs in samples.values():
+        if len(xs) >= rounds // 2:
+            walls = [w for w, _ in xs]
+            median = float(np.median(walls))
+            ratios += [w / median for w in walls]
     if in_runtime:
         for key, xs in _runtime_samples(model, bare).items():
             samples.setdefault(key, []).extend(xs)
@@ -140,7 +152,7 @@ def measure_overhead(model: ModelConfig, hardware: HardwareConfig, quick: bool =
     for (num_seqs, num_tokens), xs in sorted(samples.items()):
         walls, modeled = zip(*xs)
         rows.append((num_seqs, num_tokens, float(np.median(walls)), float(np.median(modeled))))
-    return _fit(rows)
+    return _fit(rows, ratios)
 
 
 def _runtime_samples(model: ModelConfig, bare: HardwareConfig) -> dict[tuple[int, int], list[tuple[float, float]]]:
@@ -180,7 +192,7 @@ def _runtime_samples(model: ModelConfig, bare: HardwareConfig) -> dict[tuple[int
     return samples
 
 
-def _fit(rows: list[tuple[int, int, float, float]]) -> OverheadFit:
+def _fit(rows: list[tuple[int, int, float, float]], step_ratios: list[float]) -> OverheadFit:
     """wall = a + b·num_seqs + k·modeled, a, b, k >= 0, least relative error:
     the best fit over every subset of the three terms whose coefficients all
     come out non-negative."""
@@ -199,7 +211,8 @@ def _fit(rows: list[tuple[int, int, float, float]]) -> OverheadFit:
         err = float(np.sum((features @ full - target) ** 2))
         if err < best_err:
             best, best_err = full, err
-    return OverheadFit(float(best[0]) * 1e3, float(best[1]) * 1e3, float(best[2]) if best[2] > 0 else 1.0, rows)
+    return OverheadFit(float(best[0]) * 1e3, float(best[1]) * 1e3, float(best[2]) if best[2] > 0 else 1.0, rows,
+                       step_ratios)
 
 
 def measure_frontend_hop(model: ModelConfig, num_requests: int = 8) -> float:

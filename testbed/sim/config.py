@@ -54,6 +54,10 @@ class HardwareConfig:
     # model uses them instead of the roofline for the shapes they cover.
     gemm_profile: list[list[float]] = field(default_factory=list)       # rows [m, n, k, seconds]
     attention_profile: list[list[float]] = field(default_factory=list)  # rows [num_seqs, flops, bytes, seconds]
+    # quantiles (evenly spaced probabilities, min to max) of a real step's time
+    # over the median time of the same batch: the machine's noise, which sets
+    # p99 token gaps (testbed.sim.jitter); [] = none (the GPU presets)
+    step_jitter: list[float] = field(default_factory=list)
     # the preset `testbed profile` measured the fields above for ("" if none):
     # they describe that machine only (see __post_init__)
     profiled_for: str = ""
@@ -94,6 +98,10 @@ class HardwareConfig:
                   "frontend_hop_ms", "frontend_message_ms"):
             if getattr(self, f) < 0:
                 raise ValueError(f"hardware.{f}: must be >= 0, got {getattr(self, f)}")
+        jitter = self.step_jitter
+        if jitter and (len(jitter) < 2 or jitter[0] <= 0 or any(b < a for a, b in zip(jitter, jitter[1:]))):
+            raise ValueError(f"hardware.step_jitter: expected [] or at least 2 positive, non-decreasing "
+                             f"quantiles, got {list(jitter)[:5]}...; rerun `testbed profile`")
         for f, width in (("gemm_profile", 4), ("attention_profile", 4)):
             for i, row in enumerate(getattr(self, f)):
                 if len(row) != width or row[-1] <= 0:
@@ -103,7 +111,7 @@ class HardwareConfig:
 
 _MEASURED = [f for f in fields(HardwareConfig) if f.name in (
     "overhead_per_seq_ms", "calibration_scale", "frontend_hop_ms", "frontend_message_ms", "gemm_profile",
-    "attention_profile")]
+    "attention_profile", "step_jitter")]
 
 
 @dataclass

@@ -2,17 +2,20 @@
 batch takes. Sampled tokens are placeholders (0): the simulator measures
 time, not text. The per-layer hook is not called: the simulated KV port
 (testbed/runtime/sim.py) models layer-wise streaming from the iteration's
-duration instead."""
+duration instead. With a measured `StepJitter` (a profiled CPU) each
+iteration's time is multiplied by a factor drawn from it."""
 from __future__ import annotations
 
 from testbed.batch import Batch, StepResult
 from testbed.executor import Executor, LayerHook
 from testbed.sim.cost_model import CostModel
+from testbed.sim.jitter import StepJitter
 
 
 class CostModelExecutor(Executor):
-    def __init__(self, cost_model: CostModel):
+    def __init__(self, cost_model: CostModel, jitter: StepJitter | None = None):
         self.cost_model = cost_model
+        self.jitter = jitter
         self.kv_bytes_per_token = cost_model.model.kv_bytes_per_token
         self.num_layers = cost_model.model.num_layers
 
@@ -29,4 +32,6 @@ class CostModelExecutor(Executor):
             if end == req.num_tokens:
                 sampled[req.request_id] = 0
         duration = self.cost_model.iteration_time_s(pairs, len(sampled))
+        if self.jitter is not None:
+            duration *= self.jitter()
         return StepResult(sampled=sampled, duration_s=duration, kv_bytes_read=context * self.kv_bytes_per_token)

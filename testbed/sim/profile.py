@@ -13,7 +13,8 @@ Measures, with one torch thread per worker as the real engine runs:
 - memcpy bandwidth -> hbm_bw_gbps (read plus written bytes), and the best GEMM
   throughput -> peak_tflops, for whatever the tables do not cover;
 - the real engine's step times against the model of them (calibration.py) ->
-  overhead_ms, overhead_per_seq_ms and calibration_scale; a short real run ->
+  overhead_ms, overhead_per_seq_ms and calibration_scale, and the spread of
+  repeated steps -> step_jitter (jitter.py); a short real run ->
   frontend_hop_ms; the frontend routing and sending commands ->
   frontend_message_ms.
 
@@ -37,6 +38,7 @@ from testbed.kernels.attention import AttentionMetadata
 from testbed.kernels.torch_backend import TorchAttentionBackend
 from testbed.model.config import ModelConfig, load_model_preset
 from testbed.sim.config import HardwareConfig
+from testbed.sim.jitter import jitter_quantiles
 from testbed.sim.layer_shapes import layer_shapes
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -52,7 +54,9 @@ class _Plan:
 
 _QUICK = _Plan([1, 16, 64, 256, 1024], [(q, p) for q in (1, 64, 512) for p in (0, 512, 2048)],
                [(8, 512), (32, 512)], 0.02)
-_FULL = _Plan([1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096],
+# Every m up to 8 and a fine grid to 32: a CPU GEMM's time is not monotonic in
+# small m (MKL's m=4 and m=8 kernels beat m=3 and m=7; decode batches live there)
+_FULL = _Plan([1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 48, 64, 128, 256, 512, 1024, 2048, 4096],
               [(q, p) for q in (1, 16, 128, 512, 2048) for p in (0, 512, 2048, 8192)],
               [(4, 256), (16, 256), (64, 256), (4, 2048), (16, 2048), (64, 2048)], 0.2)
 
@@ -157,6 +161,7 @@ def profile_cpu(out_path: str | Path, model_name: str = "tiny", quick: bool = Fa
             hardware.overhead_ms = round(fit.overhead_ms, 4)
             hardware.overhead_per_seq_ms = round(fit.overhead_per_seq_ms, 4)
             hardware.calibration_scale = round(fit.calibration_scale, 4)
+            hardware.step_jitter = [round(q, 4) for q in jitter_quantiles(fit.step_ratios)]
             from testbed.sim.calibration import measure_frontend_hop, measure_frontend_message
             hardware.frontend_hop_ms = round(measure_frontend_hop(model), 4)
             hardware.frontend_message_ms = round(measure_frontend_message(model), 4)
@@ -174,6 +179,7 @@ def profile_cpu(out_path: str | Path, model_name: str = "tiny", quick: bool = Fa
               "# gemm_profile rows [m, n, k, seconds]; attention_profile rows [num_seqs, flops, bytes, seconds]\n"
               "# of one torch-backend attention call (one layer).\n"
               f"# overhead_ms + overhead_per_seq_ms * num_seqs: {overhead_note}.\n"
+              "# step_jitter: quantiles 0%..100% of a step's time over the median of its shape (the same steps).\n"
               "# frontend_hop_ms: one way, frontend <-> worker process, from a short real run;\n"
               "# frontend_message_ms: the frontend's time to route, pack and send one command.\n")
     body = yaml.safe_dump(dataclasses.asdict(hardware), sort_keys=False, default_flow_style=None, width=120)

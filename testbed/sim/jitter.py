@@ -1,0 +1,50 @@
+"""StepJitter: the spread of a real machine's iteration times around the cost
+model's prediction, so that `runtime=sim` predicts tails (p99 TBT), not only
+medians.
+
+On this CPU the same batch takes 3.1 ms one step and 4.6 ms another (the
+other process on the second core, caches, the OS): a run's p99 token gap is
+set by that spread, not by the batch. `testbed profile` times each of its
+calibration shapes many times and stores the quantiles of step time over
+that shape's median time (`hardware.step_jitter`, evenly spaced
+probabilities 0, 1/(n-1), ..., 1). The simulator multiplies each modeled
+iteration by a factor drawn from them, with a seeded generator per worker, so
+a run is reproducible. The cost model itself is fitted to median step times,
+so the median iteration is unchanged. GPU presets carry no table: no jitter.
+"""
+from __future__ import annotations
+
+import random
+from typing import Sequence
+
+
+def jitter_quantiles(ratios: Sequence[float], num_quantiles: int = 101) -> list[float]:
+    """`num_quantiles` evenly spaced quantiles (min to max) of measured
+    step-time / median ratios, linearly interpolated between samples."""
+    if len(ratios) < 2:
+        raise ValueError(f"step_jitter: need at least 2 measured ratios, got {len(ratios)}")
+    xs = sorted(ratios)
+    out = []
+    for i in range(num_quantiles):
+        pos = i * (len(xs) - 1) / (num_quantiles - 1)
+        j = min(int(pos), len(xs) - 2)
+        out.append(xs[j] + (xs[j + 1] - xs[j]) * (pos - j))
+    return out
+
+
+class StepJitter:
+    """Draws iteration-time factors from quantiles (inverse-CDF sampling,
+    linear between quantiles)."""
+
+    def __init__(self, quantiles: Sequence[float], seed: int):
+        if len(quantiles) < 2:
+            raise ValueError(f"hardware.step_jitter: need at least 2 quantiles, got {len(quantiles)}")
+        self.quantiles = [float(q) for q in quantiles]
+        self._span = len(self.quantiles) - 1
+        self._random = random.Random(seed).random
+
+    def __call__(self) -> float:
+        pos = self._random() * self._span
+        i = int(pos)
+        q = self.quantiles
+        return q[i] + (q[i + 1] - q[i]) * (pos - i)
