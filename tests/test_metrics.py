@@ -157,6 +157,20 @@ def test_jsonl_round_trip(tmp_path):
             "token_times_s", "finish_s", "num_preemptions"} <= set(first)
 
 
+def test_jsonl_lines_are_json_dumps_of_the_fields(tmp_path):
+    """write_jsonl encodes a column at a time: each line must still be exactly
+    json.dumps of the record's field dict, whatever the values hold (a ", "
+    inside a string, NaN, None, numpy floats, lists), across chunk boundaries."""
+    from dataclasses import fields
+    iters = [IterationRecord(i * 0.1, float("nan") if i == 3 else 1e-300 * i, i, 0, 2**70, w)
+             for i, w in enumerate(["w", None, "a, b", 'q"\\\n, ü'] * 1500)]
+    iters.append(IterationRecord(np.float64(0.1), -0.0, True, 1, 2, "w"))
+    records = [A, rec("r, 1", 0.0, [0.1, float("inf")], status="failed", error="x, y"), *iters, B, FAILED, ABORTED]
+    write_jsonl(tmp_path / "mixed.jsonl", records)
+    expected = [json.dumps({f.name: getattr(r, f.name) for f in fields(r)}) for r in records]
+    assert (tmp_path / "mixed.jsonl").read_text().splitlines() == expected
+
+
 def test_jsonl_errors_name_file_and_line(tmp_path):
     path = tmp_path / "iterations.jsonl"
     path.write_text('{"start_s": 0, "duration_s": 1, "num_prefill_tokens": 1, "num_decode_tokens": 0}\n'
