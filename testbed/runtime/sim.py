@@ -11,7 +11,8 @@ from workers take hardware.frontend_hop_ms, and the frontend spends
 frontend_message_ms on each command it sends: 0 on the GPU presets (control
 messages are small next to iterations), measured on this CPU, where the real
 runtime's loopback ZMQ hop is a few percent of a tiny model's TTFT. Commands
-carry the request's prompt as it is: a lazy 1M-token prompt is never copied."""
+carry the request's prompt as it is: a lazy 1M-token prompt is never copied,
+only materialized for a worker whose block manager hashes it (materialize_prompt)."""
 from __future__ import annotations
 
 import heapq
@@ -40,26 +41,26 @@ def in_process_request_msg(req: Request) -> dict:
     """protocol.request_to_msg's fields, with the prompt passed as is (no
     list copy): the simulator's workers live in this process and never mutate
     it. tests/test_sim.py checks both build the same Request."""
-    return _request_msg(req, req.prompt_token_ids)
+    sp = req.sampling
+    return {"id": req.request_id, "prompt": req.prompt_token_ids, "max_tokens": req.max_tokens,
+            "arrival_s": req.arrival_s, "temperature": sp.temperature, "top_p": sp.top_p,
+            "seed": sp.seed, "ignore_eos": sp.ignore_eos, "eos": sp.eos_token_id}
 
 
 def materialized_request_msg(req: Request) -> dict:
+    """in_process_request_msg with the prompt materialized (materialize_prompt)."""
+    return materialize_prompt(in_process_request_msg(req))
+
+
+def materialize_prompt(request_msg: dict) -> dict:
     """With prefix caching on, the block manager hashes every full block,
     fetching the tokens of each chunk that filled blocks; a lazy prompt
     computes each fetch with a dozen numpy calls (~28 µs), an int64 array
-    slices in well under a microsecond. So the prompt is materialized once per
-    worker, as an array (8 bytes a token), as a run with prefix caching reads
-    it all anyway."""
-    prompt = req.prompt_token_ids
-    numpy = getattr(prompt, "numpy", None)
-    return _request_msg(req, prompt if numpy is None else numpy())
-
-
-def _request_msg(req: Request, prompt) -> dict:
-    sp = req.sampling
-    return {"id": req.request_id, "prompt": prompt, "max_tokens": req.max_tokens,
-            "arrival_s": req.arrival_s, "temperature": sp.temperature, "top_p": sp.top_p,
-            "seed": sp.seed, "ignore_eos": sp.ignore_eos, "eos": sp.eos_token_id}
+    slices in well under a microsecond. So a worker that hashes gets the
+    prompt materialized once, as an array (8 bytes a token), as it reads it
+    all anyway; a decode worker, which does not hash, gets it lazy."""
+    numpy = getattr(request_msg["prompt"], "numpy", None)
+    return request_msg if numpy is None else {**request_msg, "prompt": numpy()}
 
 
 class SimKVPort(KVPort):
@@ -139,8 +140,9 @@ class SimRuntime:
                                                        port, cfg.transfer.layerwise)
             self.busy_until[w.worker_id] = 0.0
         self.controller = make_controller(cfg, self.workers, self._send)
-        self.controller.request_msg = (materialized_request_msg if cfg.enable_prefix_caching
-                                       else in_process_request_msg)
+        self.controller.request_msg = in_process_request_msg
+        # workers whose block manager hashes prompt blocks: they get the prompt as an array
+        self.hashing = {w for w, svc in self.services.items() if svc.engine.bm.enable_prefix_caching}
 
     # -- event plumbing ------------------------------------------------------------
     def at(self, t: float, action: Callable[[Any], None], arg: Any = None) -> None:
@@ -173,6 +175,8 @@ class SimRuntime:
 
     def _handle(self, arg: tuple[str, dict]) -> None:
         worker_id, msg = arg
+        if "request" in msg and worker_id in self.hashing:
+            msg = {**msg, "request": materialize_prompt(msg["request"])}
         self.services[worker_id].handle(msg)
         self._flush(worker_id)
         self._kick(worker_id)
