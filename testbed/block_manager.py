@@ -31,8 +31,8 @@ and free, and list slots are the cheapest thing Python can read and write.
 """
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -74,6 +74,72 @@ class ChainEnd(NamedTuple):
 CHAIN_START = ChainEnd(0, ROOT_HASH, ROOT_SERIAL)
 
 
+class EvictionQueue:
+    """Unreferenced cached blocks, least recently released first: a doubly
+    linked list threaded through two lists indexed by block id (as vLLM's
+    FreeKVCacheBlockQueue), so that appending released blocks, taking the
+    oldest and unlinking one that a prefix hit revives are a few list-slot
+    writes each, with no node objects. Slot `num_blocks` is the sentinel."""
+
+    def __init__(self, num_blocks: int):
+        self._end = num_blocks
+        self._prev = [num_blocks] * (num_blocks + 1)
+        self._next = [num_blocks] * (num_blocks + 1)
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[int]:
+        nxt, block_id = self._next, self._next[self._end]
+        while block_id != self._end:
+            yield block_id
+            block_id = nxt[block_id]
+
+    def extend(self, block_ids: list[int]) -> None:
+        """Append blocks at the most recently released end, in order."""
+        prev, nxt = self._prev, self._next
+        last = prev[self._end]
+        for block_id in block_ids:
+            nxt[last] = block_id
+            prev[block_id] = last
+            last = block_id
+        nxt[last] = self._end
+        prev[self._end] = last
+        self._len += len(block_ids)
+
+    def remove(self, block_id: int) -> None:
+        before, after = self._prev[block_id], self._next[block_id]
+        self._next[before] = after
+        self._prev[after] = before
+        self._len -= 1
+
+    def pop_oldest(self, n: int) -> list[int]:
+        """Unlink and return the n least recently released blocks (n <= len)."""
+        nxt, block_id, oldest = self._next, self._next[self._end], []
+        for _ in range(n):
+            oldest.append(block_id)
+            block_id = nxt[block_id]
+        nxt[self._end] = block_id
+        self._prev[block_id] = self._end
+        self._len -= n
+        return oldest
+
+    def clear(self) -> None:
+        self._prev[self._end] = self._next[self._end] = self._end
+        self._len = 0
+
+    def check(self) -> None:
+        """The links agree both ways and the length is right; for tests."""
+        seen, before = 0, self._end
+        for block_id in self:
+            assert self._prev[block_id] == before, f"eviction queue: block {block_id}'s back link is broken"
+            before = block_id
+            seen += 1
+            assert seen <= self._len, "eviction queue: longer than its length (a cycle?)"
+        assert self._prev[self._end] == before and seen == self._len, "eviction queue: length or tail is wrong"
+
+
 class BlockManager:
     """Fixed-size blocks, a free list, ref counts, chained prefix hashes (token
     ids compared against collisions), LRU eviction of unreferenced cached blocks."""
@@ -95,8 +161,7 @@ class BlockManager:
         self._parent_serials = [ROOT_SERIAL] * num_blocks
         self._tokens: list[bytes | None] = [None] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
-        # unreferenced cached blocks -> their hash, least recently released first
-        self._evictable: OrderedDict[int, int] = OrderedDict()
+        self._evictable = EvictionQueue(num_blocks)
         self._hash_to_block: dict[int, int] = {}
         self._tables: dict[str, list[int]] = {}
         # each request's committed full blocks, including any left unregistered
@@ -177,7 +242,7 @@ class BlockManager:
             if self._tokens[block_id] != tokens or self._parent_serials[block_id] != parent_serial:
                 break  # hash collision: different content under the same key
             if ref_counts[block_id] == 0:
-                del self._evictable[block_id]
+                self._evictable.remove(block_id)
             ref_counts[block_id] += 1
             table.append(block_id)
             parent_hash, parent_serial = h, self._serials[block_id]
@@ -270,14 +335,11 @@ class BlockManager:
 
     def _evict(self, n: int) -> list[int]:
         """Take the n least recently released cached blocks out of the cache."""
-        pop, hash_to_block, hashes, block_tokens = (self._evictable.popitem, self._hash_to_block,
-                                                    self._hashes, self._tokens)
-        evicted = []
-        for _ in range(n):
-            block_id, h = pop(last=False)
-            del hash_to_block[h]
+        evicted = self._evictable.pop_oldest(n)
+        hash_to_block, hashes, block_tokens = self._hash_to_block, self._hashes, self._tokens
+        for block_id in evicted:
+            del hash_to_block[hashes[block_id]]
             hashes[block_id] = block_tokens[block_id] = None
-            evicted.append(block_id)
         return evicted
 
     def free(self, request_id: str) -> None:
@@ -288,18 +350,15 @@ class BlockManager:
         self._chains.pop(request_id, None)
         if not table:
             return
-        ref_counts, hashes, free, evictable = self._ref_counts, self._hashes, self._free, self._evictable
+        ref_counts, hashes, free, cached = self._ref_counts, self._hashes, self._free, []
         # release the tail first so a prompt's later blocks are evicted before
         # its earlier ones: evicting an early block strands the rest of the chain
         for block_id in reversed(table):
             ref = ref_counts[block_id] - 1
             ref_counts[block_id] = ref
             if not ref:
-                h = hashes[block_id]
-                if h is None:
-                    free.append(block_id)
-                else:
-                    evictable[block_id] = h
+                (free if hashes[block_id] is None else cached).append(block_id)
+        self._evictable.extend(cached)
 
     # ---- checking ----------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -311,6 +370,7 @@ class BlockManager:
             assert self._chains[rid].num_blocks <= len(table), f"request {rid} has more hashes than blocks"
             for block_id in table:
                 refs[block_id] += 1
+        self._evictable.check()
         free, evictable = set(self._free), set(self._evictable)
         assert len(free) == len(self._free), "a block is on the free list twice"
         assert not free & evictable, f"blocks both free and cached: {free & evictable}"
@@ -323,7 +383,6 @@ class BlockManager:
             elif bid in evictable:
                 assert ref_count == 0, f"cached block {bid} is in the evictable set while referenced"
                 assert h is not None, f"evictable block {bid} has no hash"
-                assert self._evictable[bid] == h, f"evictable block {bid} is listed under another hash"
             else:
                 assert ref_count > 0, f"block {bid} is in no state: not free, cached nor referenced"
             if h is not None:
