@@ -290,6 +290,23 @@ def test_synthetic_tokens_equal_their_materialized_list():
         toks[1300]
 
 
+def test_synthetic_tokens_match_the_per_token_definition():
+    """numpy() lays the hash out over whole blocks and cuts it: every token,
+    across block boundaries and with shared block ids, is still
+    mix(mix(block * golden ^ key) + offset * mix1) % vocab."""
+    from testbed.workloads.tokens import _GOLDEN, _MASK64, _MIX1, _mix_int
+
+    def token(key, i, block_size, block_ids=None):
+        block = i // block_size if block_ids is None else block_ids[i // block_size] & _MASK64
+        return _mix_int(_mix_int(block * _GOLDEN ^ key) + (i % block_size) * _MIX1) % VOCAB
+
+    for block_ids in (None, [7, -3, 2**70 + 5, 7]):
+        toks = SyntheticTokens(2**63 + 11, 50, VOCAB, block_ids, block_size=13)
+        for start, stop in ((0, 50), (12, 14), (13, 26), (25, 27), (49, 50), (5, 6)):
+            assert toks.numpy(start, stop).tolist() == [token(toks._key, i, 13, block_ids)
+                                                        for i in range(start, stop)]
+
+
 def test_synthetic_tokens_blocks_reorder_like_the_trace_says():
     ab = SyntheticTokens(9, 1024, VOCAB, block_ids=[1, 2], block_size=512)
     ba = SyntheticTokens(9, 1024, VOCAB, block_ids=[2, 1], block_size=512)

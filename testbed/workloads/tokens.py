@@ -35,10 +35,14 @@ def _mix_int(x: int) -> int:
 
 
 def _mix_array(x: np.ndarray) -> np.ndarray:
-    """The same finalizer over a uint64 array (multiplication wraps mod 2^64)."""
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(_MIX1)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(_MIX2)
-    return x ^ (x >> np.uint64(31))
+    """The same finalizer over a uint64 array (multiplication wraps mod 2^64),
+    in place after the first step (one new array, not six)."""
+    x = x ^ (x >> np.uint64(30))
+    x *= np.uint64(_MIX1)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(_MIX2)
+    x ^= x >> np.uint64(31)
+    return x
 
 
 def stream_key(*parts: int) -> int:
@@ -86,14 +90,16 @@ class SyntheticTokens(Sequence):
         start = max(0, start)
         if stop <= start:
             return np.empty(0, dtype=np.int64)
-        pos = np.arange(start, stop, dtype=np.uint64)
-        bs = np.uint64(self._block_size)
-        block = pos // bs
-        if self._blocks is not None:
-            block = self._blocks[block.astype(np.int64)]
-        # [num_tokens] per-block seed, then the offset inside the block
-        h = _mix_array(block * np.uint64(_GOLDEN) ^ np.uint64(self._key))
-        h = _mix_array(h + (pos % bs) * np.uint64(_MIX1))
+        bs = self._block_size
+        first, last = start // bs, (stop - 1) // bs
+        block = (np.arange(first, last + 1, dtype=np.uint64) if self._blocks is None
+                 else self._blocks[first:last + 1])
+        # one seed per block, and each token adds its offset inside the block:
+        # [num_blocks, block_size] over whole blocks, cut to [start, stop)
+        seed = _mix_array(block * np.uint64(_GOLDEN) ^ np.uint64(self._key))
+        offset = np.arange(bs, dtype=np.uint64) * np.uint64(_MIX1)
+        h = (seed[:, None] + offset).ravel()[start - first * bs:stop - first * bs]
+        h = _mix_array(h)
         return (h % np.uint64(self._vocab_size)).astype(np.int64)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
