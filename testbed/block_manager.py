@@ -31,6 +31,7 @@ and free, and list slots are the cheapest thing Python can read and write.
 """
 from __future__ import annotations
 
+from array import array
 from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
@@ -156,10 +157,13 @@ class BlockManager:
         self._ref_counts = [0] * num_blocks
         self._hashes: list[int | None] = [None] * num_blocks    # set while registered in the prefix cache
         # meaningful only while the block's hash is set: the serial naming the
-        # exact token prefix it ends, its parent's serial, its token ids as bytes
-        self._serials = [ROOT_SERIAL] * num_blocks
-        self._parent_serials = [ROOT_SERIAL] * num_blocks
-        self._tokens: list[bytes | None] = [None] * num_blocks
+        # exact token prefix it ends and its parent's (plain int64 slots, no int
+        # objects), and its token ids: block `index` of the bytes `commit` fetched
+        # them in (one object shared by the blocks of a fetch, not one per block)
+        self._serials = array("q", [ROOT_SERIAL]) * num_blocks
+        self._parent_serials = array("q", [ROOT_SERIAL]) * num_blocks
+        self._token_chunks: list[bytes | None] = [None] * num_blocks
+        self._token_index = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable = EvictionQueue(num_blocks)
         self._hash_to_block: dict[int, int] = {}
@@ -239,7 +243,7 @@ class BlockManager:
             block_id = self._hash_to_block.get(h)
             if block_id is None:
                 break
-            if self._tokens[block_id] != tokens or self._parent_serials[block_id] != parent_serial:
+            if self._block_tokens(block_id) != tokens or self._parent_serials[block_id] != parent_serial:
                 break  # hash collision: different content under the same key
             if ref_counts[block_id] == 0:
                 self._evictable.remove(block_id)
@@ -274,18 +278,20 @@ class BlockManager:
         data = token_bytes(request.token_array(done * bs, num_full * bs))
         nbytes = 8 * bs
         hash_block, hash_to_block = self.hash_block, self._hash_to_block
-        hashes, serials, parent_serials, block_tokens = self._hashes, self._serials, self._parent_serials, self._tokens
+        hashes, serials, parent_serials = self._hashes, self._serials, self._parent_serials
+        token_chunks, token_index = self._token_chunks, self._token_index
         next_serial = self._next_serial
-        for off, block_id in zip(range(0, len(data), nbytes), table[done:num_full]):
-            tokens = data[off:off + nbytes]
+        for index, block_id in enumerate(table[done:num_full]):
+            tokens = data[index * nbytes:(index + 1) * nbytes]
             h = hash_block(parent_hash, tokens)
             cached_id = hash_to_block.get(h)
             if cached_id is None:
                 hash_to_block[h] = block_id
-                hashes[block_id], block_tokens[block_id], parent_serials[block_id] = h, tokens, parent_serial
+                hashes[block_id], parent_serials[block_id] = h, parent_serial
+                token_chunks[block_id], token_index[block_id] = data, index
                 serials[block_id] = serial = next_serial
                 next_serial += 1
-            elif block_tokens[cached_id] == tokens and parent_serials[cached_id] == parent_serial:
+            elif self._block_tokens(cached_id) == tokens and parent_serials[cached_id] == parent_serial:
                 # the key is taken, so ours stays unregistered: by the same prefix
                 # (another request computed it too), whose serial we share, ...
                 serial = serials[cached_id]
@@ -303,8 +309,14 @@ class BlockManager:
         self._free.extend(self._evictable)
         self._evictable.clear()
         for block_id in self._hash_to_block.values():
-            self._hashes[block_id] = self._tokens[block_id] = None
+            self._hashes[block_id] = self._token_chunks[block_id] = None
         self._hash_to_block.clear()
+
+    def _block_tokens(self, block_id: int) -> bytes:
+        """A registered block's token ids, as the bytes it was hashed from."""
+        nbytes = 8 * self.block_size
+        start = self._token_index[block_id] * nbytes
+        return self._token_chunks[block_id][start:start + nbytes]
 
     # ---- allocation ------------------------------------------------------------
     def allocate(self, request: Request, num_tokens: int) -> bool:
@@ -336,10 +348,10 @@ class BlockManager:
     def _evict(self, n: int) -> list[int]:
         """Take the n least recently released cached blocks out of the cache."""
         evicted = self._evictable.pop_oldest(n)
-        hash_to_block, hashes, block_tokens = self._hash_to_block, self._hashes, self._tokens
+        hash_to_block, hashes, token_chunks = self._hash_to_block, self._hashes, self._token_chunks
         for block_id in evicted:
             del hash_to_block[hashes[block_id]]
-            hashes[block_id] = block_tokens[block_id] = None
+            hashes[block_id] = token_chunks[block_id] = None
         return evicted
 
     def free(self, request_id: str) -> None:
@@ -390,7 +402,8 @@ class BlockManager:
         serials = []
         for h, bid in self._hash_to_block.items():
             assert self._hashes[bid] == h, f"hash {h:#x} maps to block {bid} which holds another hash"
-            assert self._tokens[bid] is not None, f"cached block {bid} has no token ids"
+            assert self._token_chunks[bid] is not None and len(self._block_tokens(bid)) == 8 * self.block_size, \
+                f"cached block {bid} has no token ids"
             assert ROOT_SERIAL <= self._parent_serials[bid] < self._serials[bid] < self._next_serial, \
                 f"block {bid}'s serials"
             serials.append(self._serials[bid])
