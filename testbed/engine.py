@@ -136,7 +136,7 @@ class Engine:
         for sl in batch.slices:
             req, n = sl.request, sl.num_tokens
             computed = req.num_computed_tokens
-            if computed >= len(req.prompt_token_ids):
+            if computed >= req.prompt_len:
                 num_decode += n
             else:
                 num_prefill += n

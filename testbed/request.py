@@ -55,20 +55,20 @@ class Request:
     first_scheduled_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)
     finish_s: float | None = None
+    # len(prompt_token_ids), kept: the prompt never changes, and its length is
+    # read for every slice of every step (a lazy prompt's len is a Python call)
+    prompt_len: int = field(init=False)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"request {self.request_id}: max_tokens={self.max_tokens} must be >= 1")
-        if len(self.prompt_token_ids) == 0:
+        self.prompt_len = len(self.prompt_token_ids)
+        if self.prompt_len == 0:
             raise ValueError(f"request {self.request_id}: the prompt is empty; give at least one token")
 
     @property
-    def prompt_len(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self.prompt_len + len(self.output_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

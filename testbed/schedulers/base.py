@@ -137,7 +137,7 @@ class Scheduler(ABC):
             start = req.num_computed_tokens
             end = start + n
             total += n
-            assert n >= 1 and end <= len(req.prompt_token_ids) + len(req.output_token_ids), \
+            assert n >= 1 and end <= req.prompt_len + len(req.output_token_ids), \
                 f"{req.request_id}: slice [{start}, {end}) outside its tokens"
             if n > 1 or start % bs == 0:
                 assert len(table(req.request_id)) * bs >= end, f"{req.request_id}: KV blocks do not cover the slice"

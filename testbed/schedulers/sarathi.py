@@ -22,13 +22,13 @@ class SarathiScheduler(Scheduler):
         grow, bs = self._grow, self.bm.block_size
         for req in list(self.running):               # decodes first, in running order
             computed = req.num_computed_tokens
-            if computed < len(req.prompt_token_ids):
+            if computed < req.prompt_len:
                 prefills.append(req)
             elif budget:
                 if batch.preempted and req.status is not RequestStatus.RUNNING:
                     continue                         # preempted by an earlier allocation
                 # usually 1; more when a recompute's last chunk runs into the outputs
-                n = len(req.prompt_token_ids) + len(req.output_token_ids) - computed
+                n = req.prompt_len + len(req.output_token_ids) - computed
                 if n != 1 or not computed % bs:      # else: _grow's fast path, inlined for the hot loop
                     n = grow(req, n if n < budget else budget, batch)
                 if n:
