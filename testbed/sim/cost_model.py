@@ -41,7 +41,7 @@ from testbed.model.config import ModelConfig
 from testbed.sim.config import HardwareConfig, ParallelConfig, load_link_preset
 from testbed.sim.layer_shapes import expected_experts_touched, layer_shapes
 from testbed.sim.link_model import LinkModel
-from testbed.sim.timers import ProfiledAttention, ProfiledGemms, RooflineAttention, RooflineGemms
+from testbed.sim.timers import Curve, ProfiledAttention, ProfiledGemms, RooflineAttention, RooflineGemms
 
 Slices = Sequence[tuple[int, int]] | np.ndarray
 # Below this many slices an iteration is priced in plain Python: numpy's
@@ -62,8 +62,8 @@ class CostModel:
 
         roofline = RooflineGemms(self._s_per_flop, self._s_per_byte, hardware.gemm_ramp_tokens, shapes.dtype_bytes)
         gemms = ProfiledGemms(hardware.gemm_profile) if hardware.gemm_profile else roofline
-        self._gemms_s = gemms.curve(shapes.gemms)
-        self._lm_head_s = gemms.curve([shapes.lm_head])
+        self._gemms_s = _remembered(gemms.curve(shapes.gemms))
+        self._lm_head_s = _remembered(gemms.curve([shapes.lm_head]))
         if hardware.attention_profile:
             self._attention = ProfiledAttention(shapes.attention, shapes.num_layers, hardware.attention_profile)
         else:
@@ -143,6 +143,19 @@ class CostModel:
                 f"weights per GPU at tp={self.parallel.tp}, more than {memory_fraction:.0%} of "
                 f"{self.hardware.name}'s {self.hardware.memory_gib} GiB; raise parallel.tp or pick bigger hardware")
         return int(free // self.shapes.kv_bytes_per_token)
+
+
+def _remembered(curve: Curve) -> Curve:
+    """`curve` with its values kept per m: a run prices ~10^5 iterations over
+    far fewer distinct token counts (a few hundred under a token budget)."""
+    seconds: dict[float, float] = {}
+
+    def remembered(m: float) -> float:
+        s = seconds.get(m)
+        if s is None:
+            s = seconds[m] = curve(m)
+        return s
+    return remembered
 
 
 def _check_pairs(slices: Sequence[tuple[int, int]]) -> int:
