@@ -62,9 +62,9 @@ class ModeController(ABC):
                     # else produced before the worker heard of the end: never delivered to the client
                     self._deliver(rid, index, token, now)
         elif kind == "iteration":
-            self.iterations.append(IterationRecord(
-                start_s=ev["start_s"], duration_s=ev["duration_s"], num_prefill_tokens=ev["num_prefill_tokens"],
-                num_decode_tokens=ev["num_decode_tokens"], kv_bytes_read=ev["kv_bytes_read"], worker=ev["worker"]))
+            self.iterations.append(IterationRecord(    # its fields in order (keywords cost ~0.3 µs a step)
+                ev["start_s"], ev["duration_s"], ev["num_prefill_tokens"], ev["num_decode_tokens"],
+                ev["kv_bytes_read"], ev["worker"]))
             self.on_free_blocks(ev["worker"], ev["free_blocks"], now)
         elif kind == "free_blocks":     # blocks released between iterations (a dropped reservation)
             self.on_free_blocks(ev["worker"], ev["free_blocks"], now)
