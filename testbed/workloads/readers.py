@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -63,12 +64,19 @@ def _csv_rows(path: Path, columns: tuple[str, ...], limit: int | None):
             yield reader.line_num, row
 
 
+# The layout the Azure traces use: datetime.fromisoformat reads it ~20x faster
+# than strptime (~70 ms over the 8,819-row code trace), but it also accepts other
+# ISO layouts, so anything else goes through strptime.
+_AZURE_TIME = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2} [0-9]{2}:[0-9]{2}:[0-9]{2}")
+
+
 def _parse_azure_time(text: str, where: str) -> float:
     """'2023-11-16 18:17:03.9799600' -> seconds since the epoch. The fraction has
     7 digits, more than datetime parses, so it is read separately."""
     main, _, frac = text.strip().partition(".")
     try:
-        dt = datetime.strptime(main, "%Y-%m-%d %H:%M:%S").replace(tzinfo=timezone.utc)
+        dt = (datetime.fromisoformat(main) if _AZURE_TIME.fullmatch(main)
+              else datetime.strptime(main, "%Y-%m-%d %H:%M:%S")).replace(tzinfo=timezone.utc)
         if frac and not frac.isdigit():
             raise ValueError
     except ValueError:
