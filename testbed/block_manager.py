@@ -19,26 +19,28 @@ takes truly free blocks first and evicts cached ones only when it must.
 A full block's key is chained: hash(parent block's hash, its token ids), so
 one dict lookup per block walks a prompt's prefix. A hit is then verified
 exactly, never trusting the hash: each registered block gets a serial number
-(never reused) naming the exact token prefix it ends, and it stores its own
-token ids (as the bytes it hashed) and its parent's serial; a lookup compares
+(never reused) naming the exact token prefix it ends, and it keeps its own
+token ids (the bytes it hashed) and its parent's serial; a lookup compares
 both against the block matched just before. By induction a matched chain holds exactly the request's
 prefix, so a collision (even one that makes a chain loop back on itself) is a
 miss, never wrong KV.
 
-The per-block state lives in plain lists indexed by block id rather than in one
-object per block: a simulated run moves ~10^6 blocks through allocate, commit
-and free, and list slots are the cheapest thing Python can read and write.
+The per-block state lives in flat lists and int64 arrays indexed by block id,
+not in one object per block, and a block's token ids are its slice of the bytes
+its commit hashed: a simulated run moves ~10^6 blocks through allocate, commit
+and free, and every object made and freed per block costs time there.
 """
 from __future__ import annotations
 
 from array import array
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
 import xxhash
 
+from testbed.eviction_queue import EvictionQueue
 from testbed.request import Request
 
 # The "parent" of a prompt's first block: the seed of its hash and its serial.
@@ -73,72 +75,6 @@ class ChainEnd(NamedTuple):
 
 
 CHAIN_START = ChainEnd(0, ROOT_HASH, ROOT_SERIAL)
-
-
-class EvictionQueue:
-    """Unreferenced cached blocks, least recently released first: a doubly
-    linked list threaded through two lists indexed by block id (as vLLM's
-    FreeKVCacheBlockQueue), so that appending released blocks, taking the
-    oldest and unlinking one that a prefix hit revives are a few list-slot
-    writes each, with no node objects. Slot `num_blocks` is the sentinel."""
-
-    def __init__(self, num_blocks: int):
-        self._end = num_blocks
-        self._prev = [num_blocks] * (num_blocks + 1)
-        self._next = [num_blocks] * (num_blocks + 1)
-        self._len = 0
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __iter__(self) -> Iterator[int]:
-        nxt, block_id = self._next, self._next[self._end]
-        while block_id != self._end:
-            yield block_id
-            block_id = nxt[block_id]
-
-    def extend(self, block_ids: list[int]) -> None:
-        """Append blocks at the most recently released end, in order."""
-        prev, nxt = self._prev, self._next
-        last = prev[self._end]
-        for block_id in block_ids:
-            nxt[last] = block_id
-            prev[block_id] = last
-            last = block_id
-        nxt[last] = self._end
-        prev[self._end] = last
-        self._len += len(block_ids)
-
-    def remove(self, block_id: int) -> None:
-        before, after = self._prev[block_id], self._next[block_id]
-        self._next[before] = after
-        self._prev[after] = before
-        self._len -= 1
-
-    def pop_oldest(self, n: int) -> list[int]:
-        """Unlink and return the n least recently released blocks (n <= len)."""
-        nxt, block_id, oldest = self._next, self._next[self._end], []
-        for _ in range(n):
-            oldest.append(block_id)
-            block_id = nxt[block_id]
-        nxt[self._end] = block_id
-        self._prev[block_id] = self._end
-        self._len -= n
-        return oldest
-
-    def clear(self) -> None:
-        self._prev[self._end] = self._next[self._end] = self._end
-        self._len = 0
-
-    def check(self) -> None:
-        """The links agree both ways and the length is right; for tests."""
-        seen, before = 0, self._end
-        for block_id in self:
-            assert self._prev[block_id] == before, f"eviction queue: block {block_id}'s back link is broken"
-            before = block_id
-            seen += 1
-            assert seen <= self._len, "eviction queue: longer than its length (a cycle?)"
-        assert self._prev[self._end] == before and seen == self._len, "eviction queue: length or tail is wrong"
 
 
 class BlockManager:

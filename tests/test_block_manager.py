@@ -312,6 +312,26 @@ def test_tail_blocks_evicted_before_head_and_hits_refresh_recency():
     bm.check_invariants()
 
 
+def test_eviction_queue_keeps_release_order():
+    from testbed.eviction_queue import EvictionQueue
+    q = EvictionQueue(6)
+    q.extend([3, 1, 4])
+    q.extend([0, 5])
+    q.remove(4)                                   # revived by a prefix hit
+    q.check()
+    assert list(q) == [3, 1, 0, 5] and len(q) == 4
+    assert q.pop_oldest(2) == [3, 1] and list(q) == [0, 5]
+    q.extend([4])
+    q.remove(5)
+    q.check()
+    assert list(q) == [0, 4] and q.pop_oldest(2) == [0, 4] and len(q) == 0
+    q.check()
+    q.extend([2])
+    q.clear()
+    q.check()
+    assert list(q) == []
+
+
 # ---- state machine ---------------------------------------------------------------------
 class BlockManagerMachine(RuleBasedStateMachine):
     """Random add / match / grow / decode / free sequences on a tiny cache.
