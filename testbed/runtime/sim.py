@@ -260,8 +260,10 @@ class SimRuntime:
 def _cyclic_gc_paused() -> Iterator[None]:
     """The event loop allocates millions of short-lived objects (events,
     batches, records) and makes no reference cycles to speak of; the cyclic
-    collector's passes over them cost ~5% of a run, so it waits until the
-    loop is over (reference counting still frees everything as it goes)."""
+    collector's passes over them cost ~5% of the loop, so it waits until the
+    loop is over (reference counting still frees everything as it goes). What
+    the loop leaves alive is scanned once afterwards (~0.1 s for the Azure
+    trace's records), so a run gains about half of that 5%."""
     enabled = gc.isenabled()
     gc.disable()
     try:
