@@ -9,12 +9,12 @@ just its kernels.
 Method: real WorkerServices (engine, scheduler, ModelExecutor, events packed
 with msgpack as a worker process does) step batches of known shapes: decode
 batches of 1 to 32 requests (contexts spread over 64..512), whole prefills of
-16 to 512 tokens, and a 64-token chunk beside 1 to 8 decodes; one step of each
+16 to 2048 tokens, and a 64-token chunk beside 1 to 8 decodes; one step of each
 shape per round, so that whatever else runs on the machine spreads over all
-shapes alike. A burst served by the real runtime adds the same engine's
-iterations as a worker process sees them (beside the frontend, events over
-ZMQ), each paired with the batch the simulator runs at that point. Each
-shape's median step time is fitted to
+shapes alike. (Steps timed inside a real runtime's burst were fitted too once:
+the frontend busy sending the burst on the other core slowed them 20-30%,
+which raised calibration_scale and overpriced every quiet step and long
+prefill by 10-40%.) Each shape's median step time is fitted to
     overhead_ms + overhead_per_seq_ms · num_seqs + calibration_scale · modeled
 where `modeled` is the cost model's time without overhead; all three >= 0,
 minimising relative error (a 1-decode step and a 512-token prefill count
@@ -73,12 +73,21 @@ class _Recording(Executor):
         return self.inner.execute(batch, on_layer_done)
 
 
-def _service(model: ModelConfig, num_blocks: int, token_budget: int) -> tuple[WorkerService, _Recording]:
+def _service(model: ModelConfig, num_blocks: int, token_budget: int,
+             weights=None) -> tuple[WorkerService, _Recording]:
+    """A worker of its own (block manager, scheduler, KV cache) for one batch
+    shape. `weights`: another service's model module to run instead of a
+    fresh copy, as a real worker runs one model whatever it batches: thirty
+    copies would never be in cache and every step would read its weights from
+    DRAM, which a serving worker does not."""
     from testbed.model_executor import ModelExecutor
     bm = BlockManager(num_blocks, 16, enable_prefix_caching=True)
     scheduler = make_scheduler("sarathi", SchedulerConfig(token_budget=token_budget, max_num_seqs=256,
                                                           max_num_batched_tokens=token_budget), bm)
-    executor = _Recording(ModelExecutor(model, num_blocks, 16, bm.block_table))
+    inner = ModelExecutor(model, num_blocks, 16, bm.block_table)
+    if weights is not None:
+        inner.model = weights
+    executor = _Recording(inner)
     engine = Engine(scheduler, executor, WallClock())
     return WorkerService("profile", "colocated", engine, msgpack.packb), executor
 
@@ -93,19 +102,20 @@ def _timed_steps(svc: WorkerService, rec: _Recording, n: int) -> list[tuple[list
     return out
 
 
-def measure_overhead(model: ModelConfig, hardware: HardwareConfig, quick: bool = False,
-                     in_runtime: bool = True) -> OverheadFit:
+def measure_overhead(model: ModelConfig, hardware: HardwareConfig, quick: bool = False) -> OverheadFit:
     """Fit the overhead terms and the calibration scale for `hardware` (whose
     tables were just measured on this machine) from real steps of `model`."""
     bare = dataclasses.replace(hardware, overhead_ms=0.0, overhead_per_seq_ms=0.0, calibration_scale=1.0,
                                frontend_hop_ms=0.0, frontend_message_ms=0.0)
     cost = CostModel(model, bare)
     decode_batches = (1, 4, 16) if quick else (1, 2, 3, 4, 6, 8, 16, 32)
-    prefills = (32, 256) if quick else (16, 64, 256, 512)
+    prefills = (32, 256) if quick else (16, 64, 256, 512, 1024, 2048)
     hybrid_decodes = (2,) if quick else (1, 2, 4, 8)
     rounds = 6 if quick else 24
     samples: dict[tuple[int, int], list[tuple[float, float]]] = {}
     seq = 0
+    from testbed.model.loader import load_model
+    weights, _ = load_model(model)           # one model for every shape's worker
 
     def prompt(length: int) -> list[int]:
         nonlocal seq
@@ -114,7 +124,7 @@ def measure_overhead(model: ModelConfig, hardware: HardwareConfig, quick: bool =
 
     def decoding(b: int, budget: int):
         """b requests decoding, their contexts spread over 64..512 tokens as in serving."""
-        svc, rec = _service(model, num_blocks=b * 40 + 80, token_budget=budget)
+        svc, rec = _service(model, num_blocks=b * 40 + 80, token_budget=budget, weights=weights)
         for i in range(b):
             svc.engine.add_request(Request(f"d{seq}", prompt(64 + 448 * i // b), max_tokens=rounds + 8))
         sched = svc.engine.scheduler
@@ -125,7 +135,8 @@ def measure_overhead(model: ModelConfig, hardware: HardwareConfig, quick: bool =
 
     decoders = [decoding(b, 4096) for b in decode_batches]
     # sarathi's hybrid iterations: a 64-token prefill chunk beside b decodes
-    prefillers = [(length, *_service(model, num_blocks=length // 16 + 8, token_budget=length)) for length in prefills]
+    prefillers = [(length, *_service(model, num_blocks=length // 16 + 8, token_budget=length, weights=weights))
+                  for length in prefills]
     prefillers += [(64, *decoding(b, 64 + b)) for b in hybrid_decodes]
     for _ in range(rounds):
         timed = []
@@ -137,59 +148,18 @@ def measure_overhead(model: ModelConfig, hardware: HardwareConfig, quick: bool =
         for pairs, wall in timed:
             key = (len(pairs), sum(q for q, _ in pairs))
             samples.setdefault(key, []).append((wall, cost.iteration_time_s(pairs)))
-    # the spread of repeated steps of one shape (the in-process rounds; a shape
-    # the runtime burst ran once or twice tells nothing about it)
+    # the spread of repeated steps of one shape
     ratios = []
     for xs in samples.values():
         if len(xs) >= rounds // 2:
             walls = [w for w, _ in xs]
             median = float(np.median(walls))
             ratios += [w / median for w in walls]
-    if in_runtime:
-        for key, xs in _runtime_samples(model, bare).items():
-            samples.setdefault(key, []).extend(xs)
     rows = []
     for (num_seqs, num_tokens), xs in sorted(samples.items()):
         walls, modeled = zip(*xs)
         rows.append((num_seqs, num_tokens, float(np.median(walls)), float(np.median(modeled))))
     return _fit(rows, ratios)
-
-
-def _runtime_samples(model: ModelConfig, bare: HardwareConfig) -> dict[tuple[int, int], list[tuple[float, float]]]:
-    """Step times inside the real runtime (a worker process beside the
-    frontend, events over ZMQ), which the in-process steps above do not see.
-    A burst of requests is served by runtime=real and by runtime=sim on the
-    bare cost model: both run the same iterations (the first holds only the
-    first prompt, whatever arrived by then; tests/test_sim.py checks the
-    schedules match), so each real iteration's time to the next one pairs
-    with the batch the simulator priced. Empty if the schedules differ."""
-    from testbed.config import RunConfig, WandbConfig
-    from testbed.runtime.real import RealRuntime
-    from testbed.runtime.sim import SimRuntime
-    from testbed.workloads.build import build_workload
-    from testbed.workloads.config import WorkloadConfig
-    prompts = [96, 16, 200, 40, 130, 64, 300, 24, 80, 160]
-    outputs = [48, 12, 30, 40, 8, 56, 20, 36, 16, 44]
-    workload = WorkloadConfig(name="calibration", num_requests=0, arrival="burst",
-                              inject_arrival_s=[0.0] * len(prompts), inject_prompt_len=prompts,
-                              inject_output_len=outputs)
-    cfg = RunConfig(model=model, workload=workload, scheduler="sarathi", token_budget=96, num_kv_blocks=256,
-                    hardware=bare, wandb=WandbConfig(mode="disabled"), progress=False)
-    real = RealRuntime(cfg).run(build_workload(workload, model.vocab_size, 0)).iterations
-    sim = SimRuntime(cfg, log=lambda _: None)
-    batches: list[list[tuple[int, int]]] = []
-    for svc in sim.services.values():
-        svc.engine.executor = _Recording(svc.engine.executor, batches)
-    simulated = sim.run(build_workload(workload, model.vocab_size, 0)).iterations
-    shape = [[(it.num_prefill_tokens, it.num_decode_tokens) for it in its] for its in (real, simulated)]
-    if shape[0] != shape[1]:
-        return {}
-    cost = CostModel(model, bare)
-    samples: dict[tuple[int, int], list[tuple[float, float]]] = {}
-    for it, nxt, pairs in zip(real, real[1:], batches):
-        key = (len(pairs), sum(q for q, _ in pairs))
-        samples.setdefault(key, []).append((nxt.start_s - it.start_s, cost.iteration_time_s(pairs)))
-    return samples
 
 
 def _fit(rows: list[tuple[int, int, float, float]], step_ratios: list[float]) -> OverheadFit:

@@ -73,11 +73,14 @@ class AttentionShape:
             return np.minimum(absorbed, plain + decompress)
         return min(absorbed, plain + decompress)
 
-    def dense_flops(self, q: np.ndarray, ctx: np.ndarray) -> np.ndarray:
-        """FLOPs of a kernel that computes the whole q x ctx score rectangle
-        and masks it (the torch backend's SDPA on CPU), instead of skipping the
-        causally masked half as flash kernels do."""
-        return (2 * self.num_heads * (self.qk_dim + self.v_dim)) * q * ctx
+    def masked_flops(self, q: np.ndarray, ctx: np.ndarray) -> np.ndarray:
+        """FLOPs of the torch backend's SDPA on CPU for one slice: a chunk on a
+        cached prefix (1 < q < ctx) goes through an explicit bottom-right mask,
+        which computes the whole q x ctx score rectangle; a decode (q = 1) or a
+        whole prompt (q = ctx, is_causal, which skips the masked half) costs
+        `flops`, and counts 0 here."""
+        chunk = (q > 1) & (q < ctx)
+        return (2 * self.num_heads * (self.qk_dim + self.v_dim)) * q * ctx * chunk
 
     def bytes(self, q: np.ndarray, ctx: np.ndarray) -> np.ndarray:
         return self.kv_bytes_per_token * ctx + self.io_bytes_per_token * q

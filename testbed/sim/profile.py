@@ -8,8 +8,9 @@ Measures, with one torch thread per worker as the real engine runs:
   [m, n, k, seconds], interpolated over m by the cost model;
 - one attention call of the torch backend over a grid of (query length,
   prefix) and of decode batches -> attention_profile rows [num_seqs, flops,
-  bytes, seconds], fitted by the cost model (timers.fit_attention); flops
-  count the whole q x ctx rectangle, which SDPA computes before masking;
+  masked_flops, bytes, seconds], fitted by the cost model
+  (timers.fit_attention); a chunk on a prefix runs with an explicit mask
+  (the whole q x ctx rectangle), a whole prompt is_causal (half of it);
 - memcpy bandwidth -> hbm_bw_gbps (read plus written bytes), and the best GEMM
   throughput -> peak_tflops, for whatever the tables do not cover;
 - the real engine's step times against the model of them (calibration.py) ->
@@ -118,7 +119,8 @@ def profile_attention(model: ModelConfig, plan: _Plan, block_size: int = 16) -> 
         secs = seconds_per_call(lambda: backend.forward(query, k_cache, v_cache, meta, scale), plan.min_time_s)
         q_arr = np.array([q for q, _ in batch], dtype=np.float64)
         c_arr = np.array([c for _, c in batch], dtype=np.float64)
-        rows.append([len(batch), float(shape.dense_flops(q_arr, c_arr).sum()), float(shape.bytes(q_arr, c_arr).sum()), secs])
+        rows.append([len(batch), float(shape.flops(q_arr, c_arr).sum()), float(shape.masked_flops(q_arr, c_arr).sum()),
+                     float(shape.bytes(q_arr, c_arr).sum()), secs])
     return rows
 
 
@@ -152,8 +154,8 @@ def profile_cpu(out_path: str | Path, model_name: str = "tiny", quick: bool = Fa
             memory_gib=round(memory, 1), compute_efficiency=1.0, memory_efficiency=1.0, gemm_ramp_tokens=0.0,
             # all floats: Hydra's typed list[list[float]] rejects ints
             gemm_profile=[[float(m), float(n), float(k), float(f"{s:.4g}")] for m, n, k, s in gemm_rows],
-            attention_profile=[[float(b), float(fl), float(by), float(f"{s:.4g}")]
-                               for b, fl, by, s in attention_rows], profiled_for=name)
+            attention_profile=[[float(b), float(fl), float(mfl), float(by), float(f"{s:.4g}")]
+                               for b, fl, mfl, by, s in attention_rows], profiled_for=name)
         overhead_note = "not measured (engine_overhead=False)"
         if engine_overhead:
             from testbed.sim.calibration import measure_overhead
@@ -176,8 +178,8 @@ def profile_cpu(out_path: str | Path, model_name: str = "tiny", quick: bool = Fa
     header = (f"# Measured on this machine by testbed.sim.profile.profile_cpu ({time.strftime('%Y-%m-%d %H:%M')}):\n"
               f"# model={model_name} ({model.dtype}), torch threads={num_threads}, quick={quick}.\n"
               "# peak_tflops: best GEMM throughput seen; hbm_bw_gbps: memcpy, read plus written bytes.\n"
-              "# gemm_profile rows [m, n, k, seconds]; attention_profile rows [num_seqs, flops, bytes, seconds]\n"
-              "# of one torch-backend attention call (one layer).\n"
+              "# gemm_profile rows [m, n, k, seconds]; attention_profile rows [num_seqs, flops, masked_flops,\n"
+              "# bytes, seconds] of one torch-backend attention call (one layer).\n"
               f"# overhead_ms + overhead_per_seq_ms * num_seqs: {overhead_note}.\n"
               "# step_jitter: quantiles 0%..100% of a step's time over the median of its shape (the same steps).\n"
               "# frontend_hop_ms: one way, frontend <-> worker process, from a short real run;\n"

@@ -108,53 +108,60 @@ class RooflineAttention:
         return self.num_layers * total
 
 
-def fit_attention(rows: Sequence[Sequence[float]]) -> tuple[float, float, float, float]:
-    """Fit rows [num_seqs, flops, bytes, seconds] of one attention call (flops
-    as AttentionShape.dense_flops counts them) to
-    seconds = per_call + per_seq·num_seqs + per_flop·flops + per_byte·bytes,
+def fit_attention(rows: Sequence[Sequence[float]]) -> tuple[float, ...]:
+    """Fit rows [num_seqs, flops, masked_flops, bytes, seconds] of one
+    attention call (flops of the slices SDPA runs unmasked or is_causal, as
+    AttentionShape.flops counts them; masked_flops of the chunks it runs with an
+    explicit mask, as AttentionShape.masked_flops counts them) to
+    seconds = per_call + per_seq·num_seqs + per_flop·flops + per_masked_flop·masked_flops
+              + per_byte·bytes,
     minimising relative error, every coefficient >= 0 (a term that would come
     out negative is dropped and the rest refitted)."""
     data = np.asarray(rows, dtype=np.float64)
-    if data.ndim != 2 or data.shape[0] < 4:
-        raise ValueError("hardware.attention_profile: need at least 4 rows [num_seqs, flops, bytes, seconds]; "
-                         "rerun `testbed profile`")
-    features = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1], data[:, 2]])
-    weight = 1.0 / data[:, 3]
-    active = list(range(4))
+    if data.ndim != 2 or data.shape[1] != 5 or data.shape[0] < 5:
+        raise ValueError("hardware.attention_profile: need at least 5 rows [num_seqs, flops, masked_flops, bytes, "
+                         "seconds]; rerun `testbed profile`")
+    features = np.column_stack([np.ones(len(data)), data[:, :4]])
+    weight = 1.0 / data[:, 4]
+    active = list(range(5))
     while True:
-        coef, *_ = np.linalg.lstsq(features[:, active] * weight[:, None], data[:, 3] * weight, rcond=None)
+        coef, *_ = np.linalg.lstsq(features[:, active] * weight[:, None], data[:, 4] * weight, rcond=None)
         if (coef >= 0).all() or len(active) == 1:
             break
         active.pop(int(np.argmin(coef)))
-    full = np.zeros(4)
+    full = np.zeros(5)
     full[active] = np.maximum(coef, 0.0)
     return tuple(float(c) for c in full)
 
 
 class ProfiledAttention:
     """The fitted linear model of one measured attention call per layer, which
-    carries the CPU backend's fixed per-call and per-sequence costs. Its FLOPs
-    are the dense q x ctx rectangle, as the profiled torch backend computes."""
+    carries the CPU backend's fixed per-call and per-sequence costs, and prices
+    a chunk on a cached prefix (explicit mask: the whole q x ctx rectangle) apart
+    from decodes and whole prompts (is_causal: the causal half)."""
 
     def __init__(self, shape: AttentionShape, num_layers: int, rows: Sequence[Sequence[float]]):
         self.shape, self.num_layers = shape, num_layers
-        self.per_call, self.per_seq, self.per_flop, self.per_byte = fit_attention(rows)
+        self.per_call, self.per_seq, self.per_flop, self.per_masked_flop, self.per_byte = fit_attention(rows)
 
     def seconds(self, q: np.ndarray, ctx: np.ndarray) -> float:
-        flops = float(self.shape.dense_flops(q, ctx).sum())
+        flops = float(self.shape.flops(q, ctx).sum())
+        masked = float(self.shape.masked_flops(q, ctx).sum())
         nbytes = float(self.shape.bytes(q, ctx).sum())
-        return self.num_layers * (self.per_call + self.per_seq * len(q)
-                                  + self.per_flop * flops + self.per_byte * nbytes)
+        return self.num_layers * (self.per_call + self.per_seq * len(q) + self.per_flop * flops
+                                  + self.per_masked_flop * masked + self.per_byte * nbytes)
 
     def seconds_pairs(self, slices: Sequence[tuple[int, int]]) -> float:
-        """`seconds` in plain Python: the model is linear in Σ q·ctx, Σ ctx and Σ q."""
-        sum_qc = sum_c = sum_q = 0
+        """`seconds` in plain Python: the model is linear in the sums below."""
+        sum_pairs = sum_masked = sum_c = sum_q = 0.0
         for q, ctx in slices:
-            sum_qc += q * ctx
+            sum_pairs += q * (ctx - 0.5 * q + 0.5)
+            if 1 < q < ctx:
+                sum_masked += q * ctx
             sum_c += ctx
             sum_q += q
         shape = self.shape
-        flops = 2 * shape.num_heads * (shape.qk_dim + shape.v_dim) * sum_qc
+        per_pair = 2 * shape.num_heads * (shape.qk_dim + shape.v_dim)
         nbytes = shape.kv_bytes_per_token * sum_c + shape.io_bytes_per_token * sum_q
-        return self.num_layers * (self.per_call + self.per_seq * len(slices)
-                                  + self.per_flop * flops + self.per_byte * nbytes)
+        return self.num_layers * (self.per_call + self.per_seq * len(slices) + self.per_flop * per_pair * sum_pairs
+                                  + self.per_masked_flop * per_pair * sum_masked + self.per_byte * nbytes)
