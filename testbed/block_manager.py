@@ -61,11 +61,6 @@ def token_bytes(token_ids: Sequence[int]) -> bytes:
     return np.asarray(token_ids, dtype="<i8").tobytes()
 
 
-class NoFreeBlocks(RuntimeError):
-    """Raised by callers that cannot proceed without blocks (the BlockManager
-    itself reports a shortage by returning False)."""
-
-
 class ChainEnd(NamedTuple):
     """Where a request's hash chain stands: its first `num_blocks` full blocks
     are committed, the last of them with this hash and prefix serial."""

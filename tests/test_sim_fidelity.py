@@ -1,8 +1,9 @@
 """`testbed profile` writes a hardware config that Hydra's typed RunConfig
 accepts, and with it the simulator predicts the real engine: p50 TTFT and
-TBT of a small chat workload on the tiny model within 50% (the benchmark,
-experiments/benchmarks/bench_sim.py, holds the 15%/25% table; this machine
-is shared, so the test's tolerance is loose)."""
+TBT of a small chat workload on the tiny model within 50%, p99 TBT within
+60% (the benchmark, experiments/benchmarks/bench_sim.py, holds the 15%/25%
+table; this machine is shared and the profile here is the quick one, so the
+test's tolerance is loose)."""
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -42,6 +43,9 @@ def test_profile_writes_a_preset_that_runtime_sim_loads_through_hydra(profiled):
     assert hw.name == "cpu_test" and hw.gemm_profile and hw.attention_profile
     assert hw.overhead_ms > 0 or hw.overhead_per_seq_ms > 0
     assert hw.calibration_scale > 0
+    # the noise table: 101 quantiles from the fastest to the slowest step, through 1 (the median)
+    jitter = hw.step_jitter
+    assert len(jitter) == 101 and jitter[0] <= 1.0 <= jitter[-1] and abs(jitter[50] - 1.0) < 0.05
     cfg = config("runtime=sim", "hardware=cpu_test", *CHAT, searchpath=str(profiled))
     assert cfg.hardware == hw
 
@@ -51,7 +55,7 @@ def test_sim_predicts_the_real_engines_p50_ttft_and_tbt(profiled, tmp_path):
     real = execute(config("runtime=real", *CHAT), tmp_path / "real")
     sim = execute(config("runtime=sim", "hardware=cpu_test", *CHAT, searchpath=str(profiled)), tmp_path / "sim")
     assert sim["num_finished"] == real["num_finished"] == 24
-    for key in ("ttft_ms", "tbt_ms"):
-        r, s = real[key]["p50"], sim[key]["p50"]
-        print(f"{key} p50: real {r:.1f} ms, sim {s:.1f} ms")
-        assert abs(s - r) / r < 0.5, (key, r, s)
+    for key, q, tolerance in (("ttft_ms", "p50", 0.5), ("tbt_ms", "p50", 0.5), ("tbt_ms", "p99", 0.6)):
+        r, s = real[key][q], sim[key][q]
+        print(f"{key} {q}: real {r:.1f} ms, sim {s:.1f} ms")
+        assert abs(s - r) / r < tolerance, (key, q, r, s)
