@@ -21,9 +21,9 @@ one dict lookup per block walks a prompt's prefix. A hit is then verified
 exactly, never trusting the hash: each registered block gets a serial number
 (never reused) naming the exact token prefix it ends, and it keeps its own
 token ids (the bytes it hashed) and its parent's serial; a lookup compares
-both against the block matched just before. By induction a matched chain holds exactly the request's
-prefix, so a collision (even one that makes a chain loop back on itself) is a
-miss, never wrong KV.
+both against the block matched just before. By induction a matched chain
+holds exactly the request's prefix, so a collision (even one that makes a
+chain loop back on itself) is a miss, never wrong KV.
 
 The per-block state lives in flat lists and int64 arrays indexed by block id,
 not in one object per block, and a block's token ids are its slice of the bytes

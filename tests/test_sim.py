@@ -16,7 +16,7 @@ from testbed.model.config import CONF_DIR, load_model_preset
 from testbed.request import Request, SamplingParams
 from testbed.run import execute
 from testbed.runtime.protocol import request_from_msg, request_to_msg
-from testbed.runtime.sim import SimRuntime, in_process_request_msg, materialized_request_msg
+from testbed.runtime.sim import SimRuntime, in_process_request_msg, materialize_prompt
 from testbed.sim.config import HardwareConfig, load_hardware_preset
 from testbed.sim.cost_model import CostModel
 from testbed.sim.memory import kv_footprint
@@ -171,7 +171,7 @@ def test_in_process_commands_build_the_same_request_without_copying_the_prompt()
     prompt = synthesize_prompt(3, 7, 1000, 4096)
     req = Request("r7", prompt, 5, 1.5, SamplingParams(0.7, 0.9, 11, False, 2))
     via_wire = request_from_msg(request_to_msg(req))
-    for msg in (in_process_request_msg(req), materialized_request_msg(req)):
+    for msg in (in_process_request_msg(req), materialize_prompt(in_process_request_msg(req))):
         assert msg.keys() == request_to_msg(req).keys()
         got = request_from_msg(msg)
         assert (got.request_id, got.max_tokens, got.arrival_s, got.sampling) == \

@@ -49,11 +49,6 @@ def in_process_request_msg(req: Request) -> dict:
             "seed": sp.seed, "ignore_eos": sp.ignore_eos, "eos": sp.eos_token_id}
 
 
-def materialized_request_msg(req: Request) -> dict:
-    """in_process_request_msg with the prompt materialized (materialize_prompt)."""
-    return materialize_prompt(in_process_request_msg(req))
-
-
 def materialize_prompt(request_msg: dict) -> dict:
     """With prefix caching on, the block manager hashes every full block,
     fetching the tokens of each chunk that filled blocks; a lazy prompt
