@@ -196,13 +196,14 @@ def test_short_batches_cost_the_same_in_python_as_in_numpy(model):
         assert cost.iteration_time_s(pairs) == pytest.approx(cost.iteration_time_s(np.array(pairs)), rel=1e-12)
 
 
-def test_short_batches_on_a_profiled_cpu_cost_the_same_in_python_as_in_numpy():
+@pytest.mark.parametrize("model", ["tiny", "deepseek-v2-lite"])     # GQA and MLA attention FLOPs
+def test_short_batches_on_a_profiled_cpu_cost_the_same_in_python_as_in_numpy(model):
     base = load_hardware_preset("cpu")
     rows = [[float(b), float(f), float(mf), float(by), 1e-5 * b + 1e-10 * f + 2e-10 * mf + 1e-9 * by + 2e-5]
             for b, f, mf, by in [(1, 1e6, 0, 1e5), (8, 1e8, 0, 1e6), (32, 1e7, 0, 8e6), (1, 1e9, 0, 2e6),
                                  (4, 5e8, 0, 3e6), (1, 2e8, 9e8, 2e6), (1, 1e7, 3e7, 1e6)]]
     hw = HardwareConfig(**{**base.__dict__, "attention_profile": rows, "overhead_per_seq_ms": 0.05})
-    cost = CostModel(load_model_preset("tiny"), hw)
+    cost = CostModel(load_model_preset(model), hw)
     for pairs in _batches(np.random.default_rng(1)):
         assert cost.iteration_time_s(pairs) == pytest.approx(cost.iteration_time_s(np.array(pairs)), rel=1e-12)
     one, two = cost.breakdown([(1, 100)]), cost.breakdown([(1, 100), (1, 100)])

@@ -59,17 +59,14 @@ class _Recording(Executor):
     """Delegates to the real executor and remembers each batch's (new tokens,
     context) pairs, which is what the cost model prices."""
 
-    def __init__(self, inner: Executor, history: list | None = None):
+    def __init__(self, inner: Executor):
         self.inner = inner
         self.kv_bytes_per_token = inner.kv_bytes_per_token
         self.num_layers = inner.num_layers
         self.pairs: list[tuple[int, int]] = []
-        self.history = history
 
     def execute(self, batch: Batch, on_layer_done: LayerHook | None = None) -> StepResult:
         self.pairs = [(s.num_tokens, s.end) for s in batch.slices]
-        if self.history is not None:
-            self.history.append(self.pairs)
         return self.inner.execute(batch, on_layer_done)
 
 

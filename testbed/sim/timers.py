@@ -153,15 +153,15 @@ class ProfiledAttention:
 
     def seconds_pairs(self, slices: Sequence[tuple[int, int]]) -> float:
         """`seconds` in plain Python: the model is linear in the sums below."""
-        sum_pairs = sum_masked = sum_c = sum_q = 0.0
+        shape = self.shape
+        flops = sum_masked = sum_c = sum_q = 0.0
         for q, ctx in slices:
-            sum_pairs += q * (ctx - 0.5 * q + 0.5)
+            flops += shape.flops(q, ctx)
             if 1 < q < ctx:
                 sum_masked += q * ctx
             sum_c += ctx
             sum_q += q
-        shape = self.shape
-        per_pair = 2 * shape.num_heads * (shape.qk_dim + shape.v_dim)
+        masked = 2 * shape.num_heads * (shape.qk_dim + shape.v_dim) * sum_masked
         nbytes = shape.kv_bytes_per_token * sum_c + shape.io_bytes_per_token * sum_q
-        return self.num_layers * (self.per_call + self.per_seq * len(slices) + self.per_flop * per_pair * sum_pairs
-                                  + self.per_masked_flop * per_pair * sum_masked + self.per_byte * nbytes)
+        return self.num_layers * (self.per_call + self.per_seq * len(slices) + self.per_flop * flops
+                                  + self.per_masked_flop * masked + self.per_byte * nbytes)
