@@ -10,6 +10,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from testbed.config import RunConfig, to_dict, validate
+from testbed.forked import Forked
 from testbed.metrics import summarize, write_jsonl
 from testbed.runtime.build import apply_sampling
 from testbed.workloads.build import build_workload
@@ -35,19 +36,24 @@ def execute(cfg: RunConfig, out_dir: str | Path) -> dict:
     apply_sampling(cfg, requests)
     progress = _progress_printer() if cfg.progress and sys.stderr.isatty() else None
     result = run_workload(cfg, requests, progress)
-    summary = summarize(result.records, result.iterations, cfg.slo.ttft_ms, cfg.slo.tpot_ms,
-                        duration_s=result.duration_s or None)
-    summary.update({
-        "mode": cfg.mode, "runtime": cfg.runtime, "scheduler": cfg.scheduler, "model": cfg.model.name,
-        "workload": cfg.workload.name, "token_budget": cfg.token_budget,
-        "interrupted": result.interrupted,
-        "kv_blocks_leaked": {w: s["num_blocks"] - s["num_free_blocks"]
-                             for w, s in result.worker_stats.items() if not s["all_free"]},
-        "workers": result.worker_stats,
-    })
-    (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg))))
-    write_jsonl(out / "requests.jsonl", result.records)
-    write_jsonl(out / "iterations.jsonl", result.iterations)
+    # the largest output is written by a forked child while this process summarizes (testbed/forked.py)
+    iterations_writer = Forked("writing iterations.jsonl",
+                               lambda: write_jsonl(out / "iterations.jsonl", result.iterations))
+    try:
+        summary = summarize(result.records, result.iterations, cfg.slo.ttft_ms, cfg.slo.tpot_ms,
+                            duration_s=result.duration_s or None)
+        summary.update({
+            "mode": cfg.mode, "runtime": cfg.runtime, "scheduler": cfg.scheduler, "model": cfg.model.name,
+            "workload": cfg.workload.name, "token_budget": cfg.token_budget,
+            "interrupted": result.interrupted,
+            "kv_blocks_leaked": {w: s["num_blocks"] - s["num_free_blocks"]
+                                 for w, s in result.worker_stats.items() if not s["all_free"]},
+            "workers": result.worker_stats,
+        })
+        (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg))))
+        write_jsonl(out / "requests.jsonl", result.records)
+    finally:
+        iterations_writer.wait()
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     if cfg.wandb.mode != "disabled":
         from testbed.wandb_log import log_run
