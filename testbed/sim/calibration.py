@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import msgpack
 import numpy as np
@@ -70,8 +71,8 @@ class _Recording(Executor):
         return self.inner.execute(batch, on_layer_done)
 
 
-def _service(model: ModelConfig, num_blocks: int, token_budget: int,
-             weights=None) -> tuple[WorkerService, _Recording]:
+def profiling_service(model: ModelConfig, num_blocks: int, token_budget: int,
+                      weights=None) -> tuple[WorkerService, _Recording]:
     """A worker of its own (block manager, scheduler, KV cache) for one batch
     shape. `weights`: another service's model module to run instead of a
     fresh copy, as a real worker runs one model whatever it batches: thirty
@@ -87,6 +88,21 @@ def _service(model: ModelConfig, num_blocks: int, token_budget: int,
     executor = _Recording(inner)
     engine = Engine(scheduler, executor, WallClock())
     return WorkerService("profile", "colocated", engine, msgpack.packb), executor
+
+
+def decode_service(model: ModelConfig, num_seqs: int, weights, prompt: Callable[[int], list[int]],
+                   token_budget: int = 4096, max_tokens: int = 1 << 20) -> tuple[WorkerService, _Recording]:
+    """A worker with `num_seqs` requests decoding, their contexts spread over
+    64..512 tokens as in serving (room to grow by 512 more): prompts prefilled
+    in chunks of the budget, then two decode steps to warm up."""
+    svc, rec = profiling_service(model, num_blocks=num_seqs * 64 + 80, token_budget=token_budget, weights=weights)
+    for i in range(num_seqs):
+        svc.engine.add_request(Request(f"d{i}", prompt(64 + 448 * i // num_seqs), max_tokens=max_tokens))
+    sched = svc.engine.scheduler
+    while sched.waiting or any(r.is_prefill for r in sched.running):
+        _timed_steps(svc, rec, 1)
+    _timed_steps(svc, rec, 2)
+    return svc, rec
 
 
 def _timed_steps(svc: WorkerService, rec: _Recording, n: int) -> list[tuple[list[tuple[int, int]], float]]:
@@ -119,22 +135,13 @@ def measure_overhead(model: ModelConfig, hardware: HardwareConfig, quick: bool =
         seq += 1
         return [(7 * seq + i) % model.vocab_size for i in range(length)]
 
-    def decoding(b: int, budget: int):
-        """b requests decoding, their contexts spread over 64..512 tokens as in serving."""
-        svc, rec = _service(model, num_blocks=b * 40 + 80, token_budget=budget, weights=weights)
-        for i in range(b):
-            svc.engine.add_request(Request(f"d{seq}", prompt(64 + 448 * i // b), max_tokens=rounds + 8))
-        sched = svc.engine.scheduler
-        while sched.waiting or any(r.is_prefill for r in sched.running):
-            _timed_steps(svc, rec, 1)                # the prompts, in chunks of the budget
-        _timed_steps(svc, rec, 2)                    # decodes, to warm up
-        return svc, rec
-
-    decoders = [decoding(b, 4096) for b in decode_batches]
+    decoders = [decode_service(model, b, weights, prompt, max_tokens=rounds + 8) for b in decode_batches]
     # sarathi's hybrid iterations: a 64-token prefill chunk beside b decodes
-    prefillers = [(length, *_service(model, num_blocks=length // 16 + 8, token_budget=length, weights=weights))
+    prefillers = [(length, *profiling_service(model, num_blocks=length // 16 + 8, token_budget=length,
+                                              weights=weights))
                   for length in prefills]
-    prefillers += [(64, *decoding(b, 64 + b)) for b in hybrid_decodes]
+    prefillers += [(64, *decode_service(model, b, weights, prompt, token_budget=64 + b, max_tokens=rounds + 8))
+                   for b in hybrid_decodes]
     for _ in range(rounds):
         timed = []
         for svc, rec in decoders:

@@ -3,9 +3,11 @@ a hardware config the cost model reads, so that `runtime=sim hardware=cpu`
 predicts what `runtime=real` does here.
 
 Measures, with one torch thread per worker as the real engine runs:
-- GEMM seconds for every GEMM shape of a model preset (F.linear, as the
-  model's layers call it) at several token counts -> gemm_profile rows
-  [m, n, k, seconds], interpolated over m by the cost model;
+- GEMM seconds for every GEMM shape of a model preset at several token
+  counts, each nn.Linear timed inside real engine steps (engine_gemms.py:
+  alone, on a weight still in cache, a small-m GEMM looks 2-5x faster than in a
+  forward pass) -> gemm_profile rows [m, n, k, seconds], interpolated over m
+  by the cost model;
 - one attention call of the torch backend over a grid of (query length,
   prefix) and of decode batches -> attention_profile rows [num_seqs, flops,
   masked_flops, bytes, seconds], fitted by the cost model
@@ -32,13 +34,13 @@ from typing import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 import yaml
 
 from testbed.kernels.attention import AttentionMetadata
 from testbed.kernels.torch_backend import TorchAttentionBackend
 from testbed.model.config import ModelConfig, load_model_preset
 from testbed.sim.config import HardwareConfig
+from testbed.sim.engine_gemms import measure_engine_gemms
 from testbed.sim.jitter import jitter_quantiles
 from testbed.sim.layer_shapes import layer_shapes
 
@@ -82,18 +84,6 @@ def seconds_per_call(fn: Callable[[], object], min_time_s: float, repeats: int =
             fn()
         best = min(best, (time.perf_counter() - t0) / calls)
     return best
-
-
-def profile_gemms(model: ModelConfig, token_counts: list[int], min_time_s: float) -> list[list[float]]:
-    dtype = _TORCH_DTYPES[model.dtype]
-    shapes = layer_shapes(model)
-    rows = []
-    for n, k in sorted({(g.n, g.k) for g in (*shapes.gemms, shapes.lm_head)}):
-        weight = torch.randn(n, k, dtype=dtype)                      # [out, in] as nn.Linear holds it
-        for m in token_counts:
-            x = torch.randn(m, k, dtype=dtype)
-            rows.append([m, n, k, seconds_per_call(lambda: F.linear(x, weight), min_time_s)])
-    return rows
 
 
 def profile_attention(model: ModelConfig, plan: _Plan, block_size: int = 16) -> list[list[float]]:
@@ -144,7 +134,7 @@ def profile_cpu(out_path: str | Path, model_name: str = "tiny", quick: bool = Fa
     threads = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
-        gemm_rows = profile_gemms(model, plan.token_counts, plan.min_time_s)
+        gemm_rows = measure_engine_gemms(model, plan.token_counts, plan.min_time_s)
         attention_rows = profile_attention(model, plan)
         bandwidth = memcpy_gbps(min_time_s=plan.min_time_s * 5)
         peak = max(2.0 * m * n * k / s for m, n, k, s in gemm_rows) / 1e12
