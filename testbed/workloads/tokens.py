@@ -34,14 +34,21 @@ def _mix_int(x: int) -> int:
     return x ^ (x >> 31)
 
 
+# the constants as numpy scalars, made once: building one costs about as much
+# as a whole operation on a short slice
+_U30, _U27, _U31 = np.uint64(30), np.uint64(27), np.uint64(31)
+_U_GOLDEN, _U_MIX1, _U_MIX2 = np.uint64(_GOLDEN), np.uint64(_MIX1), np.uint64(_MIX2)
+
+
 def _mix_array(x: np.ndarray) -> np.ndarray:
     """The same finalizer over a uint64 array (multiplication wraps mod 2^64),
-    in place after the first step (one new array, not six)."""
-    x = x ^ (x >> np.uint64(30))
-    x *= np.uint64(_MIX1)
-    x ^= x >> np.uint64(27)
-    x *= np.uint64(_MIX2)
-    x ^= x >> np.uint64(31)
+    in place: `x` must be an array of the caller's own (it is returned)."""
+    shifted = np.right_shift(x, _U30)
+    x ^= shifted
+    x *= _U_MIX1
+    x ^= np.right_shift(x, _U27, out=shifted)
+    x *= _U_MIX2
+    x ^= np.right_shift(x, _U31, out=shifted)
     return x
 
 
@@ -96,11 +103,15 @@ class SyntheticTokens(Sequence):
                  else self._blocks[first:last + 1])
         # one seed per block, and each token adds its offset inside the block:
         # [num_blocks, block_size] over whole blocks, cut to [start, stop)
-        seed = _mix_array(block * np.uint64(_GOLDEN) ^ np.uint64(self._key))
-        offset = np.arange(bs, dtype=np.uint64) * np.uint64(_MIX1)
+        seed = block * _U_GOLDEN
+        seed ^= np.uint64(self._key)
+        seed = _mix_array(seed)
+        offset = np.arange(bs, dtype=np.uint64)
+        offset *= _U_MIX1
         h = (seed[:, None] + offset).ravel()[start - first * bs:stop - first * bs]
         h = _mix_array(h)
-        return (h % np.uint64(self._vocab_size)).astype(np.int64)
+        # token ids are below vocab_size < 2^63: the int64 view has the same values
+        return np.remainder(h, np.uint64(self._vocab_size), out=h).view(np.int64)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         arr = self.numpy()
