@@ -202,12 +202,15 @@ def test_short_batches_on_a_profiled_cpu_cost_the_same_in_python_as_in_numpy(mod
     rows = [[float(b), float(f), float(mf), float(by), 1e-5 * b + 1e-10 * f + 2e-10 * mf + 1e-9 * by + 2e-5]
             for b, f, mf, by in [(1, 1e6, 0, 1e5), (8, 1e8, 0, 1e6), (32, 1e7, 0, 8e6), (1, 1e9, 0, 2e6),
                                  (4, 5e8, 0, 3e6), (1, 2e8, 9e8, 2e6), (1, 1e7, 3e7, 1e6)]]
-    hw = HardwareConfig(**{**base.__dict__, "attention_profile": rows, "overhead_per_seq_ms": 0.05})
+    hw = HardwareConfig(**{**base.__dict__, "attention_profile": rows, "overhead_per_seq_ms": 0.05,
+                           "overhead_per_token_ms": 0.02})
     cost = CostModel(load_model_preset(model), hw)
     for pairs in _batches(np.random.default_rng(1)):
         assert cost.iteration_time_s(pairs) == pytest.approx(cost.iteration_time_s(np.array(pairs)), rel=1e-12)
     one, two = cost.breakdown([(1, 100)]), cost.breakdown([(1, 100), (1, 100)])
-    assert two["overhead_s"] - one["overhead_s"] == pytest.approx(0.05e-3)
+    assert two["overhead_s"] - one["overhead_s"] == pytest.approx(0.05e-3 + 0.02e-3)     # a seq and a token more
+    chunk = cost.breakdown([(64, 100)])
+    assert chunk["overhead_s"] - one["overhead_s"] == pytest.approx(63 * 0.02e-3)
 
 
 # -- hardware presets after `testbed profile` ---------------------------------------------------
@@ -221,7 +224,8 @@ def test_gpu_presets_do_not_inherit_the_cpus_measurements(tmp_path):
     import yaml
     measured = HardwareConfig(**{**load_hardware_preset("cpu").__dict__, "gemm_profile": [[1.0, 8.0, 8.0, 1e-6],
                               [64.0, 8.0, 8.0, 2e-6]], "calibration_scale": 1.3, "frontend_hop_ms": 0.8,
-                              "overhead_per_seq_ms": 0.2, "step_jitter": [0.8, 1.0, 1.9], "profiled_for": "cpu"})
+                              "overhead_per_seq_ms": 0.2, "overhead_per_token_ms": 0.03,
+                              "step_jitter": [0.8, 1.0, 1.9], "profiled_for": "cpu"})
     (tmp_path / "cpu.yaml").write_text(yaml.safe_dump(asdict(measured)))
     base = OmegaConf.structured(load_hardware_preset(str(tmp_path / "cpu.yaml")))
     assert OmegaConf.to_object(base) == measured                         # the CPU keeps its own
@@ -229,4 +233,4 @@ def test_gpu_presets_do_not_inherit_the_cpus_measurements(tmp_path):
         merged = OmegaConf.to_object(OmegaConf.merge(base, OmegaConf.load(CONF_DIR / "hardware" / f"{name}.yaml")))
         assert merged == load_hardware_preset(name)
         assert not merged.gemm_profile and merged.calibration_scale == 1.0 and merged.frontend_hop_ms == 0.0
-        assert not merged.step_jitter
+        assert not merged.step_jitter and merged.overhead_per_token_ms == 0.0

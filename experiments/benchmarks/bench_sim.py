@@ -10,7 +10,8 @@ schedulers sarathi and vllm_v0):
 
 --profile runs `testbed profile` into --hardware first. Run it on a quiet
 machine: other processes stretch the real run's iterations, not the sim's;
---recalibrate refits the overhead terms right before each real run.
+--recalibrate refits the overhead terms right before each real run (the
+step-noise table stays the profile's).
 
 Speed (--speed): wall and CPU seconds of the simulator on the public Azure code
 trace (8,819 requests, real lengths, time_scale 1), llama3-8b on h100-sxm,
@@ -53,7 +54,7 @@ def fidelity(args) -> int:
         profile_main(["--out", args.hardware])
     hardware = load_hardware_preset(args.hardware)
     print(f"sim hardware: {args.hardware} (overhead {hardware.overhead_ms:.3f} ms + "
-          f"{hardware.overhead_per_seq_ms:.3f} ms/seq)")
+          f"{hardware.overhead_per_seq_ms:.3f} ms/seq + {hardware.overhead_per_token_ms * 1e3:.1f} us/token)")
     rows = []
     for case in args.cases.split(","):
         if case not in CASES:
@@ -96,18 +97,18 @@ def recalibrated(hardware):
 
     from testbed.model.config import load_model_preset
     from testbed.sim.calibration import measure_overhead
-    from testbed.sim.jitter import jitter_quantiles
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         fit = measure_overhead(load_model_preset("tiny"), hardware)
     finally:
         torch.set_num_threads(threads)
-    print(f"recalibrated: overhead {fit.overhead_ms:.3f} ms + {fit.overhead_per_seq_ms:.3f} ms/seq, "
+    print(f"recalibrated: overhead {fit.overhead_ms:.3f} ms + {fit.overhead_per_seq_ms:.3f} ms/seq "
+          f"+ {fit.overhead_per_token_ms * 1e3:.1f} us/token, "
           f"scale {fit.calibration_scale:.3f}")
     return dataclasses.replace(hardware, overhead_ms=fit.overhead_ms, overhead_per_seq_ms=fit.overhead_per_seq_ms,
-                               calibration_scale=fit.calibration_scale,
-                               step_jitter=jitter_quantiles(fit.step_ratios))
+                               overhead_per_token_ms=fit.overhead_per_token_ms,
+                               calibration_scale=fit.calibration_scale)
 
 
 def _timed_run(label: str, overrides: list[str], out: Path) -> None:

@@ -38,6 +38,10 @@ class HardwareConfig:
     # inputs, sampling and updating it (measured for this CPU's engine; ~0 in
     # a CUDA-graph engine on a GPU)
     overhead_per_seq_ms: float = 0.0
+    # per new token per iteration: the inputs built token by token, and the
+    # norms, rope and activations, which on this CPU run well below the copy
+    # bandwidth the roofline prices them at (measured; 0 on the GPU presets)
+    overhead_per_token_ms: float = 0.0
     # multiplies every modeled term but the overheads: `testbed profile` fits it
     # so that the kernels timed alone predict them inside the real engine (cold
     # caches, the machine's other processes); 1 on the GPU presets
@@ -96,7 +100,7 @@ class HardwareConfig:
         if not self.calibration_scale > 0:
             raise ValueError(f"hardware.calibration_scale: must be > 0, got {self.calibration_scale}")
         for f in ("peak_tflops_fp8", "gemm_ramp_tokens", "overhead_ms", "overhead_per_seq_ms",
-                  "frontend_hop_ms", "frontend_message_ms"):
+                  "overhead_per_token_ms", "frontend_hop_ms", "frontend_message_ms"):
             if getattr(self, f) < 0:
                 raise ValueError(f"hardware.{f}: must be >= 0, got {getattr(self, f)}")
         jitter = self.step_jitter
@@ -111,7 +115,7 @@ class HardwareConfig:
 
 
 _MEASURED = [f for f in fields(HardwareConfig) if f.name in (
-    "overhead_per_seq_ms", "calibration_scale", "frontend_hop_ms", "frontend_message_ms", "gemm_profile",
+    "overhead_per_seq_ms", "overhead_per_token_ms", "calibration_scale", "frontend_hop_ms", "frontend_message_ms", "gemm_profile",
     "attention_profile", "step_jitter")]
 
 

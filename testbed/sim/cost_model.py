@@ -19,7 +19,8 @@ prefix of P is (C, P + C), a whole prefill of L is (L, L). Per iteration:
   time, so each stage idles (pp-1)/pp of the iteration: the worst-case bubble.
   (An engine keeping pp batches in flight would start one every latency/pp.)
 - A per-iteration overhead: hardware.overhead_ms plus overhead_per_seq_ms per
-  scheduled request (the CPU engine's Python work; 0 on the GPU presets).
+  scheduled request and overhead_per_token_ms per new token (the CPU engine's
+  Python work and small ops; 0 on the GPU presets).
   A profiled CPU also scales every other term by hardware.calibration_scale
   (its kernels inside the engine against the same kernels timed alone).
 
@@ -72,6 +73,7 @@ class CostModel:
         self._elementwise_s_per_token = shapes.elementwise_bytes_per_token * self._s_per_byte
         self._overhead_s = hardware.overhead_ms * 1e-3
         self._overhead_per_seq_s = hardware.overhead_per_seq_ms * 1e-3
+        self._overhead_per_token_s = hardware.overhead_per_token_ms * 1e-3
         self._scale = hardware.calibration_scale
         self._tp_link = LinkModel(load_link_preset(parallel.intra_node)) if parallel.tp > 1 else None
         self._pp_link = (LinkModel(load_link_preset(parallel.pp_link or parallel.intra_node))
@@ -118,7 +120,7 @@ class CostModel:
                  self._lm_head_s(sampled) if sampled else 0.0, allreduce, pp)
         if self._scale != 1.0:
             terms = tuple(t * self._scale for t in terms)
-        return terms + (self._overhead_s + self._overhead_per_seq_s * len(slices),)
+        return terms + (self._overhead_s + self._overhead_per_seq_s * len(slices) + self._overhead_per_token_s * m,)
 
     def _experts_s(self, m: float) -> float:
         e = self.shapes.experts

@@ -4,10 +4,10 @@ medians.
 
 On this CPU the same batch takes 3.1 ms one step and 4.6 ms another (the
 other process on the second core, caches, the OS): a run's p99 token gap is
-set by that spread, not by the batch. `testbed profile` times each of its
-calibration shapes many times and stores the quantiles of step time over
-that shape's median time (`hardware.step_jitter`, evenly spaced
-probabilities 0, 1/(n-1), ..., 1). The simulator multiplies each modeled
+set by that spread, not by the batch. `testbed profile` serves a short
+decode-heavy workload on the real runtime and stores the quantiles of each
+decode step's time over the median of the steps with as many decodes
+(`hardware.step_jitter`, evenly spaced probabilities 0, 1/(n-1), ..., 1). The simulator multiplies each modeled
 iteration by a factor drawn from them, with a seeded generator per worker, so
 a run is reproducible. The cost model itself is fitted to median step times,
 so the median iteration is unchanged. GPU presets carry no table: no jitter.

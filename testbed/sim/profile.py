@@ -17,7 +17,7 @@ Measures, with one torch thread per worker as the real engine runs:
   throughput -> peak_tflops, for whatever the tables do not cover;
 - the real engine's step times against the model of them (calibration.py) ->
   overhead_ms, overhead_per_seq_ms and calibration_scale, and the spread of
-  repeated steps -> step_jitter (jitter.py); a short real run ->
+  serving steps in a real run -> step_jitter (jitter.py); the same run ->
   frontend_hop_ms; the frontend routing and sending commands ->
   frontend_message_ms.
 
@@ -148,21 +148,36 @@ def profile_cpu(out_path: str | Path, model_name: str = "tiny", quick: bool = Fa
                                for b, fl, mfl, by, s in attention_rows], profiled_for=name)
         overhead_note = "not measured (engine_overhead=False)"
         if engine_overhead:
-            from testbed.sim.calibration import measure_overhead
-            fit = measure_overhead(model, hardware, quick)
+            from testbed.sim.calibration import measure_frontend_message, measure_overhead, measure_serving
+            serving = measure_serving(model, quick)
+            fit = measure_overhead(model, hardware, quick, serving)
             hardware.overhead_ms = round(fit.overhead_ms, 4)
             hardware.overhead_per_seq_ms = round(fit.overhead_per_seq_ms, 4)
+            hardware.overhead_per_token_ms = round(fit.overhead_per_token_ms, 5)
             hardware.calibration_scale = round(fit.calibration_scale, 4)
-            hardware.step_jitter = [round(q, 4) for q in jitter_quantiles(fit.step_ratios)]
-            from testbed.sim.calibration import measure_frontend_hop, measure_frontend_message
-            hardware.frontend_hop_ms = round(measure_frontend_hop(model), 4)
+            hardware.step_jitter = [round(q, 4) for q in jitter_quantiles(serving.step_ratios)]
+            hardware.frontend_hop_ms = round(serving.hop_ms, 4)
             hardware.frontend_message_ms = round(measure_frontend_message(model), 4)
-            for seqs, tokens, wall, modeled in fit.rows:
-                fitted = fit.overhead_ms + fit.overhead_per_seq_ms * seqs + fit.calibration_scale * modeled * 1e3
+
+            def fitted_ms(seqs: int, tokens: int, modeled: float) -> float:
+                return (fit.overhead_ms + fit.overhead_per_seq_ms * seqs + fit.overhead_per_token_ms * tokens
+                        + fit.calibration_scale * modeled * 1e3)
+            for seqs, tokens, wall, modeled, _ in fit.rows:
+                model_ms = fitted_ms(seqs, tokens, modeled)
                 log(f"  step of {seqs:2d} seqs, {tokens:4d} tokens: engine {wall * 1e3:7.2f} ms, "
-                    f"model {fitted:7.2f} ms ({fitted / (wall * 1e3) - 1:+.0%})")
+                    f"model {model_ms:7.2f} ms ({model_ms / (wall * 1e3) - 1:+.0%})")
+            for seqs, tokens, wall, modeled, count in fit.serving_rows:
+                if count >= 20:
+                    model_ms = fitted_ms(seqs, tokens, modeled)
+                    log(f"  served {count:4d}x {seqs:2d} seqs, {tokens:4d} tokens: engine {wall * 1e3:7.2f} ms, "
+                        f"model {model_ms:7.2f} ms ({model_ms / (wall * 1e3) - 1:+.0%})")
+            served = [fitted_ms(*row[:2], row[3]) / (row[2] * 1e3) - 1 for row in fit.serving_rows]
+            log(f"  {len(fit.serving_rows)} batch shapes of a real serving run: model error median "
+                f"{np.median(served):+.0%}, 10th-90th percentile {np.percentile(served, 10):+.0%} "
+                f"to {np.percentile(served, 90):+.0%}")
             overhead_note = (f"fitted with calibration_scale to the real engine's step times over "
-                             f"{len(fit.rows)} batch shapes (testbed.sim.calibration)")
+                             f"{len(fit.rows)} batch shapes stepped alone and {len(fit.serving_rows)} "
+                             f"served (testbed.sim.calibration)")
     finally:
         torch.set_num_threads(threads)
     header = (f"# Measured on this machine by testbed.sim.profile.profile_cpu ({time.strftime('%Y-%m-%d %H:%M')}):\n"
@@ -170,9 +185,9 @@ def profile_cpu(out_path: str | Path, model_name: str = "tiny", quick: bool = Fa
               "# peak_tflops: best GEMM throughput seen; hbm_bw_gbps: memcpy, read plus written bytes.\n"
               "# gemm_profile rows [m, n, k, seconds]; attention_profile rows [num_seqs, flops, masked_flops,\n"
               "# bytes, seconds] of one torch-backend attention call (one layer).\n"
-              f"# overhead_ms + overhead_per_seq_ms * num_seqs: {overhead_note}.\n"
-              "# step_jitter: quantiles 0%..100% of a step's time over the median of its shape (the same steps).\n"
-              "# frontend_hop_ms: one way, frontend <-> worker process, from a short real run;\n"
+              f"# overhead_ms + overhead_per_seq_ms * num_seqs + overhead_per_token_ms * num_tokens: {overhead_note}.\n"
+              "# step_jitter: quantiles 0%..100% of a serving step's time over the median step of its shape (a real run).\n"
+              "# frontend_hop_ms: one way, frontend <-> worker process, from the same serving run;\n"
               "# frontend_message_ms: the frontend's time to route, pack and send one command.\n")
     body = yaml.safe_dump(dataclasses.asdict(hardware), sort_keys=False, default_flow_style=None, width=120)
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
@@ -204,7 +219,8 @@ def profile_main(argv: list[str]) -> int:
         return 2
     print(f"wrote {out} in {time.perf_counter() - t0:.0f} s: {len(hw.gemm_profile)} GEMM rows, "
           f"{len(hw.attention_profile)} attention rows, {hw.peak_tflops * 1e3:.1f} GFLOP/s peak, "
-          f"{hw.hbm_bw_gbps:.1f} GB/s copy, overhead {hw.overhead_ms:.3f} ms + {hw.overhead_per_seq_ms:.3f} ms/seq, "
+          f"{hw.hbm_bw_gbps:.1f} GB/s copy, overhead {hw.overhead_ms:.3f} ms + {hw.overhead_per_seq_ms:.3f} ms/seq "
+          f"+ {hw.overhead_per_token_ms * 1e3:.1f} us/token, "
           f"calibration scale {hw.calibration_scale:.3f}, frontend hop {hw.frontend_hop_ms:.3f} ms "
           f"+ {hw.frontend_message_ms:.3f} ms per command")
     hint = f"hardware={out.stem}" if out.parent.resolve() == (CONF_DIR / "hardware").resolve() else \
