@@ -40,6 +40,19 @@ def key_tree(d):
     return {k: key_tree(v) for k, v in d.items()} if isinstance(d, dict) else None
 
 
+def test_a_burst_reaches_an_idle_worker_together_and_is_prefilled_in_one_step(tmp_path):
+    """The real worker wakes a hop after the first command and reads every
+    command already in its socket, so eight requests sent together are
+    prefilled in one iteration; spread out they are not."""
+    burst = ["model=tiny", "hardware=cpu", "workload=mixed", "workload.num_requests=8", "workload.prompt_dist=fixed",
+             "workload.prompt_len=32", "workload.output_dist=fixed", "workload.output_len=4", "token_budget=512"]
+    together = execute(config("runtime=sim", *burst, "workload.arrival=burst"), tmp_path / "burst")
+    first = read_jsonl(tmp_path / "burst" / "iterations.jsonl")[0]
+    assert together["num_finished"] == 8 and first["num_prefill_tokens"] == 8 * 32
+    execute(config("runtime=sim", *burst, "workload.arrival=constant", "workload.rate=20"), tmp_path / "spread")
+    assert read_jsonl(tmp_path / "spread" / "iterations.jsonl")[0]["num_prefill_tokens"] == 32
+
+
 # -- the same scheduling on both runtimes ----------------------------------------------------
 
 # Six prompts of 64 tokens arrive together. The first iteration holds only r0

@@ -114,6 +114,9 @@ class SimRuntime:
         self.hop_s = cfg.hardware.frontend_hop_ms * 1e-3
         self.message_s = cfg.hardware.frontend_message_ms * 1e-3
         self.frontend_free_s = 0.0
+        # when an idle worker, woken by a command, reads its socket: the hop is
+        # mostly that wake-up, so commands sent before it are read with the first
+        self.wakes_at: dict[str, float] = {}
         cost = CostModel(cfg.model, cfg.hardware, cfg.parallel)
         self.footprint = kv_footprint(cfg, cost)
         (log or _stderr)(format_footprint(self.footprint))
@@ -163,10 +166,19 @@ class SimRuntime:
 
     def _send(self, worker_id: str, msg: dict) -> None:
         if self.hop_s or self.message_s:
-            # the frontend sends one command after another, each a hop away
+            # the frontend sends one command after another, each a hop away;
+            # a worker idle in its poll wakes a hop after the first and then
+            # reads every command already in its socket (a burst of arrivals
+            # is prefilled together, as the real worker loop does)
             leave = max(self.clock.t, self.frontend_free_s)
             self.frontend_free_s = leave + self.message_s
-            self.at(leave + self.hop_s, self._handle, (worker_id, msg))
+            arrive = leave + self.hop_s
+            wake = self.wakes_at.get(worker_id, -1.0)
+            if leave <= wake:
+                arrive = wake
+            elif worker_id not in self.step_scheduled and self.busy_until[worker_id] <= leave:
+                self.wakes_at[worker_id] = arrive
+            self.at(arrive, self._handle, (worker_id, msg))
         else:
             self._handle((worker_id, msg))
 

@@ -9,9 +9,9 @@ just its kernels.
 Method: real WorkerServices (engine, scheduler, ModelExecutor, events packed
 with msgpack as a worker process does) step batches of known shapes: decode
 batches of 1 to 32 requests (contexts spread over 64..512), whole prefills of
-16 to 2048 tokens, and a 64-token chunk beside 1 to 8 decodes; one step of each
-shape per round, so that whatever else runs on the machine spreads over all
-shapes alike. (Steps timed inside a real runtime's burst were fitted too once:
+16 to 2048 tokens, and a 64-token chunk beside 1 to 8 decodes; a few steps
+of each shape in a row per round (serving repeats a batch step after step),
+so that whatever else runs on the machine spreads over all shapes alike. (Steps timed inside a real runtime's burst were fitted too once:
 the frontend busy sending the burst on the other core slowed them 20-30%,
 which raised calibration_scale and overpriced every quiet step and long
 prefill by 10-40%.) Each shape's median step time is fitted to
@@ -137,7 +137,11 @@ def measure_overhead(model: ModelConfig, hardware: HardwareConfig, quick: bool =
     decode_batches = (1, 4, 16) if quick else (1, 2, 3, 4, 6, 8, 16, 32)
     prefills = (32, 256) if quick else (16, 64, 256, 512, 1024, 2048)
     hybrid_decodes = (2,) if quick else (1, 2, 4, 8)
-    rounds = 6 if quick else 24
+    # every round steps each shape `burst` times in a row and keeps all but the
+    # first, as serving runs the same batch step after step: stepped once per
+    # round between 20 other shapes, a 1-decode step found the weights gone
+    # from cache and took 3.7 ms where serving takes 2.8-3.1 (2.8 back to back)
+    rounds, burst = (3, 3) if quick else (8, 4)
     samples: dict[tuple, list[tuple[float, float]]] = {}     # by (num_seqs, num_tokens[, 'serving'])
     seq = 0
     from testbed.model.loader import load_model
@@ -148,20 +152,23 @@ def measure_overhead(model: ModelConfig, hardware: HardwareConfig, quick: bool =
         seq += 1
         return [(7 * seq + i) % model.vocab_size for i in range(length)]
 
-    decoders = [decode_service(model, b, weights, prompt, max_tokens=rounds + 8) for b in decode_batches]
+    steps = rounds * burst + 8
+    decoders = [decode_service(model, b, weights, prompt, max_tokens=steps) for b in decode_batches]
     # sarathi's hybrid iterations: a 64-token prefill chunk beside b decodes
     prefillers = [(length, *profiling_service(model, num_blocks=length // 16 + 8, token_budget=length,
                                               weights=weights))
                   for length in prefills]
-    prefillers += [(64, *decode_service(model, b, weights, prompt, token_budget=64 + b, max_tokens=rounds + 8))
+    prefillers += [(64, *decode_service(model, b, weights, prompt, token_budget=64 + b, max_tokens=steps))
                    for b in hybrid_decodes]
     for _ in range(rounds):
         timed = []
         for svc, rec in decoders:
-            timed += _timed_steps(svc, rec, 1)
+            timed += _timed_steps(svc, rec, burst)[1:]
         for length, svc, rec in prefillers:
-            svc.engine.add_request(Request(f"p{seq}", prompt(length), max_tokens=1))
-            timed += _timed_steps(svc, rec, 1)
+            for i in range(burst):
+                svc.engine.add_request(Request(f"p{seq}", prompt(length), max_tokens=1))
+                step = _timed_steps(svc, rec, 1)
+                timed += step if i else []
         for pairs, wall in timed:
             key = (len(pairs), sum(q for q, _ in pairs))
             samples.setdefault(key, []).append((wall, cost.iteration_time_s(pairs)))

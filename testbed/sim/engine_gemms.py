@@ -15,10 +15,12 @@ the table carries it.
 A token count m is a step of m decodes (contexts spread over 64..512, as in
 serving) while m <= MAX_DECODE_BATCH, else a whole prefill of m tokens; lm_head
 then runs on one row, so its rows stop at MAX_DECODE_BATCH and the cost model
-extends them linearly. Each shape is stepped once per round, rounds repeat
-while a shape has less than `min_time_s` of GEMM time (and MIN_ROUNDS at least), and
-a row is the median over the steps of the per-call time, so whatever else runs
-on the machine spreads over all shapes alike."""
+extends them linearly. Each round steps every shape BURST times in a row, as
+serving repeats a batch, and times all but the first (which follows another
+shape); rounds repeat while a shape has less than `min_time_s` of GEMM time
+(and MIN_ROUNDS at least), and a row is the median over the steps of the
+per-call time, so whatever else runs on the machine spreads over all shapes
+alike."""
 from __future__ import annotations
 
 import time
@@ -31,8 +33,9 @@ from testbed.model.config import ModelConfig
 from testbed.request import Request
 
 MAX_DECODE_BATCH = 64
-MIN_ROUNDS = 5
-MAX_ROUNDS = 400      # a decode batch's contexts grow by one token a step; its blocks hold 512 more
+MIN_ROUNDS = 3
+MAX_ROUNDS = 100      # a decode batch's contexts grow by one token a step; its blocks hold 512 more
+BURST = 4             # steps of a shape in a row; the first is not timed
 
 
 class _LinearTimer:
@@ -92,15 +95,19 @@ def measure_engine_gemms(model: ModelConfig, token_counts: list[int], min_time_s
             if not todo:
                 break
             for m in todo:
-                if m in decoders:
-                    decoders[m].step()
-                else:
-                    seq[0] += 1
-                    prefillers[m].engine.add_request(Request(f"g{seq[0]}", prompt(m), max_tokens=1))
-                    prefillers[m].step()
-                for key, (total, calls) in timer.take().items():
-                    samples[key].append(total / calls)
-                    spent[m] += total
+                for i in range(BURST):
+                    if m in decoders:
+                        decoders[m].step()
+                    else:
+                        seq[0] += 1
+                        prefillers[m].engine.add_request(Request(f"g{seq[0]}", prompt(m), max_tokens=1))
+                        prefillers[m].step()
+                    taken = timer.take()
+                    if not i:
+                        continue          # the first step of a burst follows another shape's
+                    for key, (total, calls) in taken.items():
+                        samples[key].append(total / calls)
+                        spent[m] += total
         rows = [[float(m), float(n), float(k), float(np.median(secs))] for (m, n, k), secs in samples.items()]
     finally:
         timer.remove()
