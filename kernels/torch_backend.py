@@ -8,11 +8,49 @@ chunks run one sequence at a time with a bottom-right causal mask."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from testbed.kernels.attention import AttentionBackend, AttentionMetadata
+
+
+def decode_groups(lens: Sequence[int], block_size: int, budget_tokens: int | None) -> list[list[int]]:
+    """How the backend batches decodes of these context lengths: indices into
+    `lens`, sorted by length, one list per SDPA call. Padding to a group's
+    longest context at most doubles its work: 8 short decodes beside 2 of 1K
+    tokens would otherwise all pay for 1K (2.3x the step on `tiny`). On the
+    CPU a group also holds at most `budget_tokens` padded tokens (cache
+    blocking: each gathered K/V is still in cache when SDPA reads it; one
+    gather of the whole batch, 17 MB per layer for 32 x 1K tokens of `tiny`,
+    goes through DRAM twice more than the attention itself needs). The cost
+    model counts the calls with it (testbed/sim/timers.py)."""
+    groups: list[list[int]] = []
+    group: list[int] = []
+    first_len = 0
+    for i in sorted(range(len(lens)), key=lens.__getitem__):
+        tokens = -(-lens[i] // block_size) * block_size      # the padded width with this decode
+        if group and (tokens > 2 * first_len
+                      or (budget_tokens is not None and (len(group) + 1) * tokens > budget_tokens)):
+            groups.append(group)
+            group = []
+        if not group:
+            first_len = tokens
+        group.append(i)
+    if group:
+        groups.append(group)
+    return groups
+
+
+def num_attention_calls(slices: Sequence[tuple[int, int]], block_size: int, budget_tokens: int | None) -> int:
+    """SDPA calls of one forward over (new tokens, context) slices: one per
+    prefill slice, and the decodes (one query each) batched by decode_groups
+    when there are two or more."""
+    decodes = [ctx for q, ctx in slices if q == 1]
+    if len(decodes) < 2:
+        return len(slices)
+    return len(slices) - len(decodes) + len(decode_groups(decodes, block_size, budget_tokens))
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -76,27 +114,11 @@ class TorchAttentionBackend(AttentionBackend):
         out[s:e] = o[0].transpose(0, 1)
 
     def _decodes(self, q, k_cache, v_cache, meta, scale, decodes, out, gqa) -> None:
-        # Decodes sorted by length, grouped so that padding to a group's
-        # longest context at most doubles its work: 8 short decodes beside 2
-        # of 1K tokens would otherwise all pay for 1K (2.3x the step on `tiny`).
-        # On the CPU a group also stays within a few MB (cache blocking: each
-        # gathered K/V is still in cache when SDPA reads it; one gather of the
-        # whole batch, 17 MB per layer for 32 x 1K tokens of `tiny`, goes
-        # through DRAM twice more than the attention itself needs).
         budget = self.cpu_decode_group_bytes if q.device.type == "cpu" else None
         per_token = 2 * k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()    # K and V
-        group: list[int] = []
-        first_len = 0
-        for b in sorted(decodes, key=meta.seq_lens.__getitem__):
-            tokens = -(-meta.seq_lens[b] // meta.block_size) * meta.block_size   # the padded width with b
-            if group and (tokens > 2 * first_len
-                          or (budget is not None and (len(group) + 1) * tokens * per_token > budget)):
-                self._decode_group(q, k_cache, v_cache, meta, scale, group, out)
-                group = []
-            if not group:
-                first_len = tokens
-            group.append(b)
-        self._decode_group(q, k_cache, v_cache, meta, scale, group, out)
+        lens = [meta.seq_lens[b] for b in decodes]
+        for group in decode_groups(lens, meta.block_size, None if budget is None else budget // per_token):
+            self._decode_group(q, k_cache, v_cache, meta, scale, [decodes[i] for i in group], out)
 
     def _decode_group(self, q, k_cache, v_cache, meta, scale, decodes, out) -> None:
         """Decodes (one query each) padded into one SDPA call."""

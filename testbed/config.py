@@ -121,6 +121,12 @@ def to_dict(cfg: RunConfig) -> dict:
 
 def from_dict(d: dict) -> RunConfig:
     """A RunConfig from plain values (worker processes, tests), type-checked
-    against the schema like a Hydra config."""
+    against the schema like a Hydra config. A dict that names its hardware
+    gets a schema built on it, not on the cpu preset: `testbed profile` runs
+    real workers while it replaces that preset, which may be stale."""
     from omegaconf import OmegaConf
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), d))
+    hardware = d.get("hardware")
+    if isinstance(hardware, dict):
+        hardware = HardwareConfig(**hardware)
+    schema = RunConfig(hardware=hardware) if isinstance(hardware, HardwareConfig) else RunConfig
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), d))

@@ -44,8 +44,10 @@ def test_a_burst_reaches_an_idle_worker_together_and_is_prefilled_in_one_step(tm
     """The real worker wakes a hop after the first command and reads every
     command already in its socket, so eight requests sent together are
     prefilled in one iteration; spread out they are not."""
-    burst = ["model=tiny", "hardware=cpu", "workload=mixed", "workload.num_requests=8", "workload.prompt_dist=fixed",
-             "workload.prompt_len=32", "workload.output_dist=fixed", "workload.output_len=4", "token_budget=512"]
+    # eight commands leave 0.03 ms apart, all before the worker wakes 0.5 ms after the first left
+    burst = ["model=tiny", "hardware=cpu", "hardware.frontend_hop_ms=0.5", "hardware.frontend_message_ms=0.03",
+             "workload=mixed", "workload.num_requests=8", "workload.prompt_dist=fixed", "workload.prompt_len=32",
+             "workload.output_dist=fixed", "workload.output_len=4", "token_budget=512"]
     together = execute(config("runtime=sim", *burst, "workload.arrival=burst"), tmp_path / "burst")
     first = read_jsonl(tmp_path / "burst" / "iterations.jsonl")[0]
     assert together["num_finished"] == 8 and first["num_prefill_tokens"] == 8 * 32
@@ -212,9 +214,11 @@ def test_short_batches_cost_the_same_in_python_as_in_numpy(model):
 @pytest.mark.parametrize("model", ["tiny", "deepseek-v2-lite"])     # GQA and MLA attention FLOPs
 def test_short_batches_on_a_profiled_cpu_cost_the_same_in_python_as_in_numpy(model):
     base = load_hardware_preset("cpu")
-    rows = [[float(b), float(f), float(mf), float(by), 1e-5 * b + 1e-10 * f + 2e-10 * mf + 1e-9 * by + 2e-5]
-            for b, f, mf, by in [(1, 1e6, 0, 1e5), (8, 1e8, 0, 1e6), (32, 1e7, 0, 8e6), (1, 1e9, 0, 2e6),
-                                 (4, 5e8, 0, 3e6), (1, 2e8, 9e8, 2e6), (1, 1e7, 3e7, 1e6)]]
+    rows = [[float(b), float(c), float(f), float(mf), float(by),
+             1e-5 * b + 3e-5 * c + 1e-10 * f + 2e-10 * mf + 1e-9 * by + 2e-5]
+            for b, c, f, mf, by in [(1, 1, 1e6, 0, 1e5), (8, 1, 1e8, 0, 1e6), (32, 3, 1e7, 0, 8e6), (1, 1, 1e9, 0, 2e6),
+                                    (4, 2, 5e8, 0, 3e6), (1, 1, 2e8, 9e8, 2e6), (1, 1, 1e7, 3e7, 1e6),
+                                    (16, 4, 3e8, 0, 5e6)]]
     hw = HardwareConfig(**{**base.__dict__, "attention_profile": rows, "overhead_per_seq_ms": 0.05,
                            "overhead_per_token_ms": 0.02})
     cost = CostModel(load_model_preset(model), hw)

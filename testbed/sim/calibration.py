@@ -221,7 +221,8 @@ class ServingRun:
     hop_ms: float                # one way, frontend <-> worker process
 
 
-def measure_serving(model: ModelConfig, quick: bool = False, min_steps: int = 30) -> ServingRun:
+def measure_serving(model: ModelConfig, hardware: HardwareConfig, quick: bool = False,
+                    min_steps: int = 30) -> ServingRun:
     """Serve a workload on the real runtime (worker process, frontend, ZMQ)
     and recover each iteration's batch: Poisson arrivals of prompts of 16 to
     384 tokens, each prefilled whole (the budget holds any prompt beside the
@@ -242,7 +243,9 @@ def measure_serving(model: ModelConfig, quick: bool = False, min_steps: int = 30
     workload = WorkloadConfig(name="serving_calibration", num_requests=num_requests, arrival="poisson", rate=5.0,
                               prompt_dist="uniform", prompt_len=16, prompt_max=384,
                               output_dist="uniform", output_len=16, output_max=96)
-    cfg = RunConfig(model=model, workload=workload, wandb=WandbConfig(mode="disabled"), progress=False,
+    # `hardware` only so that RunConfig does not load the cpu preset this run is about to replace
+    cfg = RunConfig(model=model, workload=workload, hardware=hardware, wandb=WandbConfig(mode="disabled"),
+                    progress=False,
                     token_budget=1024, max_num_batched_tokens=1024, num_kv_blocks=num_requests * 32)
     result = RealRuntime(cfg).run(build_workload(workload, model.vocab_size, 0))
     prompts: dict[float, list[int]] = {}

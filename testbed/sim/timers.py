@@ -108,48 +108,66 @@ class RooflineAttention:
         return self.num_layers * total
 
 
+ATTENTION_COLUMNS = ("num_seqs", "calls", "flops", "masked_flops", "bytes", "seconds")
+
+
 def fit_attention(rows: Sequence[Sequence[float]]) -> tuple[float, ...]:
-    """Fit rows [num_seqs, flops, masked_flops, bytes, seconds] of one
-    attention call (flops of the slices SDPA runs unmasked or is_causal, as
-    AttentionShape.flops counts them; masked_flops of the chunks it runs with an
-    explicit mask, as AttentionShape.masked_flops counts them) to
-    seconds = per_call + per_seq·num_seqs + per_flop·flops + per_masked_flop·masked_flops
-              + per_byte·bytes,
+    """Fit rows [num_seqs, calls, flops, masked_flops, bytes, seconds] of one
+    attention forward (calls: the SDPA calls it made, as
+    kernels.torch_backend.num_attention_calls counts them; flops of the
+    slices SDPA runs unmasked or is_causal, as AttentionShape.flops counts
+    them; masked_flops of the chunks it runs with an explicit mask, as
+    AttentionShape.masked_flops counts them) to
+    seconds = per_forward + per_call·calls + per_seq·num_seqs + per_flop·flops
+              + per_masked_flop·masked_flops + per_byte·bytes,
     minimising relative error, every coefficient >= 0 (a term that would come
     out negative is dropped and the rest refitted)."""
     data = np.asarray(rows, dtype=np.float64)
-    if data.ndim != 2 or data.shape[1] != 5 or data.shape[0] < 5:
-        raise ValueError("hardware.attention_profile: need at least 5 rows [num_seqs, flops, masked_flops, bytes, "
-                         "seconds]; rerun `testbed profile`")
-    features = np.column_stack([np.ones(len(data)), data[:, :4]])
-    weight = 1.0 / data[:, 4]
-    active = list(range(5))
+    width = len(ATTENTION_COLUMNS)
+    if data.ndim != 2 or data.shape[1] != width or data.shape[0] < width:
+        raise ValueError(f"hardware.attention_profile: need at least {width} rows [{', '.join(ATTENTION_COLUMNS)}]; "
+                         "rerun `testbed profile`")
+    features = np.column_stack([np.ones(len(data)), data[:, [1, 0, 2, 3, 4]]])
+    weight = 1.0 / data[:, 5]
+    active = list(range(width))
     while True:
-        coef, *_ = np.linalg.lstsq(features[:, active] * weight[:, None], data[:, 4] * weight, rcond=None)
+        coef, *_ = np.linalg.lstsq(features[:, active] * weight[:, None], data[:, 5] * weight, rcond=None)
         if (coef >= 0).all() or len(active) == 1:
             break
         active.pop(int(np.argmin(coef)))
-    full = np.zeros(5)
+    full = np.zeros(width)
     full[active] = np.maximum(coef, 0.0)
     return tuple(float(c) for c in full)
 
 
 class ProfiledAttention:
-    """The fitted linear model of one measured attention call per layer, which
-    carries the CPU backend's fixed per-call and per-sequence costs, and prices
-    a chunk on a cached prefix (explicit mask: the whole q x ctx rectangle) apart
-    from decodes and whole prompts (is_causal: the causal half)."""
+    """The fitted linear model of one measured attention forward per layer of
+    the CPU's torch backend, which carries its fixed per-forward, per-SDPA-call
+    and per-sequence costs (decodes of unlike lengths split into several
+    calls, like ones share one), and prices a chunk on a cached prefix
+    (explicit mask: the whole q x ctx rectangle) apart from decodes and whole
+    prompts (is_causal: the causal half). `block_size`: the KV block size the
+    decodes are padded to (16, the default; only group edges depend on it)."""
 
-    def __init__(self, shape: AttentionShape, num_layers: int, rows: Sequence[Sequence[float]]):
-        self.shape, self.num_layers = shape, num_layers
-        self.per_call, self.per_seq, self.per_flop, self.per_masked_flop, self.per_byte = fit_attention(rows)
+    def __init__(self, shape: AttentionShape, num_layers: int, rows: Sequence[Sequence[float]],
+                 block_size: int = 16):
+        from testbed.kernels.torch_backend import TorchAttentionBackend
+        self.shape, self.num_layers, self.block_size = shape, num_layers, block_size
+        (self.per_forward, self.per_call, self.per_seq, self.per_flop, self.per_masked_flop,
+         self.per_byte) = fit_attention(rows)
+        self.budget_tokens = TorchAttentionBackend.cpu_decode_group_bytes // shape.kv_bytes_per_token
+
+    def calls(self, slices: Sequence[tuple[int, int]]) -> int:
+        from testbed.kernels.torch_backend import num_attention_calls
+        return num_attention_calls(slices, self.block_size, self.budget_tokens)
 
     def seconds(self, q: np.ndarray, ctx: np.ndarray) -> float:
         flops = float(self.shape.flops(q, ctx).sum())
         masked = float(self.shape.masked_flops(q, ctx).sum())
         nbytes = float(self.shape.bytes(q, ctx).sum())
-        return self.num_layers * (self.per_call + self.per_seq * len(q) + self.per_flop * flops
-                                  + self.per_masked_flop * masked + self.per_byte * nbytes)
+        calls = self.calls(list(zip(q.astype(int).tolist(), ctx.astype(int).tolist())))
+        return self.num_layers * (self.per_forward + self.per_call * calls + self.per_seq * len(q)
+                                  + self.per_flop * flops + self.per_masked_flop * masked + self.per_byte * nbytes)
 
     def seconds_pairs(self, slices: Sequence[tuple[int, int]]) -> float:
         """`seconds` in plain Python: the model is linear in the sums below."""
@@ -163,5 +181,6 @@ class ProfiledAttention:
             sum_q += q
         masked = 2 * shape.num_heads * (shape.qk_dim + shape.v_dim) * sum_masked
         nbytes = shape.kv_bytes_per_token * sum_c + shape.io_bytes_per_token * sum_q
-        return self.num_layers * (self.per_call + self.per_seq * len(slices) + self.per_flop * flops
+        return self.num_layers * (self.per_forward + self.per_call * self.calls(slices)
+                                  + self.per_seq * len(slices) + self.per_flop * flops
                                   + self.per_masked_flop * masked + self.per_byte * nbytes)
