@@ -8,10 +8,12 @@ just its kernels.
 
 Method: real WorkerServices (engine, scheduler, ModelExecutor, events packed
 with msgpack as a worker process does) step batches of known shapes: decode
-batches of 1 to 32 requests (contexts spread over 64..512), whole prefills of
-16 to 2048 tokens, and a 64-token chunk beside 1 to 8 decodes; a few steps
-of each shape in a row per round (serving repeats a batch step after step),
-so that whatever else runs on the machine spreads over all shapes alike. (Steps timed inside a real runtime's burst were fitted too once:
+batches of 1 to 32 requests (contexts spread over 64..512) and of 4 to 16
+of one length (a burst of like prompts: one SDPA call, no mask), whole
+prefills of 16 to 2048 tokens, and a 64-token chunk beside 1 to 8 decodes; a
+few steps of each shape in a row per round (serving repeats a batch step
+after step), so that whatever else runs on the machine spreads over all
+shapes alike. (Steps timed inside a real runtime's burst were fitted too once:
 the frontend busy sending the burst on the other core slowed them 20-30%,
 which raised calibration_scale and overpriced every quiet step and long
 prefill by 10-40%.) Each shape's median step time is fitted to
@@ -101,13 +103,16 @@ def profiling_service(model: ModelConfig, num_blocks: int, token_budget: int,
 
 
 def decode_service(model: ModelConfig, num_seqs: int, weights, prompt: Callable[[int], list[int]],
-                   token_budget: int = 4096, max_tokens: int = 1 << 20) -> tuple[WorkerService, _Recording]:
+                   token_budget: int = 4096, max_tokens: int = 1 << 20,
+                   spread: bool = True) -> tuple[WorkerService, _Recording]:
     """A worker with `num_seqs` requests decoding, their contexts spread over
-    64..512 tokens as in serving (room to grow by 512 more): prompts prefilled
-    in chunks of the budget, then two decode steps to warm up."""
+    64..512 tokens as in serving (or all 128 with spread=False: a burst of
+    like prompts, one SDPA call for all), with room to grow by 512 more:
+    prompts prefilled in chunks of the budget, then two decode steps to warm up."""
     svc, rec = profiling_service(model, num_blocks=num_seqs * 64 + 80, token_budget=token_budget, weights=weights)
     for i in range(num_seqs):
-        svc.engine.add_request(Request(f"d{i}", prompt(64 + 448 * i // num_seqs), max_tokens=max_tokens))
+        length = 64 + 448 * i // num_seqs if spread else 128
+        svc.engine.add_request(Request(f"d{i}", prompt(length), max_tokens=max_tokens))
     sched = svc.engine.scheduler
     while sched.waiting or any(r.is_prefill for r in sched.running):
         _timed_steps(svc, rec, 1)
@@ -135,6 +140,7 @@ def measure_overhead(model: ModelConfig, hardware: HardwareConfig, quick: bool =
                                frontend_hop_ms=0.0, frontend_message_ms=0.0)
     cost = CostModel(model, bare)
     decode_batches = (1, 4, 16) if quick else (1, 2, 3, 4, 6, 8, 16, 32)
+    like_batches = (8,) if quick else (4, 8, 16)          # decodes of one length: one SDPA call, no mask
     prefills = (32, 256) if quick else (16, 64, 256, 512, 1024, 2048)
     hybrid_decodes = (2,) if quick else (1, 2, 4, 8)
     # every round steps each shape `burst` times in a row and keeps all but the
@@ -142,7 +148,7 @@ def measure_overhead(model: ModelConfig, hardware: HardwareConfig, quick: bool =
     # round between 20 other shapes, a 1-decode step found the weights gone
     # from cache and took 3.7 ms where serving takes 2.8-3.1 (2.8 back to back)
     rounds, burst = (3, 3) if quick else (8, 4)
-    samples: dict[tuple, list[tuple[float, float]]] = {}     # by (num_seqs, num_tokens[, 'serving'])
+    samples: dict[tuple, list[tuple[float, float]]] = {}     # by (served, num_seqs, num_tokens, kind)
     seq = 0
     from testbed.model.loader import load_model
     weights, _ = load_model(model)           # one model for every shape's worker
@@ -153,33 +159,34 @@ def measure_overhead(model: ModelConfig, hardware: HardwareConfig, quick: bool =
         return [(7 * seq + i) % model.vocab_size for i in range(length)]
 
     steps = rounds * burst + 8
-    decoders = [decode_service(model, b, weights, prompt, max_tokens=steps) for b in decode_batches]
+    decoders = [("spread", *decode_service(model, b, weights, prompt, max_tokens=steps)) for b in decode_batches]
+    decoders += [("like", *decode_service(model, b, weights, prompt, max_tokens=steps, spread=False))
+                 for b in like_batches]
     # sarathi's hybrid iterations: a 64-token prefill chunk beside b decodes
     prefillers = [(length, *profiling_service(model, num_blocks=length // 16 + 8, token_budget=length,
                                               weights=weights))
                   for length in prefills]
     prefillers += [(64, *decode_service(model, b, weights, prompt, token_budget=64 + b, max_tokens=steps))
                    for b in hybrid_decodes]
+    def record(kind: str, timed: list[tuple[list[tuple[int, int]], float]]) -> None:
+        for pairs, wall in timed:
+            key = (kind == "serving", len(pairs), sum(q for q, _ in pairs), kind)
+            samples.setdefault(key, []).append((wall, cost.iteration_time_s(pairs)))
+
     for _ in range(rounds):
-        timed = []
-        for svc, rec in decoders:
-            timed += _timed_steps(svc, rec, burst)[1:]
+        for kind, svc, rec in decoders:
+            record(kind, _timed_steps(svc, rec, burst)[1:])
         for length, svc, rec in prefillers:
             for i in range(burst):
                 svc.engine.add_request(Request(f"p{seq}", prompt(length), max_tokens=1))
                 step = _timed_steps(svc, rec, 1)
-                timed += step if i else []
-        for pairs, wall in timed:
-            key = (len(pairs), sum(q for q, _ in pairs))
-            samples.setdefault(key, []).append((wall, cost.iteration_time_s(pairs)))
-    for pairs, wall in (serving.steps if serving else []):
-        key = (len(pairs), sum(q for q, _ in pairs), "serving")
-        samples.setdefault(key, []).append((wall, cost.iteration_time_s(pairs)))
+                record("prefill", step if i else [])
+    record("serving", serving.steps if serving else [])
     rows, serving_rows = [], []
-    for key, xs in sorted(samples.items(), key=lambda kv: (len(kv[0]), kv[0][:2])):
+    for (served, num_seqs, num_tokens, _), xs in sorted(samples.items()):
         walls, modeled = zip(*xs)
-        (serving_rows if len(key) > 2 else rows).append(
-            (key[0], key[1], float(np.median(walls)), float(np.median(modeled)), len(xs)))
+        (serving_rows if served else rows).append(
+            (num_seqs, num_tokens, float(np.median(walls)), float(np.median(modeled)), len(xs)))
     return _fit(rows, serving_rows)
 
 
