@@ -168,6 +168,7 @@ def measure_overhead(model: ModelConfig, hardware: HardwareConfig, quick: bool =
                   for length in prefills]
     prefillers += [(64, *decode_service(model, b, weights, prompt, token_budget=64 + b, max_tokens=steps))
                    for b in hybrid_decodes]
+
     def record(kind: str, timed: list[tuple[list[tuple[int, int]], float]]) -> None:
         for pairs, wall in timed:
             key = (kind == "serving", len(pairs), sum(q for q, _ in pairs), kind)
@@ -252,8 +253,7 @@ def measure_serving(model: ModelConfig, hardware: HardwareConfig, quick: bool = 
                               output_dist="uniform", output_len=16, output_max=96)
     # `hardware` only so that RunConfig does not load the cpu preset this run is about to replace
     cfg = RunConfig(model=model, workload=workload, hardware=hardware, wandb=WandbConfig(mode="disabled"),
-                    progress=False,
-                    token_budget=1024, max_num_batched_tokens=1024, num_kv_blocks=num_requests * 32)
+                    progress=False, token_budget=1024, max_num_batched_tokens=1024, num_kv_blocks=num_requests * 32)
     result = RealRuntime(cfg).run(build_workload(workload, model.vocab_size, 0))
     prompts: dict[float, list[int]] = {}
     for r in result.records:

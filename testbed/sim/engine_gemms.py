@@ -5,12 +5,13 @@ Why not F.linear alone, called again and again on one weight: there the
 weight stays in cache, which in a forward pass it does not. Between two
 calls on a layer's weight the engine runs every other layer, the attention
 and the sampling, and on this VM (a 32 MB L3 shared with other tenants) the
-weights come back from DRAM. On `tiny` the engine's GEMMs take 2.1 ms at one
-token and 3.4 ms at two, where the same calls timed alone take 0.4 and 0.8 ms:
-alone they would price a one-decode step right but leave the jump to two
-decodes (MKL packs the weights from m=2 on, one more pass over cold memory)
-to the fitted overhead, which cannot bend that way. Measured in the engine,
-the table carries it.
+weights come back from memory. On `tiny` the engine's GEMMs take 1.9 ms a
+step at one token and 2.1 ms at two (steps back to back, as serving runs
+them; 2.1 and 3.4 ms with other shapes stepped in between), where the same
+calls timed alone take 0.4 and 0.8 ms. Priced from the isolated table, the
+difference fell to the fitted overhead, which is one number for every batch
+and cannot follow how it changes with m. Measured in the engine, the table
+carries it.
 
 A token count m is a step of m decodes (contexts spread over 64..512, as in
 serving) while m <= MAX_DECODE_BATCH, else a whole prefill of m tokens; lm_head
