@@ -25,7 +25,7 @@ def decode_groups(lens: Sequence[int], block_size: int, budget_tokens: int | Non
     blocking: each gathered K/V is still in cache when SDPA reads it; one
     gather of the whole batch, 17 MB per layer for 32 x 1K tokens of `tiny`,
     goes through DRAM twice more than the attention itself needs). The cost
-    model counts the calls with it (testbed/sim/timers.py)."""
+    model counts the calls with it (attention_calls, testbed/sim/timers.py)."""
     groups: list[list[int]] = []
     group: list[int] = []
     first_len = 0
@@ -43,14 +43,17 @@ def decode_groups(lens: Sequence[int], block_size: int, budget_tokens: int | Non
     return groups
 
 
-def num_attention_calls(slices: Sequence[tuple[int, int]], block_size: int, budget_tokens: int | None) -> int:
-    """SDPA calls of one forward over (new tokens, context) slices: one per
-    prefill slice, and the decodes (one query each) batched by decode_groups
-    when there are two or more."""
+def attention_calls(slices: Sequence[tuple[int, int]], block_size: int,
+                    budget_tokens: int | None) -> tuple[int, int]:
+    """SDPA calls of one forward over (new tokens, context) slices, as
+    (calls on one sequence, batched decode calls): one per prefill slice, and
+    the decodes (one query each) batched by decode_groups when there are two
+    or more (a lone decode runs on its own). The two kinds cost differently:
+    a batched call also builds the padded table, the mask and the row index."""
     decodes = [ctx for q, ctx in slices if q == 1]
     if len(decodes) < 2:
-        return len(slices)
-    return len(slices) - len(decodes) + len(decode_groups(decodes, block_size, budget_tokens))
+        return len(slices), 0
+    return len(slices) - len(decodes), len(decode_groups(decodes, block_size, budget_tokens))
 
 
 class TorchAttentionBackend(AttentionBackend):

@@ -195,15 +195,16 @@ def test_torch_backend_groups_decodes_by_length(monkeypatch):
 
 
 @pytest.mark.parametrize("q_lens, seq_lens, budget_bytes, expected", [
-    ([1] * 8, [40] * 8, 4 << 20, 1),                                 # like lengths: one call
-    ([1] * 8, [40] * 8, 64 << 10, 4),                                # ... split by the cache budget (2 x 48 tokens each)
-    ([1, 1, 9, 1, 1, 1], [700, 20, 40, 25, 17, 650], 4 << 20, 3),    # two decode groups and a chunk
-    ([1], [300], 4 << 20, 1), ([64, 1], [64, 90], 4 << 20, 2),       # a lone decode is a call of its own
-    ([1] * 24, [64 + 40 * i for i in range(24)], 4 << 20, 5),        # spread: by doubling, then 8K tokens a call
+    ([1] * 8, [40] * 8, 4 << 20, (0, 1)),                            # like lengths: one call
+    ([1] * 8, [40] * 8, 64 << 10, (0, 4)),                           # ... split by the cache budget (2 x 48 tokens each)
+    ([1, 1, 9, 1, 1, 1], [700, 20, 40, 25, 17, 650], 4 << 20, (1, 2)),   # two decode groups and a chunk
+    ([1], [300], 4 << 20, (1, 0)), ([64, 1], [64, 90], 4 << 20, (2, 0)),  # a lone decode runs on its own
+    ([1] * 24, [64 + 40 * i for i in range(24)], 4 << 20, (0, 5)),   # spread: by doubling, then 8K tokens a call
 ])
-def test_num_attention_calls_counts_the_backends_sdpa_calls(monkeypatch, q_lens, seq_lens, budget_bytes, expected):
-    """What the cost model counts (num_attention_calls) is what the backend
-    does: one SDPA call per prefill slice and per decode group."""
+def test_attention_calls_counts_the_backends_sdpa_calls(monkeypatch, q_lens, seq_lens, budget_bytes, expected):
+    """What the cost model counts (attention_calls: calls on one sequence,
+    batched decode calls) is what the backend does: one SDPA call per
+    prefill slice and per decode group."""
     from testbed.kernels import torch_backend
     sdpa, made = torch_backend.F.scaled_dot_product_attention, []
     monkeypatch.setattr(torch_backend.F, "scaled_dot_product_attention",
@@ -212,8 +213,8 @@ def test_num_attention_calls_counts_the_backends_sdpa_calls(monkeypatch, q_lens,
     q, k, v, meta = make_case(q_lens, seq_lens, 4, 2, 32, 16, torch.float32, "cpu")
     TorchAttentionBackend().forward(q, k, v, meta, 0.2)
     per_token = 2 * 2 * 32 * 4                                       # K and V, 2 KV heads of 32 floats
-    assert len(made) == expected
-    assert torch_backend.num_attention_calls(list(zip(q_lens, seq_lens)), 16, budget_bytes // per_token) == expected
+    assert torch_backend.attention_calls(list(zip(q_lens, seq_lens)), 16, budget_bytes // per_token) == expected
+    assert len(made) == sum(expected)
 
 
 def test_flash_attn_missing_is_named():

@@ -57,7 +57,7 @@ class HardwareConfig:
     # Measured tables (written by testbed.sim.profile); when present the cost
     # model uses them instead of the roofline for the shapes they cover.
     gemm_profile: list[list[float]] = field(default_factory=list)       # rows [m, n, k, seconds]
-    # rows [num_seqs, calls, flops, masked_flops, bytes, seconds] (timers.fit_attention)
+    # rows [num_seqs, single_calls, batched_calls, flops, masked_flops, bytes, seconds] (timers.fit_attention)
     attention_profile: list[list[float]] = field(default_factory=list)
     # quantiles (evenly spaced probabilities, min to max) of a real step's time
     # over the median time of the same batch: the machine's noise, which sets
@@ -107,7 +107,7 @@ class HardwareConfig:
         if jitter and (len(jitter) < 2 or jitter[0] <= 0 or any(b < a for a, b in zip(jitter, jitter[1:]))):
             raise ValueError(f"hardware.step_jitter: expected [] or at least 2 positive, non-decreasing "
                              f"quantiles, got {list(jitter)[:5]}...; rerun `testbed profile`")
-        for f, width in (("gemm_profile", 4), ("attention_profile", 6)):
+        for f, width in (("gemm_profile", 4), ("attention_profile", 7)):
             for i, row in enumerate(getattr(self, f)):
                 if len(row) != width or row[-1] <= 0:
                     raise ValueError(f"hardware.{f}[{i}]: expected {width} numbers ending in a positive "

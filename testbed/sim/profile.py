@@ -9,9 +9,9 @@ Measures, with one torch thread per worker as the real engine runs:
   forward pass) -> gemm_profile rows [m, n, k, seconds], interpolated over m
   by the cost model;
 - one attention forward of the torch backend over a grid of (query length,
-  prefix) and of decode batches, of like lengths (one SDPA call) and spread
-  (several) -> attention_profile rows [num_seqs, calls, flops, masked_flops,
-  bytes, seconds], fitted by the cost model
+  prefix), of decode batches, of like lengths (one SDPA call) and spread
+  (several), and of a few whole prompts together (a call each) -> attention_profile rows [num_seqs, single_calls, batched_calls,
+  flops, masked_flops, bytes, seconds], fitted by the cost model
   (timers.fit_attention); a chunk on a prefix runs with an explicit mask
   (the whole q x ctx rectangle), a whole prompt is_causal (half of it);
 - memcpy bandwidth -> hbm_bw_gbps (read plus written bytes), and the best GEMM
@@ -38,7 +38,7 @@ import torch
 import yaml
 
 from testbed.kernels.attention import AttentionMetadata
-from testbed.kernels.torch_backend import TorchAttentionBackend, num_attention_calls
+from testbed.kernels.torch_backend import TorchAttentionBackend, attention_calls
 from testbed.model.config import ModelConfig, load_model_preset
 from testbed.sim.config import HardwareConfig
 from testbed.sim.engine_gemms import measure_engine_gemms
@@ -54,17 +54,19 @@ class _Plan:
     single_seq: list[tuple[int, int]]      # (q_len, prefix)
     decode_batches: list[tuple[int, int]]  # (num_seqs, ctx)
     spread_decodes: list[tuple[int, int, int]]  # (num_seqs, shortest, longest ctx): several SDPA calls
+    prompt_batches: list[tuple[int, int]]       # (num_prompts, tokens each): whole prompts in one forward
     min_time_s: float
 
 
 _QUICK = _Plan([1, 16, 64, 256, 1024], [(q, p) for q in (1, 64, 512) for p in (0, 512, 2048)],
-               [(8, 512), (32, 512)], [(8, 64, 1024)], 0.02)
+               [(8, 512), (32, 512)], [(8, 64, 1024)], [(4, 32)], 0.02)
 # Every m up to 8 and a fine grid to 32: a CPU GEMM's time is not monotonic in
 # small m (MKL's m=4 and m=8 kernels beat m=3 and m=7; decode batches live there)
 _FULL = _Plan([1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 48, 64, 128, 256, 512, 1024, 2048, 4096],
               [(q, p) for q in (1, 16, 128, 512, 2048) for p in (0, 512, 2048, 8192)],
               [(4, 256), (16, 256), (64, 256), (4, 2048), (16, 2048), (64, 2048)],
-              [(2, 64, 256), (4, 64, 512), (8, 64, 512), (16, 64, 2048), (32, 64, 512), (64, 64, 4096)], 0.2)
+              [(2, 64, 256), (4, 64, 512), (8, 64, 512), (16, 64, 2048), (32, 64, 512), (64, 64, 4096)],
+              [(2, 64), (4, 32), (8, 32), (8, 128)], 0.2)
 
 
 def seconds_per_call(fn: Callable[[], object], min_time_s: float, repeats: int = 3) -> float:
@@ -94,7 +96,8 @@ def profile_attention(model: ModelConfig, plan: _Plan, block_size: int = 16) -> 
     shape = layer_shapes(model).attention
     heads, kv_heads, d = model.num_heads, model.num_kv_heads, model.resolved_head_dim
     batches = ([[(q, q + p)] for q, p in plan.single_seq] + [[(1, c)] * b for b, c in plan.decode_batches]
-               + [[(1, lo + (hi - lo) * i // (b - 1)) for i in range(b)] for b, lo, hi in plan.spread_decodes])
+               + [[(1, lo + (hi - lo) * i // (b - 1)) for i in range(b)] for b, lo, hi in plan.spread_decodes]
+               + [[(q, q)] * n for n, q in plan.prompt_batches])
     budget_tokens = TorchAttentionBackend.cpu_decode_group_bytes // shape.kv_bytes_per_token
     max_blocks = max(sum(-(-c // block_size) for _, c in batch) for batch in batches)
     k_cache = torch.randn(max_blocks, block_size, kv_heads, d, dtype=dtype)
@@ -114,7 +117,7 @@ def profile_attention(model: ModelConfig, plan: _Plan, block_size: int = 16) -> 
         secs = seconds_per_call(lambda: backend.forward(query, k_cache, v_cache, meta, scale), plan.min_time_s)
         q_arr = np.array([q for q, _ in batch], dtype=np.float64)
         c_arr = np.array([c for _, c in batch], dtype=np.float64)
-        rows.append([len(batch), num_attention_calls(batch, block_size, budget_tokens),
+        rows.append([len(batch), *attention_calls(batch, block_size, budget_tokens),
                      float(shape.flops(q_arr, c_arr).sum()), float(shape.masked_flops(q_arr, c_arr).sum()),
                      float(shape.bytes(q_arr, c_arr).sum()), secs])
     return rows
@@ -150,8 +153,8 @@ def profile_cpu(out_path: str | Path, model_name: str = "tiny", quick: bool = Fa
             memory_gib=round(memory, 1), compute_efficiency=1.0, memory_efficiency=1.0, gemm_ramp_tokens=0.0,
             # all floats: Hydra's typed list[list[float]] rejects ints
             gemm_profile=[[float(m), float(n), float(k), float(f"{s:.4g}")] for m, n, k, s in gemm_rows],
-            attention_profile=[[float(b), float(c), float(fl), float(mfl), float(by), float(f"{s:.4g}")]
-                               for b, c, fl, mfl, by, s in attention_rows], profiled_for=name)
+            attention_profile=[[float(b), float(c1), float(cb), float(fl), float(mfl), float(by), float(f"{s:.4g}")]
+                               for b, c1, cb, fl, mfl, by, s in attention_rows], profiled_for=name)
         overhead_note = "not measured (engine_overhead=False)"
         if engine_overhead:
             from testbed.sim.calibration import measure_frontend_message, measure_overhead, measure_serving
@@ -189,8 +192,8 @@ def profile_cpu(out_path: str | Path, model_name: str = "tiny", quick: bool = Fa
     header = (f"# Measured on this machine by testbed.sim.profile.profile_cpu ({time.strftime('%Y-%m-%d %H:%M')}):\n"
               f"# model={model_name} ({model.dtype}), torch threads={num_threads}, quick={quick}.\n"
               "# peak_tflops: best GEMM throughput seen; hbm_bw_gbps: memcpy, read plus written bytes.\n"
-              "# gemm_profile rows [m, n, k, seconds]; attention_profile rows [num_seqs, calls, flops,\n"
-              "# masked_flops, bytes, seconds] of one torch-backend attention forward (one layer).\n"
+              "# gemm_profile rows [m, n, k, seconds]; attention_profile rows [num_seqs, single_calls,\n"
+              "# batched_calls, flops, masked_flops, bytes, seconds] of one torch-backend attention forward.\n"
               f"# overhead_ms + overhead_per_seq_ms * num_seqs + overhead_per_token_ms * num_tokens: {overhead_note}.\n"
               "# step_jitter: quantiles 0%..100% of a serving step's time over the median step of its shape (a real run).\n"
               "# frontend_hop_ms: one way, frontend <-> worker process, from the same serving run;\n"

@@ -108,18 +108,18 @@ class RooflineAttention:
         return self.num_layers * total
 
 
-ATTENTION_COLUMNS = ("num_seqs", "calls", "flops", "masked_flops", "bytes", "seconds")
+ATTENTION_COLUMNS = ("num_seqs", "single_calls", "batched_calls", "flops", "masked_flops", "bytes", "seconds")
 
 
 def fit_attention(rows: Sequence[Sequence[float]]) -> tuple[float, ...]:
-    """Fit rows [num_seqs, calls, flops, masked_flops, bytes, seconds] of one
-    attention forward (calls: the SDPA calls it made, as
-    kernels.torch_backend.num_attention_calls counts them; flops of the
-    slices SDPA runs unmasked or is_causal, as AttentionShape.flops counts
-    them; masked_flops of the chunks it runs with an explicit mask, as
-    AttentionShape.masked_flops counts them) to
-    seconds = per_forward + per_call·calls + per_seq·num_seqs + per_flop·flops
-              + per_masked_flop·masked_flops + per_byte·bytes,
+    """Fit rows [num_seqs, single_calls, batched_calls, flops, masked_flops,
+    bytes, seconds] of one attention forward (the SDPA calls it made on one
+    sequence and on a batch of decodes, as kernels.torch_backend.attention_calls
+    counts them; flops of the slices SDPA runs unmasked or is_causal, as
+    AttentionShape.flops counts them; masked_flops of the chunks it runs with
+    an explicit mask, as AttentionShape.masked_flops counts them) to
+    seconds = per_forward + per_single_call·single_calls + per_batched_call·batched_calls
+              + per_seq·num_seqs + per_flop·flops + per_masked_flop·masked_flops + per_byte·bytes,
     minimising relative error, every coefficient >= 0 (a term that would come
     out negative is dropped and the rest refitted)."""
     data = np.asarray(rows, dtype=np.float64)
@@ -127,11 +127,11 @@ def fit_attention(rows: Sequence[Sequence[float]]) -> tuple[float, ...]:
     if data.ndim != 2 or data.shape[1] != width or data.shape[0] < width:
         raise ValueError(f"hardware.attention_profile: need at least {width} rows [{', '.join(ATTENTION_COLUMNS)}]; "
                          "rerun `testbed profile`")
-    features = np.column_stack([np.ones(len(data)), data[:, [1, 0, 2, 3, 4]]])
-    weight = 1.0 / data[:, 5]
+    features = np.column_stack([np.ones(len(data)), data[:, [1, 2, 0, 3, 4, 5]]])
+    weight = 1.0 / data[:, 6]
     active = list(range(width))
     while True:
-        coef, *_ = np.linalg.lstsq(features[:, active] * weight[:, None], data[:, 5] * weight, rcond=None)
+        coef, *_ = np.linalg.lstsq(features[:, active] * weight[:, None], data[:, 6] * weight, rcond=None)
         if (coef >= 0).all() or len(active) == 1:
             break
         active.pop(int(np.argmin(coef)))
@@ -153,20 +153,22 @@ class ProfiledAttention:
                  block_size: int = 16):
         from testbed.kernels.torch_backend import TorchAttentionBackend
         self.shape, self.num_layers, self.block_size = shape, num_layers, block_size
-        (self.per_forward, self.per_call, self.per_seq, self.per_flop, self.per_masked_flop,
-         self.per_byte) = fit_attention(rows)
+        (self.per_forward, self.per_single_call, self.per_batched_call, self.per_seq, self.per_flop,
+         self.per_masked_flop, self.per_byte) = fit_attention(rows)
         self.budget_tokens = TorchAttentionBackend.cpu_decode_group_bytes // shape.kv_bytes_per_token
 
-    def calls(self, slices: Sequence[tuple[int, int]]) -> int:
-        from testbed.kernels.torch_backend import num_attention_calls
-        return num_attention_calls(slices, self.block_size, self.budget_tokens)
+    def calls_s(self, slices: Sequence[tuple[int, int]]) -> float:
+        """The SDPA calls' fixed cost (one layer)."""
+        from testbed.kernels.torch_backend import attention_calls
+        single, batched = attention_calls(slices, self.block_size, self.budget_tokens)
+        return self.per_single_call * single + self.per_batched_call * batched
 
     def seconds(self, q: np.ndarray, ctx: np.ndarray) -> float:
         flops = float(self.shape.flops(q, ctx).sum())
         masked = float(self.shape.masked_flops(q, ctx).sum())
         nbytes = float(self.shape.bytes(q, ctx).sum())
-        calls = self.calls(list(zip(q.astype(int).tolist(), ctx.astype(int).tolist())))
-        return self.num_layers * (self.per_forward + self.per_call * calls + self.per_seq * len(q)
+        calls_s = self.calls_s(list(zip(q.astype(int).tolist(), ctx.astype(int).tolist())))
+        return self.num_layers * (self.per_forward + calls_s + self.per_seq * len(q)
                                   + self.per_flop * flops + self.per_masked_flop * masked + self.per_byte * nbytes)
 
     def seconds_pairs(self, slices: Sequence[tuple[int, int]]) -> float:
@@ -181,6 +183,6 @@ class ProfiledAttention:
             sum_q += q
         masked = 2 * shape.num_heads * (shape.qk_dim + shape.v_dim) * sum_masked
         nbytes = shape.kv_bytes_per_token * sum_c + shape.io_bytes_per_token * sum_q
-        return self.num_layers * (self.per_forward + self.per_call * self.calls(slices)
+        return self.num_layers * (self.per_forward + self.calls_s(slices)
                                   + self.per_seq * len(slices) + self.per_flop * flops
                                   + self.per_masked_flop * masked + self.per_byte * nbytes)
