@@ -196,7 +196,7 @@ def test_torch_backend_groups_decodes_by_length(monkeypatch):
 
 @pytest.mark.parametrize("q_lens, seq_lens, budget_bytes, expected", [
     ([1] * 8, [40] * 8, 4 << 20, (0, 1)),                            # like lengths: one call
-    ([1] * 8, [40] * 8, 64 << 10, (0, 4)),                           # ... split by the cache budget (2 x 48 tokens each)
+    ([1] * 8, [40] * 8, 64 << 10, (0, 4)),                           # ... split by the budget: 2 x 48 tokens a call
     ([1, 1, 9, 1, 1, 1], [700, 20, 40, 25, 17, 650], 4 << 20, (1, 2)),   # two decode groups and a chunk
     ([1], [300], 4 << 20, (1, 0)), ([64, 1], [64, 90], 4 << 20, (2, 0)),  # a lone decode runs on its own
     ([1] * 24, [64 + 40 * i for i in range(24)], 4 << 20, (0, 5)),   # spread: by doubling, then 8K tokens a call

@@ -16,6 +16,7 @@ from typing import Optional
 from omegaconf import OmegaConf
 
 from testbed.model.config import CONF_DIR
+from testbed.sim.timers import ATTENTION_COLUMNS
 
 
 @dataclass
@@ -107,7 +108,7 @@ class HardwareConfig:
         if jitter and (len(jitter) < 2 or jitter[0] <= 0 or any(b < a for a, b in zip(jitter, jitter[1:]))):
             raise ValueError(f"hardware.step_jitter: expected [] or at least 2 positive, non-decreasing "
                              f"quantiles, got {list(jitter)[:5]}...; rerun `testbed profile`")
-        for f, width in (("gemm_profile", 4), ("attention_profile", 7)):
+        for f, width in (("gemm_profile", 4), ("attention_profile", len(ATTENTION_COLUMNS))):
             for i, row in enumerate(getattr(self, f)):
                 if len(row) != width or row[-1] <= 0:
                     raise ValueError(f"hardware.{f}[{i}]: expected {width} numbers ending in a positive "

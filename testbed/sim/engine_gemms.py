@@ -31,7 +31,9 @@ import numpy as np
 import torch
 
 from testbed.model.config import ModelConfig
+from testbed.model.loader import load_model
 from testbed.request import Request
+from testbed.sim.calibration import decode_service, profiling_service
 
 MAX_DECODE_BATCH = 64
 MIN_ROUNDS = 3
@@ -74,8 +76,6 @@ class _LinearTimer:
 def measure_engine_gemms(model: ModelConfig, token_counts: list[int], min_time_s: float) -> list[list[float]]:
     """Rows [m, n, k, seconds per call] for every GEMM shape of `model` at
     each of `token_counts`, timed inside real engine steps (module docstring)."""
-    from testbed.model.loader import load_model
-    from testbed.sim.calibration import decode_service, profiling_service
     weights, _ = load_model(model)
     timer = _LinearTimer(weights)
     try:

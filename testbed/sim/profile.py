@@ -10,8 +10,9 @@ Measures, with one torch thread per worker as the real engine runs:
   by the cost model;
 - one attention forward of the torch backend over a grid of (query length,
   prefix), of decode batches, of like lengths (one SDPA call) and spread
-  (several), and of a few whole prompts together (a call each) -> attention_profile rows [num_seqs, single_calls, batched_calls,
-  flops, masked_flops, bytes, seconds], fitted by the cost model
+  (several), and of a few whole prompts together (a call each) ->
+  attention_profile rows [num_seqs, single_calls, batched_calls, flops,
+  masked_flops, bytes, seconds], fitted by the cost model
   (timers.fit_attention); a chunk on a prefix runs with an explicit mask
   (the whole q x ctx rectangle), a whole prompt is_causal (half of it);
 - memcpy bandwidth -> hbm_bw_gbps (read plus written bytes), and the best GEMM
@@ -194,8 +195,10 @@ def profile_cpu(out_path: str | Path, model_name: str = "tiny", quick: bool = Fa
               "# peak_tflops: best GEMM throughput seen; hbm_bw_gbps: memcpy, read plus written bytes.\n"
               "# gemm_profile rows [m, n, k, seconds]; attention_profile rows [num_seqs, single_calls,\n"
               "# batched_calls, flops, masked_flops, bytes, seconds] of one torch-backend attention forward.\n"
-              f"# overhead_ms + overhead_per_seq_ms * num_seqs + overhead_per_token_ms * num_tokens: {overhead_note}.\n"
-              "# step_jitter: quantiles 0%..100% of a serving step's time over the median step of its shape (a real run).\n"
+              "# overhead_ms + overhead_per_seq_ms * num_seqs + overhead_per_token_ms * num_tokens:\n"
+              f"# {overhead_note}.\n"
+              "# step_jitter: quantiles 0%..100% of a serving step's time over the median step of its shape\n"
+              "# (a real run).\n"
               "# frontend_hop_ms: one way, frontend <-> worker process, from the same serving run;\n"
               "# frontend_message_ms: the frontend's time to route, pack and send one command.\n")
     body = yaml.safe_dump(dataclasses.asdict(hardware), sort_keys=False, default_flow_style=None, width=120)

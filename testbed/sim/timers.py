@@ -151,7 +151,9 @@ class ProfiledAttention:
 
     def __init__(self, shape: AttentionShape, num_layers: int, rows: Sequence[Sequence[float]],
                  block_size: int = 16):
-        from testbed.kernels.torch_backend import TorchAttentionBackend
+        # imported here: the sim's start-up stays torch-free unless a profiled CPU is simulated
+        from testbed.kernels.torch_backend import TorchAttentionBackend, attention_calls
+        self._attention_calls = attention_calls
         self.shape, self.num_layers, self.block_size = shape, num_layers, block_size
         (self.per_forward, self.per_single_call, self.per_batched_call, self.per_seq, self.per_flop,
          self.per_masked_flop, self.per_byte) = fit_attention(rows)
@@ -159,8 +161,7 @@ class ProfiledAttention:
 
     def calls_s(self, slices: Sequence[tuple[int, int]]) -> float:
         """The SDPA calls' fixed cost (one layer)."""
-        from testbed.kernels.torch_backend import attention_calls
-        single, batched = attention_calls(slices, self.block_size, self.budget_tokens)
+        single, batched = self._attention_calls(slices, self.block_size, self.budget_tokens)
         return self.per_single_call * single + self.per_batched_call * batched
 
     def seconds(self, q: np.ndarray, ctx: np.ndarray) -> float:
