@@ -110,7 +110,7 @@ def register_configs() -> None:
     config: hardware=cpu sets its own, and any other preset has them reset as
     not profiled for it (HardwareConfig.__post_init__)."""
     schema = RunConfig()
-    schema.hardware = dataclasses.replace(schema.hardware, gemm_profile=[], attention_profile=[], step_jitter=[])
+    schema.hardware = dataclasses.replace(schema.hardware, gemm_profile=[], attention_profile=[], step_jitter_ms=[])
     ConfigStore.instance().store(name="run_schema", node=schema)
 
 

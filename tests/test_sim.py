@@ -242,7 +242,7 @@ def test_gpu_presets_do_not_inherit_the_cpus_measurements(tmp_path):
     measured = HardwareConfig(**{**load_hardware_preset("cpu").__dict__, "gemm_profile": [[1.0, 8.0, 8.0, 1e-6],
                               [64.0, 8.0, 8.0, 2e-6]], "calibration_scale": 1.3, "frontend_hop_ms": 0.8,
                               "overhead_per_seq_ms": 0.2, "overhead_per_token_ms": 0.03,
-                              "step_jitter": [0.8, 1.0, 1.9], "profiled_for": "cpu"})
+                              "step_jitter_ms": [-0.5, 0.0, 1.9], "profiled_for": "cpu"})
     (tmp_path / "cpu.yaml").write_text(yaml.safe_dump(asdict(measured)))
     base = OmegaConf.structured(load_hardware_preset(str(tmp_path / "cpu.yaml")))
     assert OmegaConf.to_object(base) == measured                         # the CPU keeps its own
@@ -250,4 +250,4 @@ def test_gpu_presets_do_not_inherit_the_cpus_measurements(tmp_path):
         merged = OmegaConf.to_object(OmegaConf.merge(base, OmegaConf.load(CONF_DIR / "hardware" / f"{name}.yaml")))
         assert merged == load_hardware_preset(name)
         assert not merged.gemm_profile and merged.calibration_scale == 1.0 and merged.frontend_hop_ms == 0.0
-        assert not merged.step_jitter and merged.overhead_per_token_ms == 0.0
+        assert not merged.step_jitter_ms and merged.overhead_per_token_ms == 0.0

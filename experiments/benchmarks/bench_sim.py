@@ -9,8 +9,11 @@ schedulers sarathi and vllm_v0):
         [--out /tmp/bench_sim] [--cases chat-sarathi,stall-vllm_v0,...] [--repeats 1]
 
 --profile runs `testbed profile` into --hardware first. Run it on a quiet
-machine: other processes stretch the real run's iterations, not the sim's;
---recalibrate refits the overhead terms right before each real run (the
+machine: other processes stretch the real run's iterations, not the sim's.
+Each repeat runs every case once (repeats outermost), and the table gives
+the median over repeats: a stall run lasts ~1.3 s, and this machine's speed
+moves by 20-30% from one few-second stretch to the next. --recalibrate
+refits the overhead terms (a serving run included) before each repeat (the
 step-noise table stays the profile's).
 
 Speed (--speed): wall and CPU seconds of the simulator on the public Azure code
@@ -55,20 +58,27 @@ def fidelity(args) -> int:
     hardware = load_hardware_preset(args.hardware)
     print(f"sim hardware: {args.hardware} (overhead {hardware.overhead_ms:.3f} ms + "
           f"{hardware.overhead_per_seq_ms:.3f} ms/seq + {hardware.overhead_per_token_ms * 1e3:.1f} us/token)")
-    rows = []
-    for case in args.cases.split(","):
+    cases = args.cases.split(",")
+    for case in cases:
         if case not in CASES:
             raise SystemExit(f"--cases: unknown case '{case}'; choose from {', '.join(CASES)}")
-        base = CASES[case] + ["model=tiny", "wandb.mode=disabled", "progress=false"] + args.override
-        for rep in range(args.repeats):
+    base = {case: CASES[case] + ["model=tiny", "wandb.mode=disabled", "progress=false"] + args.override
+            for case in cases}
+    # repeats outermost: this machine's speed drifts by 20-30% from one few-second
+    # stretch to the next, so each case's real runs spread over the whole benchmark;
+    # the sim is deterministic (seeded), one run per case and profile
+    rows, sims = [], {}
+    for rep in range(args.repeats):
+        if args.recalibrate:
+            hardware, sims = recalibrated(hardware), {}
+        for case in cases:
             out = Path(args.out) / f"{case}-{rep}"
-            if args.recalibrate:
-                hardware = recalibrated(hardware)
-            real = execute(compose(base + ["runtime=real"]), out / "real")
-            cfg = compose(base + ["runtime=sim"])
-            cfg.hardware = hardware
-            sim = execute(cfg, out / "sim")
-            rows.append((case, rep, real, sim))
+            real = execute(compose(base[case] + ["runtime=real"]), out / "real")
+            if case not in sims:
+                cfg = compose(base[case] + ["runtime=sim"])
+                cfg.hardware = hardware
+                sims[case] = execute(cfg, out / "sim")
+            rows.append((case, rep, real, sims[case]))
     import statistics
     print(f"\n{'case':<18} {'metric':<10} {'real ms':>9} {'sim ms':>9} {'error':>7}"
           + ("   (median over repeats)" if args.repeats > 1 else ""))
@@ -89,18 +99,20 @@ def fidelity(args) -> int:
 
 def recalibrated(hardware):
     """The hardware config with its overhead terms and calibration scale fitted
-    again now (the tables stay): what else runs on a shared machine changes
-    from minute to minute, and the real run that follows sees it."""
+    again now, a serving run included (the tables stay): what else runs on a
+    shared machine changes from minute to minute, and the real runs that
+    follow see it."""
     import dataclasses
 
     import torch
 
     from testbed.model.config import load_model_preset
-    from testbed.sim.calibration import measure_overhead
+    from testbed.sim.calibration import measure_overhead, measure_serving
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        fit = measure_overhead(load_model_preset("tiny"), hardware)
+        model = load_model_preset("tiny")
+        fit = measure_overhead(model, hardware, serving=measure_serving(model, hardware))
     finally:
         torch.set_num_threads(threads)
     print(f"recalibrated: overhead {fit.overhead_ms:.3f} ms + {fit.overhead_per_seq_ms:.3f} ms/seq "

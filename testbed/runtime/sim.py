@@ -126,8 +126,8 @@ class SimRuntime:
         self.step_scheduled: set[str] = set()
         self.outbox: dict[str, list[dict]] = {}
         for index, w in enumerate(self.workers):
-            jitter = (StepJitter(cfg.hardware.step_jitter, stream_key(cfg.seed, _JITTER_STREAM, index))
-                      if cfg.hardware.step_jitter else None)
+            jitter = (StepJitter(cfg.hardware.step_jitter_ms, stream_key(cfg.seed, _JITTER_STREAM, index))
+                      if cfg.hardware.step_jitter_ms else None)
             engine = build_engine(cfg, w.role, self.clock,
                                   executor_factory=lambda _bt, j=jitter: CostModelExecutor(cost, j))
             port = None

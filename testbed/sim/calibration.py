@@ -25,14 +25,17 @@ alike).
 
 A real serving run (the worker process, the frontend, ZMQ; measure_serving)
 adds its iterations, whose batches are recovered from the records, to the
-fit: served, prompts cost ~10% more than stepped alone here, decodes a few %
-less. The same run gives the one-way frontend <-> worker hop, and the noise
-of serving steps: each decode-only step's time over the median of the steps
-with as many decodes, whose quantiles become hardware.step_jitter
-(jitter.py): serving is noisier than the rounds above (the frontend process
-on the other core, the worker's socket I/O), its 99th percentile step 1.3-1.5x
-the median where repeated rounds give 1.12x, and that tail is what a run's p99
-token gap is made of. Last, the frontend's own time per command it sends."""
+fit, long prompts among them: the rounds pin how a step's time depends on
+its shape, which a serving run covers only in part (no batch of 32 decodes,
+few hybrids); the serving run, what serving costs (served steps ran 0-10%
+slower here than the same shapes stepped alone). The same run gives the
+one-way frontend <-> worker hop, and the noise of serving steps: each
+decode-only step's time minus the median of the steps with as many
+decodes, whose quantiles become hardware.step_jitter_ms (jitter.py):
+serving is noisier than the rounds above (the frontend process on the other
+core, the worker's socket I/O), its 99th percentile step 1.3-1.5x the median
+where repeated rounds give 1.12x, and that tail is what a run's p99 token gap
+is made of. Last, the frontend's own time per command it sends."""
 from __future__ import annotations
 
 import bisect
@@ -66,6 +69,10 @@ class OverheadFit:
     # (num_seqs, num_tokens, median step s, median modeled s, number of steps)
     rows: list[tuple[int, int, float, float, int]]
     serving_rows: list[tuple[int, int, float, float, int]] = dataclasses.field(default_factory=list)  # served
+
+    def predict_ms(self, num_seqs: int, num_tokens: int, modeled_s: float) -> float:
+        return (self.overhead_ms + self.overhead_per_seq_ms * num_seqs + self.overhead_per_token_ms * num_tokens
+                + self.calibration_scale * modeled_s * 1e3)
 
 
 class _Recording(Executor):
@@ -193,17 +200,21 @@ def measure_overhead(model: ModelConfig, hardware: HardwareConfig, quick: bool =
 
 def _fit(rows: list[tuple[int, int, float, float, int]],
          serving_rows: list[tuple[int, int, float, float, int]]) -> OverheadFit:
-    """wall = a + b·num_seqs + c·num_tokens + k·modeled, all >= 0, least
-    relative error over both kinds of rows, one vote per shape (weighting by
-    the number of steps let the few decode shapes a serving run repeats
-    hundreds of times decide alone, and priced 2K prefills 19% high): the best
-    fit over every subset of the four terms whose coefficients all come out
-    non-negative."""
-    both = rows + serving_rows
-    seqs = np.array([r[0] for r in both], dtype=np.float64)
-    tokens = np.array([r[1] for r in both], dtype=np.float64)
-    wall = np.array([r[2] for r in both])
-    modeled = np.array([r[3] for r in both])
+    """The four terms over both kinds of rows, one vote per shape."""
+    return OverheadFit(*_least_relative_error(rows + serving_rows), rows=rows, serving_rows=serving_rows)
+
+
+def _least_relative_error(rows: list[tuple[int, int, float, float, int]]) -> tuple[float, float, float, float]:
+    """(overhead_ms, per_seq_ms, per_token_ms, scale): wall = a + b·num_seqs +
+    c·num_tokens + k·modeled, all >= 0, least relative error, one vote per
+    shape (weighting by the number of steps lets the shapes repeated most
+    decide alone): the best fit over every subset of the four terms whose
+    coefficients all come out non-negative. A fit without the modeled term
+    keeps scale 1."""
+    seqs = np.array([r[0] for r in rows], dtype=np.float64)
+    tokens = np.array([r[1] for r in rows], dtype=np.float64)
+    wall = np.array([r[2] for r in rows])
+    modeled = np.array([r[3] for r in rows])
     features = np.column_stack([np.ones_like(seqs), seqs, tokens, modeled]) / wall[:, None]
     target = np.ones_like(wall)
     best, best_err = np.zeros(4), np.inf
@@ -217,15 +228,14 @@ def _fit(rows: list[tuple[int, int, float, float, int]],
             err = float(np.sum((features @ full - target) ** 2))
             if err < best_err:
                 best, best_err = full, err
-    return OverheadFit(float(best[0]) * 1e3, float(best[1]) * 1e3, float(best[2]) * 1e3,
-                       float(best[3]) if best[3] > 0 else 1.0, rows, serving_rows)
+    return float(best[0]) * 1e3, float(best[1]) * 1e3, float(best[2]) * 1e3, float(best[3]) if best[3] > 0 else 1.0
 
 
 @dataclass
 class ServingRun:
     """A real serving run, as calibration uses it."""
     steps: list[tuple[list[tuple[int, int]], float]]   # (batch as (new tokens, context) pairs, seconds)
-    step_ratios: list[float]     # each decode-only step over the median step with as many decodes
+    step_deviations_ms: list[float]   # each decode-only step minus the median step with as many decodes
     hop_ms: float                # one way, frontend <-> worker process
 
 
@@ -233,13 +243,18 @@ def measure_serving(model: ModelConfig, hardware: HardwareConfig, quick: bool = 
                     min_steps: int = 30) -> ServingRun:
     """Serve a workload on the real runtime (worker process, frontend, ZMQ)
     and recover each iteration's batch: Poisson arrivals of prompts of 16 to
-    384 tokens, each prefilled whole (the budget holds any prompt beside the
-    decodes), with answers of 16 to 96 tokens. A prefill slice is (P, P) for
-    every request first scheduled in that iteration (the iteration's prefill
-    tokens must add up to their prompts, else it is left out); the decodes
-    share the rest of the context the iteration read (kv_bytes_read) evenly.
-    Decode-only steps with as many decodes, in groups of >= `min_steps`, give
-    the step ratios. The hop is the mean of the median way in (arrival to
+    384 tokens with answers of 16 to 96 tokens, and three long prompts
+    (1024 to 2048 tokens) landing among them, each prefilled whole (the
+    budget holds any prompt beside the decodes). A prefill slice is (P, P) for
+    every request first scheduled in that iteration; a decode slice is
+    (1, P + j) for a request's token j > 0, which the iteration sampled (the
+    last iteration to end before the frontend received it). An iteration
+    whose slices do not add up to its prefill and decode tokens and its KV
+    read (Executor.kv_bytes_read: every slice's context) is left out.
+    (Sharing the iteration's KV read evenly among its decodes instead priced
+    2 to 5 decodes of different lengths as one unmasked SDPA call of like
+    ones, 20-45% below what they cost.) Decode-only steps with as many
+    decodes, in groups of >= `min_steps`, give the step deviations. The hop is the mean of the median way in (arrival to
     first scheduled, for requests that found the worker idle; one clock) and
     the median way out (the end of the iteration that sampled a token to the
     frontend receiving it)."""
@@ -247,51 +262,60 @@ def measure_serving(model: ModelConfig, hardware: HardwareConfig, quick: bool = 
     from testbed.runtime.real import RealRuntime
     from testbed.workloads.build import build_workload
     from testbed.workloads.config import WorkloadConfig
-    num_requests = 16 if quick else 48
+    num_requests = 16 if quick else 64
+    long_prompts = [512] if quick else [1024, 1536, 2048]
     workload = WorkloadConfig(name="serving_calibration", num_requests=num_requests, arrival="poisson", rate=5.0,
                               prompt_dist="uniform", prompt_len=16, prompt_max=384,
-                              output_dist="uniform", output_len=16, output_max=96)
+                              output_dist="uniform", output_len=16, output_max=96,
+                              inject_arrival_s=[3.0 * (i + 1) for i in range(len(long_prompts))],
+                              inject_prompt_len=long_prompts, inject_output_len=[16] * len(long_prompts))
+    budget = max(long_prompts) + 512         # any prompt whole beside the decodes
     # `hardware` only so that RunConfig does not load the cpu preset this run is about to replace
     cfg = RunConfig(model=model, workload=workload, hardware=hardware, wandb=WandbConfig(mode="disabled"),
-                    progress=False, token_budget=1024, max_num_batched_tokens=1024, num_kv_blocks=num_requests * 32)
+                    progress=False, token_budget=budget, max_num_batched_tokens=budget,
+                    num_kv_blocks=num_requests * 32 + sum(long_prompts) // 16 + 16)
     result = RealRuntime(cfg).run(build_workload(workload, model.vocab_size, 0))
-    prompts: dict[float, list[int]] = {}
+    ends = [it.start_s + it.duration_s for it in result.iterations]
+    order = sorted(range(len(ends)), key=ends.__getitem__)
+    sorted_ends = [ends[i] for i in order]
+    slices: dict[int, list[tuple[int, int]]] = {}          # iteration index -> (new tokens, context)
+    start_index = {it.start_s: i for i, it in enumerate(result.iterations)}
     for r in result.records:
-        if r.first_scheduled_s is not None:
-            prompts.setdefault(r.first_scheduled_s, []).append(r.prompt_len)
+        if r.first_scheduled_s in start_index:
+            slices.setdefault(start_index[r.first_scheduled_s], []).append((r.prompt_len, r.prompt_len))
+        for j, t in enumerate(r.token_times_s[1:], start=1):
+            k = bisect.bisect_right(sorted_ends, t)
+            if k:
+                slices.setdefault(order[k - 1], []).append((1, r.prompt_len + j))
     steps, by_decodes = [], {}
-    for it in result.iterations:
-        new = prompts.get(it.start_s, [])
-        if sum(new) != it.num_prefill_tokens:
+    for i, it in enumerate(result.iterations):
+        pairs = slices.get(i, [])
+        if (sum(q for q, _ in pairs if q > 1) != it.num_prefill_tokens
+                or sum(q == 1 for q, _ in pairs) != it.num_decode_tokens
+                or sum(ctx for _, ctx in pairs) * model.kv_bytes_per_token != it.kv_bytes_read):
             continue
-        pairs = [(p, p) for p in new]
-        n = it.num_decode_tokens
-        if n:
-            decode_ctx = it.kv_bytes_read // model.kv_bytes_per_token - sum(new)
-            pairs += [(1, max(1, round(decode_ctx / n)))] * n
-            if not new:
-                by_decodes.setdefault(n, []).append(it.duration_s)
+        if not it.num_prefill_tokens:
+            by_decodes.setdefault(it.num_decode_tokens, []).append(it.duration_s)
         steps.append((pairs, it.duration_s))
-    ratios = []
+    deviations = []
     for secs in by_decodes.values():
         if len(secs) >= min_steps:
             median = float(np.median(secs))
-            ratios += [s / median for s in secs]
-    ends = sorted(it.start_s + it.duration_s for it in result.iterations)
+            deviations += [(s - median) * 1e3 for s in secs]
     starts = sorted(it.start_s for it in result.iterations)
-    way_out = [t - ends[i - 1] for r in result.records for t in r.token_times_s
-               if (i := bisect.bisect_right(ends, t)) > 0]
+    way_out = [t - sorted_ends[i - 1] for r in result.records for t in r.token_times_s
+               if (i := bisect.bisect_right(sorted_ends, t)) > 0]
     way_in = []
     for r in result.records:
         i = bisect.bisect_left(starts, r.arrival_s)      # the first iteration starting after the arrival
-        idle = i == 0 or ends[i - 1] <= r.arrival_s       # nothing ran when it arrived
+        idle = i == 0 or sorted_ends[i - 1] <= r.arrival_s       # nothing ran when it arrived
         if idle and i < len(starts) and starts[i] == r.first_scheduled_s:
             way_in.append(r.first_scheduled_s - r.arrival_s)
-    if len(steps) < num_requests or len(ratios) < 2 * min_steps or len(way_in) < 3:
-        raise RuntimeError(f"serving calibration: the real run gave {len(steps)} iterations, {len(ratios)} "
+    if len(steps) < num_requests or len(deviations) < 2 * min_steps or len(way_in) < 3:
+        raise RuntimeError(f"serving calibration: the real run gave {len(steps)} iterations, {len(deviations)} "
                            f"decode steps in groups of >= {min_steps} and {len(way_in)} arrivals at an idle "
                            "worker; check `testbed run` works here")
-    return ServingRun(steps, ratios, 1e3 * (float(np.median(way_in)) + float(np.median(way_out))) / 2)
+    return ServingRun(steps, deviations, 1e3 * (float(np.median(way_in)) + float(np.median(way_out))) / 2)
 
 
 def measure_frontend_message(model: ModelConfig, num_requests: int = 500, repeats: int = 5) -> float:

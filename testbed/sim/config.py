@@ -61,9 +61,9 @@ class HardwareConfig:
     # rows [num_seqs, single_calls, batched_calls, flops, masked_flops, bytes, seconds] (timers.fit_attention)
     attention_profile: list[list[float]] = field(default_factory=list)
     # quantiles (evenly spaced probabilities, min to max) of a real step's time
-    # over the median time of the same batch: the machine's noise, which sets
-    # p99 token gaps (testbed.sim.jitter); [] = none (the GPU presets)
-    step_jitter: list[float] = field(default_factory=list)
+    # minus the median time of the same batch, in ms: the machine's noise,
+    # which sets p99 token gaps (testbed.sim.jitter); [] = none (GPU presets)
+    step_jitter_ms: list[float] = field(default_factory=list)
     # the preset `testbed profile` measured the fields above for ("" if none):
     # they describe that machine only (see __post_init__)
     profiled_for: str = ""
@@ -104,10 +104,10 @@ class HardwareConfig:
                   "overhead_per_token_ms", "frontend_hop_ms", "frontend_message_ms"):
             if getattr(self, f) < 0:
                 raise ValueError(f"hardware.{f}: must be >= 0, got {getattr(self, f)}")
-        jitter = self.step_jitter
-        if jitter and (len(jitter) < 2 or jitter[0] <= 0 or any(b < a for a, b in zip(jitter, jitter[1:]))):
-            raise ValueError(f"hardware.step_jitter: expected [] or at least 2 positive, non-decreasing "
-                             f"quantiles, got {list(jitter)[:5]}...; rerun `testbed profile`")
+        jitter = self.step_jitter_ms
+        if jitter and (len(jitter) < 2 or any(b < a for a, b in zip(jitter, jitter[1:]))):
+            raise ValueError(f"hardware.step_jitter_ms: expected [] or at least 2 non-decreasing quantiles "
+                             f"(ms), got {list(jitter)[:5]}...; rerun `testbed profile`")
         for f, width in (("gemm_profile", 4), ("attention_profile", len(ATTENTION_COLUMNS))):
             for i, row in enumerate(getattr(self, f)):
                 if len(row) != width or row[-1] <= 0:
@@ -117,7 +117,7 @@ class HardwareConfig:
 
 _MEASURED = [f for f in fields(HardwareConfig) if f.name in (
     "overhead_per_seq_ms", "overhead_per_token_ms", "calibration_scale", "frontend_hop_ms", "frontend_message_ms",
-    "gemm_profile", "attention_profile", "step_jitter")]
+    "gemm_profile", "attention_profile", "step_jitter_ms")]
 
 
 @dataclass
@@ -177,7 +177,8 @@ def _load(group: str, cls, name_or_path: str, overrides: dict):
     raw.update(overrides)
     unknown = set(raw) - {f.name for f in fields(cls)}
     if unknown:
-        raise ValueError(f"{path}: unknown field(s) {sorted(unknown)}")
+        stale = " (a profile written by an older testbed: rerun `testbed profile`)" if raw.get("profiled_for") else ""
+        raise ValueError(f"{path}: unknown field(s) {sorted(unknown)}{stale}")
     return cls(**raw)
 
 

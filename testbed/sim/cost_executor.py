@@ -3,13 +3,16 @@ batch takes. Sampled tokens are placeholders (0): the simulator measures
 time, not text. The per-layer hook is not called: the simulated KV port
 (testbed/runtime/sim.py) models layer-wise streaming from the iteration's
 duration instead. With a measured `StepJitter` (a profiled CPU) each
-iteration's time is multiplied by a factor drawn from it."""
+iteration's time gains a deviation drawn from it (never below half the
+modeled time: a hand-written table cannot make a step free)."""
 from __future__ import annotations
 
 from testbed.batch import Batch, StepResult
 from testbed.executor import Executor, LayerHook
 from testbed.sim.cost_model import CostModel
 from testbed.sim.jitter import StepJitter
+
+_FLOOR = 0.5
 
 
 class CostModelExecutor(Executor):
@@ -33,5 +36,5 @@ class CostModelExecutor(Executor):
                 sampled[req.request_id] = 0
         duration = self.cost_model.iteration_time_s(pairs, len(sampled))
         if self.jitter is not None:
-            duration *= self.jitter()
+            duration = max(duration + self.jitter(), duration * _FLOOR)
         return StepResult(sampled=sampled, duration_s=duration, kv_bytes_read=context * self.kv_bytes_per_token)

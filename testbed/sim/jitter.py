@@ -3,14 +3,19 @@ model's prediction, so that `runtime=sim` predicts tails (p99 TBT), not only
 medians.
 
 On this CPU the same batch takes 3.1 ms one step and 4.6 ms another (the
-other process on the second core, caches, the OS): a run's p99 token gap is
-set by that spread, not by the batch. `testbed profile` serves a short
-decode-heavy workload on the real runtime and stores the quantiles of each
-decode step's time over the median of the steps with as many decodes
-(`hardware.step_jitter`, evenly spaced probabilities 0, 1/(n-1), ..., 1). The simulator multiplies each modeled
-iteration by a factor drawn from them, with a seeded generator per worker, so
-a run is reproducible. The cost model itself is fitted to median step times,
-so the median iteration is unchanged. GPU presets carry no table: no jitter.
+other process on the second core, the worker's socket I/O, the OS): a run's
+p99 token gap is set by that spread, not by the batch. `testbed profile`
+serves a short decode-heavy workload on the real runtime and stores the
+quantiles of each decode step's time minus the median of the steps with as
+many decodes, in ms (`hardware.step_jitter_ms`, evenly spaced probabilities
+0, 1/(n-1), ..., 1). The simulator adds a deviation drawn from them to each
+modeled iteration, with a seeded generator per worker, so a run is
+reproducible. The noise is time the machine takes away or gives back, not a
+share of the step: served 1800-token prefills (~330 ms) vary by ~3%, where
+a 3 ms decode step varies by 30%; scaling the decodes' spread onto a
+prefill drew it 10% short one run and 30% long the next. The cost model
+itself is fitted to median step times, so the median iteration is
+unchanged. GPU presets carry no table: no jitter.
 """
 from __future__ import annotations
 
@@ -18,12 +23,12 @@ import random
 from typing import Sequence
 
 
-def jitter_quantiles(ratios: Sequence[float], num_quantiles: int = 101) -> list[float]:
+def jitter_quantiles(samples: Sequence[float], num_quantiles: int = 101) -> list[float]:
     """`num_quantiles` evenly spaced quantiles (min to max) of measured
-    step-time / median ratios, linearly interpolated between samples."""
-    if len(ratios) < 2:
-        raise ValueError(f"step_jitter: need at least 2 measured ratios, got {len(ratios)}")
-    xs = sorted(ratios)
+    step-time deviations, linearly interpolated between samples."""
+    if len(samples) < 2:
+        raise ValueError(f"step_jitter_ms: need at least 2 measured steps, got {len(samples)}")
+    xs = sorted(samples)
     out = []
     for i in range(num_quantiles):
         pos = i * (len(xs) - 1) / (num_quantiles - 1)
@@ -33,13 +38,13 @@ def jitter_quantiles(ratios: Sequence[float], num_quantiles: int = 101) -> list[
 
 
 class StepJitter:
-    """Draws iteration-time factors from quantiles (inverse-CDF sampling,
-    linear between quantiles)."""
+    """Draws iteration-time deviations in seconds from quantiles given in ms
+    (inverse-CDF sampling, linear between quantiles)."""
 
-    def __init__(self, quantiles: Sequence[float], seed: int):
-        if len(quantiles) < 2:
-            raise ValueError(f"hardware.step_jitter: need at least 2 quantiles, got {len(quantiles)}")
-        self.quantiles = [float(q) for q in quantiles]
+    def __init__(self, quantiles_ms: Sequence[float], seed: int):
+        if len(quantiles_ms) < 2:
+            raise ValueError(f"hardware.step_jitter_ms: need at least 2 quantiles, got {len(quantiles_ms)}")
+        self.quantiles = [float(q) / 1e3 for q in quantiles_ms]
         self._span = len(self.quantiles) - 1
         self._random = random.Random(seed).random
 

@@ -19,7 +19,7 @@ Measures, with one torch thread per worker as the real engine runs:
   throughput -> peak_tflops, for whatever the tables do not cover;
 - the real engine's step times against the model of them (calibration.py) ->
   overhead_ms, overhead_per_seq_ms and calibration_scale, and the spread of
-  serving steps in a real run -> step_jitter (jitter.py); the same run ->
+  serving steps in a real run -> step_jitter_ms (jitter.py); the same run ->
   frontend_hop_ms; the frontend routing and sending commands ->
   frontend_message_ms.
 
@@ -165,26 +165,23 @@ def profile_cpu(out_path: str | Path, model_name: str = "tiny", quick: bool = Fa
             hardware.overhead_per_seq_ms = round(fit.overhead_per_seq_ms, 4)
             hardware.overhead_per_token_ms = round(fit.overhead_per_token_ms, 5)
             hardware.calibration_scale = round(fit.calibration_scale, 4)
-            hardware.step_jitter = [round(q, 4) for q in jitter_quantiles(serving.step_ratios)]
+            hardware.step_jitter_ms = [round(q, 4) for q in jitter_quantiles(serving.step_deviations_ms)]
             hardware.frontend_hop_ms = round(serving.hop_ms, 4)
             hardware.frontend_message_ms = round(measure_frontend_message(model), 4)
 
-            def fitted_ms(seqs: int, tokens: int, modeled: float) -> float:
-                return (fit.overhead_ms + fit.overhead_per_seq_ms * seqs + fit.overhead_per_token_ms * tokens
-                        + fit.calibration_scale * modeled * 1e3)
             for seqs, tokens, wall, modeled, _ in fit.rows:
-                model_ms = fitted_ms(seqs, tokens, modeled)
+                model_ms = fit.predict_ms(seqs, tokens, modeled)
                 log(f"  step of {seqs:2d} seqs, {tokens:4d} tokens: engine {wall * 1e3:7.2f} ms, "
                     f"model {model_ms:7.2f} ms ({model_ms / (wall * 1e3) - 1:+.0%})")
             for seqs, tokens, wall, modeled, count in fit.serving_rows:
-                if count >= 20:
-                    model_ms = fitted_ms(seqs, tokens, modeled)
+                if count >= 20 or tokens >= 1024:
+                    model_ms = fit.predict_ms(seqs, tokens, modeled)
                     log(f"  served {count:4d}x {seqs:2d} seqs, {tokens:4d} tokens: engine {wall * 1e3:7.2f} ms, "
                         f"model {model_ms:7.2f} ms ({model_ms / (wall * 1e3) - 1:+.0%})")
-            served = [fitted_ms(*row[:2], row[3]) / (row[2] * 1e3) - 1 for row in fit.serving_rows]
+            served = [fit.predict_ms(*row[:2], row[3]) / (row[2] * 1e3) - 1 for row in fit.serving_rows]
             log(f"  {len(fit.serving_rows)} batch shapes of a real serving run: model error median "
-                f"{np.median(served):+.0%}, 10th-90th percentile {np.percentile(served, 10):+.0%} "
-                f"to {np.percentile(served, 90):+.0%}")
+                f"{np.median(served):+.0%}, 10th-90th percentile "
+                f"{np.percentile(served, 10):+.0%} to {np.percentile(served, 90):+.0%}")
             overhead_note = (f"fitted with calibration_scale to the real engine's step times over "
                              f"{len(fit.rows)} batch shapes stepped alone and {len(fit.serving_rows)} "
                              f"served (testbed.sim.calibration)")
@@ -197,8 +194,8 @@ def profile_cpu(out_path: str | Path, model_name: str = "tiny", quick: bool = Fa
               "# batched_calls, flops, masked_flops, bytes, seconds] of one torch-backend attention forward.\n"
               "# overhead_ms + overhead_per_seq_ms * num_seqs + overhead_per_token_ms * num_tokens:\n"
               f"# {overhead_note}.\n"
-              "# step_jitter: quantiles 0%..100% of a serving step's time over the median step of its shape\n"
-              "# (a real run).\n"
+              "# step_jitter_ms: quantiles 0%..100% of a serving step's time minus the median step of its\n"
+              "# shape, in ms (a real run).\n"
               "# frontend_hop_ms: one way, frontend <-> worker process, from the same serving run;\n"
               "# frontend_message_ms: the frontend's time to route, pack and send one command.\n")
     body = yaml.safe_dump(dataclasses.asdict(hardware), sort_keys=False, default_flow_style=None, width=120)
