@@ -200,21 +200,17 @@ def measure_overhead(model: ModelConfig, hardware: HardwareConfig, quick: bool =
 
 def _fit(rows: list[tuple[int, int, float, float, int]],
          serving_rows: list[tuple[int, int, float, float, int]]) -> OverheadFit:
-    """The four terms over both kinds of rows, one vote per shape."""
-    return OverheadFit(*_least_relative_error(rows + serving_rows), rows=rows, serving_rows=serving_rows)
-
-
-def _least_relative_error(rows: list[tuple[int, int, float, float, int]]) -> tuple[float, float, float, float]:
-    """(overhead_ms, per_seq_ms, per_token_ms, scale): wall = a + b·num_seqs +
-    c·num_tokens + k·modeled, all >= 0, least relative error, one vote per
-    shape (weighting by the number of steps lets the shapes repeated most
-    decide alone): the best fit over every subset of the four terms whose
-    coefficients all come out non-negative. A fit without the modeled term
-    keeps scale 1."""
-    seqs = np.array([r[0] for r in rows], dtype=np.float64)
-    tokens = np.array([r[1] for r in rows], dtype=np.float64)
-    wall = np.array([r[2] for r in rows])
-    modeled = np.array([r[3] for r in rows])
+    """wall = a + b·num_seqs + c·num_tokens + k·modeled, all >= 0, least
+    relative error over both kinds of rows, one vote per shape (weighting by
+    the number of steps let the few decode shapes a serving run repeats
+    hundreds of times decide alone, and priced 2K prefills 19% high): the best
+    fit over every subset of the four terms whose coefficients all come out
+    non-negative."""
+    both = rows + serving_rows
+    seqs = np.array([r[0] for r in both], dtype=np.float64)
+    tokens = np.array([r[1] for r in both], dtype=np.float64)
+    wall = np.array([r[2] for r in both])
+    modeled = np.array([r[3] for r in both])
     features = np.column_stack([np.ones_like(seqs), seqs, tokens, modeled]) / wall[:, None]
     target = np.ones_like(wall)
     best, best_err = np.zeros(4), np.inf
@@ -228,7 +224,8 @@ def _least_relative_error(rows: list[tuple[int, int, float, float, int]]) -> tup
             err = float(np.sum((features @ full - target) ** 2))
             if err < best_err:
                 best, best_err = full, err
-    return float(best[0]) * 1e3, float(best[1]) * 1e3, float(best[2]) * 1e3, float(best[3]) if best[3] > 0 else 1.0
+    return OverheadFit(float(best[0]) * 1e3, float(best[1]) * 1e3, float(best[2]) * 1e3,
+                       float(best[3]) if best[3] > 0 else 1.0, rows, serving_rows)
 
 
 @dataclass
@@ -254,10 +251,11 @@ def measure_serving(model: ModelConfig, hardware: HardwareConfig, quick: bool = 
     (Sharing the iteration's KV read evenly among its decodes instead priced
     2 to 5 decodes of different lengths as one unmasked SDPA call of like
     ones, 20-45% below what they cost.) Decode-only steps with as many
-    decodes, in groups of >= `min_steps`, give the step deviations. The hop is the mean of the median way in (arrival to
-    first scheduled, for requests that found the worker idle; one clock) and
-    the median way out (the end of the iteration that sampled a token to the
-    frontend receiving it)."""
+    decodes, in groups of >= `min_steps`, give the step deviations. The hop
+    is the mean of the median way in (arrival to first scheduled, for
+    requests that found the worker idle; one clock) and the median way out
+    (the end of the iteration that sampled a token to the frontend receiving
+    it)."""
     from testbed.config import RunConfig, WandbConfig
     from testbed.runtime.real import RealRuntime
     from testbed.workloads.build import build_workload
