@@ -8,52 +8,12 @@ chunks run one sequence at a time with a bottom-right causal mask."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from testbed.kernels.attention import AttentionBackend, AttentionMetadata
-
-
-def decode_groups(lens: Sequence[int], block_size: int, budget_tokens: int | None) -> list[list[int]]:
-    """How the backend batches decodes of these context lengths: indices into
-    `lens`, sorted by length, one list per SDPA call. Padding to a group's
-    longest context at most doubles its work: 8 short decodes beside 2 of 1K
-    tokens would otherwise all pay for 1K (2.3x the step on `tiny`). On the
-    CPU a group also holds at most `budget_tokens` padded tokens (cache
-    blocking: each gathered K/V is still in cache when SDPA reads it; one
-    gather of the whole batch, 17 MB per layer for 32 x 1K tokens of `tiny`,
-    goes through DRAM twice more than the attention itself needs). The cost
-    model counts the calls with it (attention_calls, testbed/sim/timers.py)."""
-    groups: list[list[int]] = []
-    group: list[int] = []
-    first_len = 0
-    for i in sorted(range(len(lens)), key=lens.__getitem__):
-        tokens = -(-lens[i] // block_size) * block_size      # the padded width with this decode
-        if group and (tokens > 2 * first_len
-                      or (budget_tokens is not None and (len(group) + 1) * tokens > budget_tokens)):
-            groups.append(group)
-            group = []
-        if not group:
-            first_len = tokens
-        group.append(i)
-    if group:
-        groups.append(group)
-    return groups
-
-
-def attention_calls(slices: Sequence[tuple[int, int]], block_size: int,
-                    budget_tokens: int | None) -> tuple[int, int]:
-    """SDPA calls of one forward over (new tokens, context) slices, as
-    (calls on one sequence, batched decode calls): one per prefill slice, and
-    the decodes (one query each) batched by decode_groups when there are two
-    or more (a lone decode runs on its own). The two kinds cost differently:
-    a batched call also builds the padded table, the mask and the row index."""
-    decodes = [ctx for q, ctx in slices if q == 1]
-    if len(decodes) < 2:
-        return len(slices), 0
-    return len(slices) - len(decodes), len(decode_groups(decodes, block_size, budget_tokens))
+from testbed.kernels.decode_groups import decode_groups
 
 
 class TorchAttentionBackend(AttentionBackend):

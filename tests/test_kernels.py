@@ -203,18 +203,28 @@ def test_torch_backend_groups_decodes_by_length(monkeypatch):
 ])
 def test_attention_calls_counts_the_backends_sdpa_calls(monkeypatch, q_lens, seq_lens, budget_bytes, expected):
     """What the cost model counts (attention_calls: calls on one sequence,
-    batched decode calls) is what the backend does: one SDPA call per
-    prefill slice and per decode group."""
+    batched decode calls, those of them with a mask, the padded keys) is what
+    the backend does: one SDPA call per prefill slice and per decode group,
+    each group padded to its longest decode and masked when lengths differ."""
     from testbed.kernels import torch_backend
+    from testbed.kernels.decode_groups import attention_calls
     sdpa, made = torch_backend.F.scaled_dot_product_attention, []
     monkeypatch.setattr(torch_backend.F, "scaled_dot_product_attention",
-                        lambda *a, **kw: made.append(1) or sdpa(*a, **kw))
+                        lambda *a, **kw: made.append(kw.get("attn_mask") is not None) or sdpa(*a, **kw))
+    backend, groups = TorchAttentionBackend(), []
+    group = backend._decode_group
+    monkeypatch.setattr(backend, "_decode_group", lambda *a: groups.append([a[3].seq_lens[b] for b in a[5]])
+                        or group(*a))
     monkeypatch.setattr(TorchAttentionBackend, "cpu_decode_group_bytes", budget_bytes)
     q, k, v, meta = make_case(q_lens, seq_lens, 4, 2, 32, 16, torch.float32, "cpu")
-    TorchAttentionBackend().forward(q, k, v, meta, 0.2)
+    backend.forward(q, k, v, meta, 0.2)
     per_token = 2 * 2 * 32 * 4                                       # K and V, 2 KV heads of 32 floats
-    assert torch_backend.attention_calls(list(zip(q_lens, seq_lens)), 16, budget_bytes // per_token) == expected
-    assert len(made) == sum(expected)
+    calls = attention_calls(list(zip(q_lens, seq_lens)), 16, budget_bytes // per_token)
+    assert (calls.single, calls.batched) == expected
+    assert len(made) == sum(expected) and len(groups) == calls.batched
+    # the backend runs the decode groups first: their SDPA calls carry a mask exactly when lengths differ
+    assert calls.masked == sum(min(g) != max(g) for g in groups) == sum(made[:calls.batched])
+    assert calls.padding == sum(len(g) * max(g) - sum(g) for g in groups)
 
 
 def test_flash_attn_missing_is_named():

@@ -214,11 +214,14 @@ def test_short_batches_cost_the_same_in_python_as_in_numpy(model):
 @pytest.mark.parametrize("model", ["tiny", "deepseek-v2-lite"])     # GQA and MLA attention FLOPs
 def test_short_batches_on_a_profiled_cpu_cost_the_same_in_python_as_in_numpy(model):
     base = load_hardware_preset("cpu")
-    rows = [[float(b), float(c1), float(cb), float(f), float(mf), float(by),
-             1e-5 * b + 3e-5 * c1 + 5e-5 * cb + 1e-10 * f + 2e-10 * mf + 1e-9 * by + 2e-5]
-            for b, c1, cb, f, mf, by in [(1, 1, 0, 1e6, 0, 1e5), (8, 0, 1, 1e8, 0, 1e6), (32, 0, 3, 1e7, 0, 8e6),
-                                         (1, 1, 0, 1e9, 0, 2e6), (4, 0, 2, 5e8, 0, 3e6), (1, 1, 0, 2e8, 9e8, 2e6),
-                                         (1, 1, 0, 1e7, 3e7, 1e6), (16, 0, 4, 3e8, 0, 5e6), (3, 3, 0, 2e7, 0, 1e6)]]
+    # rows [single, batched, masked batched calls, seqs, causal flops, masked flops, bytes, seconds]
+    rows = [[float(c1), float(cb), float(cm), float(b), float(f), float(mf), float(by),
+             1e-5 * b + 3e-5 * c1 + 5e-5 * cb + 2e-5 * cm + 1e-10 * f + 2e-10 * mf + 1e-9 * by + 2e-5]
+            for b, c1, cb, cm, f, mf, by in [(1, 1, 0, 0, 1e6, 0, 1e5), (8, 0, 1, 0, 0, 0, 1e6),
+                                             (32, 0, 3, 2, 0, 0, 8e6), (1, 1, 0, 0, 1e9, 0, 2e6),
+                                             (4, 0, 2, 1, 0, 0, 3e6), (1, 1, 0, 0, 0, 9e8, 2e6),
+                                             (1, 1, 0, 0, 0, 3e7, 1e6), (16, 0, 4, 4, 0, 0, 5e6),
+                                             (3, 3, 0, 0, 2e7, 0, 1e6), (6, 0, 2, 2, 0, 0, 2e6)]]
     hw = HardwareConfig(**{**base.__dict__, "attention_profile": rows, "overhead_per_seq_ms": 0.05,
                            "overhead_per_token_ms": 0.02})
     cost = CostModel(load_model_preset(model), hw)

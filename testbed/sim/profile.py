@@ -11,10 +11,11 @@ Measures, with one torch thread per worker as the real engine runs:
 - one attention forward of the torch backend over a grid of (query length,
   prefix), of decode batches, of like lengths (one SDPA call) and spread
   (several), and of a few whole prompts together (a call each) ->
-  attention_profile rows [num_seqs, single_calls, batched_calls, flops,
-  masked_flops, bytes, seconds], fitted by the cost model
-  (timers.fit_attention); a chunk on a prefix runs with an explicit mask
-  (the whole q x ctx rectangle), a whole prompt is_causal (half of it);
+  attention_profile rows of timers.ATTENTION_COLUMNS (timers.attention_features
+  and the seconds), fitted by the cost model (timers.fit_attention); a chunk
+  on a prefix runs with an explicit mask (the whole q x ctx rectangle), a
+  whole prompt is_causal (half of it), decodes of unlike lengths padded and
+  masked;
 - memcpy bandwidth -> hbm_bw_gbps (read plus written bytes), and the best GEMM
   throughput -> peak_tflops, for whatever the tables do not cover;
 - the real engine's step times against the model of them (calibration.py) ->
@@ -39,12 +40,13 @@ import torch
 import yaml
 
 from testbed.kernels.attention import AttentionMetadata
-from testbed.kernels.torch_backend import TorchAttentionBackend, attention_calls
+from testbed.kernels.torch_backend import TorchAttentionBackend
 from testbed.model.config import ModelConfig, load_model_preset
 from testbed.sim.config import HardwareConfig
 from testbed.sim.engine_gemms import measure_engine_gemms
 from testbed.sim.jitter import jitter_quantiles
 from testbed.sim.layer_shapes import layer_shapes
+from testbed.sim.timers import ATTENTION_COLUMNS, attention_features
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -116,11 +118,7 @@ def profile_attention(model: ModelConfig, plan: _Plan, block_size: int = 16) -> 
                                  slot_mapping=torch.zeros(starts[-1], dtype=torch.int64), block_size=block_size)
         query = torch.randn(starts[-1], heads, d, dtype=dtype)
         secs = seconds_per_call(lambda: backend.forward(query, k_cache, v_cache, meta, scale), plan.min_time_s)
-        q_arr = np.array([q for q, _ in batch], dtype=np.float64)
-        c_arr = np.array([c for _, c in batch], dtype=np.float64)
-        rows.append([len(batch), *attention_calls(batch, block_size, budget_tokens),
-                     float(shape.flops(q_arr, c_arr).sum()), float(shape.masked_flops(q_arr, c_arr).sum()),
-                     float(shape.bytes(q_arr, c_arr).sum()), secs])
+        rows.append([*attention_features(shape, batch, block_size, budget_tokens), secs])
     return rows
 
 
@@ -154,8 +152,7 @@ def profile_cpu(out_path: str | Path, model_name: str = "tiny", quick: bool = Fa
             memory_gib=round(memory, 1), compute_efficiency=1.0, memory_efficiency=1.0, gemm_ramp_tokens=0.0,
             # all floats: Hydra's typed list[list[float]] rejects ints
             gemm_profile=[[float(m), float(n), float(k), float(f"{s:.4g}")] for m, n, k, s in gemm_rows],
-            attention_profile=[[float(b), float(c1), float(cb), float(fl), float(mfl), float(by), float(f"{s:.4g}")]
-                               for b, c1, cb, fl, mfl, by, s in attention_rows], profiled_for=name)
+            attention_profile=[[*row[:-1], float(f"{row[-1]:.4g}")] for row in attention_rows], profiled_for=name)
         overhead_note = "not measured (engine_overhead=False)"
         if engine_overhead:
             from testbed.sim.calibration import measure_frontend_message, measure_overhead, measure_serving
@@ -190,8 +187,8 @@ def profile_cpu(out_path: str | Path, model_name: str = "tiny", quick: bool = Fa
     header = (f"# Measured on this machine by testbed.sim.profile.profile_cpu ({time.strftime('%Y-%m-%d %H:%M')}):\n"
               f"# model={model_name} ({model.dtype}), torch threads={num_threads}, quick={quick}.\n"
               "# peak_tflops: best GEMM throughput seen; hbm_bw_gbps: memcpy, read plus written bytes.\n"
-              "# gemm_profile rows [m, n, k, seconds]; attention_profile rows [num_seqs, single_calls,\n"
-              "# batched_calls, flops, masked_flops, bytes, seconds] of one torch-backend attention forward.\n"
+              "# gemm_profile rows [m, n, k, seconds]; attention_profile rows of one torch-backend attention\n"
+              f"# forward [{', '.join(ATTENTION_COLUMNS)}].\n"
               "# overhead_ms + overhead_per_seq_ms * num_seqs + overhead_per_token_ms * num_tokens:\n"
               f"# {overhead_note}.\n"
               "# step_jitter_ms: quantiles 0%..100% of a serving step's time minus the median step of its\n"

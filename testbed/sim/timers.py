@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from testbed.kernels.decode_groups import attention_calls
 from testbed.sim.layer_shapes import AttentionShape, Gemm
 
 Curve = Callable[[float], float]
@@ -108,18 +109,42 @@ class RooflineAttention:
         return self.num_layers * total
 
 
-ATTENTION_COLUMNS = ("num_seqs", "single_calls", "batched_calls", "flops", "masked_flops", "bytes", "seconds")
+ATTENTION_COLUMNS = ("single_calls", "batched_calls", "masked_batched_calls", "num_seqs", "causal_flops",
+                     "masked_flops", "bytes", "seconds")
+
+
+def attention_features(shape: AttentionShape, slices: Sequence[tuple[int, int]], block_size: int,
+                       budget_tokens: int) -> list[float]:
+    """A row of ATTENTION_COLUMNS without the seconds, for one forward of the
+    torch backend over (new tokens, context) slices: the SDPA calls
+    (kernels/decode_groups.attention_calls); causal_flops of the whole
+    prompts (is_causal: the causal half, AttentionShape.flops);
+    masked_flops of the chunks on a cached prefix (explicit mask: the whole
+    q x ctx rectangle, AttentionShape.masked_flops); bytes of K/V read and
+    q/o moved, counting the padding of batched decodes. A decode is priced
+    by its bytes: its FLOPs grow with them."""
+    calls = attention_calls(slices, block_size, budget_tokens)
+    causal = masked = 0.0
+    sum_q = sum_ctx = 0
+    for q, ctx in slices:
+        if q > 1:
+            if q == ctx:
+                causal += shape.flops(q, ctx)
+            else:
+                masked += shape.masked_flops(q, ctx)
+        sum_q += q
+        sum_ctx += ctx
+    nbytes = shape.kv_bytes_per_token * (sum_ctx + calls.padding) + shape.io_bytes_per_token * sum_q
+    return [float(calls.single), float(calls.batched), float(calls.masked), float(len(slices)),
+            float(causal), float(masked), float(nbytes)]
 
 
 def fit_attention(rows: Sequence[Sequence[float]]) -> tuple[float, ...]:
-    """Fit rows [num_seqs, single_calls, batched_calls, flops, masked_flops,
-    bytes, seconds] of one attention forward (the SDPA calls it made on one
-    sequence and on a batch of decodes, as kernels.torch_backend.attention_calls
-    counts them; flops of the slices SDPA runs unmasked or is_causal, as
-    AttentionShape.flops counts them; masked_flops of the chunks it runs with
-    an explicit mask, as AttentionShape.masked_flops counts them) to
+    """Fit rows of ATTENTION_COLUMNS (attention_features and the measured
+    seconds of one attention forward) to
     seconds = per_forward + per_single_call·single_calls + per_batched_call·batched_calls
-              + per_seq·num_seqs + per_flop·flops + per_masked_flop·masked_flops + per_byte·bytes,
+              + per_masked_call·masked_batched_calls + per_seq·num_seqs
+              + per_causal_flop·causal_flops + per_masked_flop·masked_flops + per_byte·bytes,
     minimising relative error, every coefficient >= 0 (a term that would come
     out negative is dropped and the rest refitted)."""
     data = np.asarray(rows, dtype=np.float64)
@@ -127,11 +152,11 @@ def fit_attention(rows: Sequence[Sequence[float]]) -> tuple[float, ...]:
     if data.ndim != 2 or data.shape[1] != width or data.shape[0] < width:
         raise ValueError(f"hardware.attention_profile: need at least {width} rows [{', '.join(ATTENTION_COLUMNS)}]; "
                          "rerun `testbed profile`")
-    features = np.column_stack([np.ones(len(data)), data[:, [1, 2, 0, 3, 4, 5]]])
-    weight = 1.0 / data[:, 6]
+    features = np.column_stack([np.ones(len(data)), data[:, :-1]])
+    weight = 1.0 / data[:, -1]
     active = list(range(width))
     while True:
-        coef, *_ = np.linalg.lstsq(features[:, active] * weight[:, None], data[:, 6] * weight, rcond=None)
+        coef, *_ = np.linalg.lstsq(features[:, active] * weight[:, None], data[:, -1] * weight, rcond=None)
         if (coef >= 0).all() or len(active) == 1:
             break
         active.pop(int(np.argmin(coef)))
@@ -142,48 +167,25 @@ def fit_attention(rows: Sequence[Sequence[float]]) -> tuple[float, ...]:
 
 class ProfiledAttention:
     """The fitted linear model of one measured attention forward per layer of
-    the CPU's torch backend, which carries its fixed per-forward, per-SDPA-call
-    and per-sequence costs (decodes of unlike lengths split into several
-    calls, like ones share one), and prices a chunk on a cached prefix
-    (explicit mask: the whole q x ctx rectangle) apart from decodes and whole
-    prompts (is_causal: the causal half). `block_size`: the KV block size the
-    decodes are padded to (16, the default; only group edges depend on it)."""
+    the CPU's torch backend (fit_attention over attention_features), which
+    carries its fixed per-forward, per-SDPA-call and per-sequence costs
+    (decodes of unlike lengths split into several calls, padded and masked;
+    like ones share one unmasked call), and prices a chunk on a cached
+    prefix (explicit mask: the whole q x ctx rectangle) apart from whole
+    prompts (is_causal: the causal half). `block_size`: the KV block size
+    the decodes are padded to (16, the default; only group edges depend on
+    it)."""
 
     def __init__(self, shape: AttentionShape, num_layers: int, rows: Sequence[Sequence[float]],
                  block_size: int = 16):
-        # imported here: the sim's start-up stays torch-free unless a profiled CPU is simulated
-        from testbed.kernels.torch_backend import TorchAttentionBackend, attention_calls
-        self._attention_calls = attention_calls
+        from testbed.kernels.torch_backend import TorchAttentionBackend     # torch: only for a profiled CPU
         self.shape, self.num_layers, self.block_size = shape, num_layers, block_size
-        (self.per_forward, self.per_single_call, self.per_batched_call, self.per_seq, self.per_flop,
-         self.per_masked_flop, self.per_byte) = fit_attention(rows)
+        self._per_forward, *self._coef = fit_attention(rows)
         self.budget_tokens = TorchAttentionBackend.cpu_decode_group_bytes // shape.kv_bytes_per_token
 
-    def calls_s(self, slices: Sequence[tuple[int, int]]) -> float:
-        """The SDPA calls' fixed cost (one layer)."""
-        single, batched = self._attention_calls(slices, self.block_size, self.budget_tokens)
-        return self.per_single_call * single + self.per_batched_call * batched
+    def seconds_pairs(self, slices: Sequence[tuple[int, int]]) -> float:
+        features = attention_features(self.shape, slices, self.block_size, self.budget_tokens)
+        return self.num_layers * (self._per_forward + sum(c * x for c, x in zip(self._coef, features)))
 
     def seconds(self, q: np.ndarray, ctx: np.ndarray) -> float:
-        flops = float(self.shape.flops(q, ctx).sum())
-        masked = float(self.shape.masked_flops(q, ctx).sum())
-        nbytes = float(self.shape.bytes(q, ctx).sum())
-        calls_s = self.calls_s(list(zip(q.astype(int).tolist(), ctx.astype(int).tolist())))
-        return self.num_layers * (self.per_forward + calls_s + self.per_seq * len(q)
-                                  + self.per_flop * flops + self.per_masked_flop * masked + self.per_byte * nbytes)
-
-    def seconds_pairs(self, slices: Sequence[tuple[int, int]]) -> float:
-        """`seconds` in plain Python: the model is linear in the sums below."""
-        shape = self.shape
-        flops = sum_masked = sum_c = sum_q = 0.0
-        for q, ctx in slices:
-            flops += shape.flops(q, ctx)
-            if 1 < q < ctx:
-                sum_masked += q * ctx
-            sum_c += ctx
-            sum_q += q
-        masked = 2 * shape.num_heads * (shape.qk_dim + shape.v_dim) * sum_masked
-        nbytes = shape.kv_bytes_per_token * sum_c + shape.io_bytes_per_token * sum_q
-        return self.num_layers * (self.per_forward + self.calls_s(slices)
-                                  + self.per_seq * len(slices) + self.per_flop * flops
-                                  + self.per_masked_flop * masked + self.per_byte * nbytes)
+        return self.seconds_pairs(list(zip(q.astype(int).tolist(), ctx.astype(int).tolist())))
