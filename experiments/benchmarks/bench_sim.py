@@ -14,7 +14,9 @@ Each repeat runs every case once (repeats outermost), and the table gives
 the median over repeats: a stall run lasts ~1.3 s, and this machine's speed
 moves by 20-30% from one few-second stretch to the next. --recalibrate
 refits the overhead terms (a serving run included) before each repeat (the
-step-noise table stays the profile's).
+step-noise table stays the profile's); on this machine it did not track the
+real runs (2026-11-30: the fitted fixed overhead swung 1.2-2.9 ms from one
+repeat to the next, and a repeat calibrated slow met a fast real run).
 
 Speed (--speed): wall and CPU seconds of the simulator on the public Azure code
 trace (8,819 requests, real lengths, time_scale 1), llama3-8b on h100-sxm,
