@@ -45,3 +45,15 @@ def test_one_vote_per_shape_however_many_steps_it_had():
     many = [(*served[0][:2], served[0][2] * 1.25, *served[0][3:4], 600)] + served[1:]
     alone = [_row(*s) for s in SHAPES]
     assert _terms(_fit(alone, once)) == pytest.approx(_terms(_fit(alone, many)), rel=1e-12)
+
+
+def test_serving_runs_merge_into_one_pool_of_steps_with_each_runs_own_deviations():
+    from testbed.sim.calibration import ServingRun
+    fast = ServingRun([([(1, 100)], 0.003)] * 3, [-0.1, 0.0, 0.1], hop_ms=0.2)
+    slow = ServingRun([([(1, 100)], 0.005)] * 2, [-0.4, 0.4], hop_ms=0.4)
+    odd = ServingRun([([(64, 64)], 0.020)], [0.0], hop_ms=0.3)
+    merged = ServingRun.merge([fast, slow, odd])
+    assert [secs for _, secs in merged.steps] == [0.003] * 3 + [0.005] * 2 + [0.020]
+    # deviations are each run's own: the 2 ms between the runs' medians is not step noise
+    assert merged.step_deviations_ms == [-0.1, 0.0, 0.1, -0.4, 0.4, 0.0]
+    assert merged.hop_ms == 0.3

@@ -114,7 +114,7 @@ def recalibrated(hardware):
     torch.set_num_threads(1)
     try:
         model = load_model_preset("tiny")
-        fit = measure_overhead(model, hardware, serving=measure_serving(model, hardware))
+        fit = measure_overhead(model, hardware, serve=lambda: measure_serving(model, hardware))
     finally:
         torch.set_num_threads(threads)
     print(f"recalibrated: overhead {fit.overhead_ms:.3f} ms + {fit.overhead_per_seq_ms:.3f} ms/seq "

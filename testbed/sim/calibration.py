@@ -23,12 +23,12 @@ where `modeled` is the cost model's time without overhead; all four >= 0,
 minimising relative error (a 1-decode step and a 512-token prefill count
 alike).
 
-A real serving run (the worker process, the frontend, ZMQ; measure_serving)
-adds its iterations, whose batches are recovered from the records, to the
-fit, long prompts among them: the rounds pin how a step's time depends on
+Real serving runs (the worker process, the frontend, ZMQ; measure_serving),
+three spread over the rounds, add their iterations, whose batches are
+recovered from the records, to the fit, long prompts among them: the rounds pin how a step's time depends on
 its shape, which a serving run covers only in part (no batch of 32 decodes,
-few hybrids); the serving run, what serving costs (served steps ran 0-10%
-slower here than the same shapes stepped alone). The same run gives the
+few hybrids); the serving runs, what serving costs (served steps ran 0-10%
+slower here than the same shapes stepped alone). The same runs give the
 one-way frontend <-> worker hop, and the noise of serving steps: each
 decode-only step's time minus the median of the steps with as many
 decodes, whose quantiles become hardware.step_jitter_ms (jitter.py):
@@ -69,6 +69,7 @@ class OverheadFit:
     # (num_seqs, num_tokens, median step s, median modeled s, number of steps)
     rows: list[tuple[int, int, float, float, int]]
     serving_rows: list[tuple[int, int, float, float, int]] = dataclasses.field(default_factory=list)  # served
+    serving: ServingRun | None = None        # the serving runs the fit saw, merged
 
     def predict_ms(self, num_seqs: int, num_tokens: int, modeled_s: float) -> float:
         return (self.overhead_ms + self.overhead_per_seq_ms * num_seqs + self.overhead_per_token_ms * num_tokens
@@ -138,10 +139,16 @@ def _timed_steps(svc: WorkerService, rec: _Recording, n: int) -> list[tuple[list
 
 
 def measure_overhead(model: ModelConfig, hardware: HardwareConfig, quick: bool = False,
-                     serving: ServingRun | None = None) -> OverheadFit:
+                     serve: Callable[[], ServingRun] | None = None) -> OverheadFit:
     """Fit the overhead terms and the calibration scale for `hardware` (whose
     tables were just measured on this machine) from real steps of `model`:
-    the rounds below, and the iterations of a real serving run if given."""
+    the rounds below, and the iterations of real serving runs if `serve` is
+    given: one before the rounds, one halfway and one after (quick: one), so
+    that the fit, whose two kinds of rows otherwise come from two different
+    stretches of time, sees this machine over a minute or two. (With one
+    serving run of ~13 s, the profile caught the machine's speed of that
+    moment: its 1-decode step took 3.1 ms in one profile and 3.6-4.3 ms in
+    four others, and the sim was 9-20% fast or 5-29% slow on every case.)"""
     bare = dataclasses.replace(hardware, overhead_ms=0.0, overhead_per_seq_ms=0.0, overhead_per_token_ms=0.0,
                                calibration_scale=1.0,
                                frontend_hop_ms=0.0, frontend_message_ms=0.0)
@@ -181,7 +188,10 @@ def measure_overhead(model: ModelConfig, hardware: HardwareConfig, quick: bool =
             key = (kind == "serving", len(pairs), sum(q for q, _ in pairs), kind)
             samples.setdefault(key, []).append((wall, cost.iteration_time_s(pairs)))
 
-    for _ in range(rounds):
+    # the rounds after which to serve (-1: before the first)
+    serve_after = ({-1} if quick else {-1, (rounds - 1) // 2, rounds - 1}) if serve else set()
+    runs = [serve()] if -1 in serve_after else []
+    for round_index in range(rounds):
         for kind, svc, rec in decoders:
             record(kind, _timed_steps(svc, rec, burst)[1:])
         for length, svc, rec in prefillers:
@@ -189,13 +199,16 @@ def measure_overhead(model: ModelConfig, hardware: HardwareConfig, quick: bool =
                 svc.engine.add_request(Request(f"p{seq}", prompt(length), max_tokens=1))
                 step = _timed_steps(svc, rec, 1)
                 record("prefill", step if i else [])
+        if round_index in serve_after:
+            runs.append(serve())
+    serving = ServingRun.merge(runs) if runs else None
     record("serving", serving.steps if serving else [])
     rows, serving_rows = [], []
     for (served, num_seqs, num_tokens, _), xs in sorted(samples.items()):
         walls, modeled = zip(*xs)
         (serving_rows if served else rows).append(
             (num_seqs, num_tokens, float(np.median(walls)), float(np.median(modeled)), len(xs)))
-    return _fit(rows, serving_rows)
+    return dataclasses.replace(_fit(rows, serving_rows), serving=serving)
 
 
 def _fit(rows: list[tuple[int, int, float, float, int]],
@@ -234,6 +247,15 @@ class ServingRun:
     steps: list[tuple[list[tuple[int, int]], float]]   # (batch as (new tokens, context) pairs, seconds)
     step_deviations_ms: list[float]   # each decode-only step minus the median step with as many decodes
     hop_ms: float                # one way, frontend <-> worker process
+
+    @staticmethod
+    def merge(runs: list[ServingRun]) -> ServingRun:
+        """Several runs as one: every step (a shape's median is then over all
+        runs), every deviation (each from its own run's medians, so the
+        machine's speed moving between runs is not counted as step noise),
+        the median hop."""
+        return ServingRun([s for r in runs for s in r.steps], [d for r in runs for d in r.step_deviations_ms],
+                          float(np.median([r.hop_ms for r in runs])))
 
 
 def measure_serving(model: ModelConfig, hardware: HardwareConfig, quick: bool = False,

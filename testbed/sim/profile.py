@@ -156,8 +156,8 @@ def profile_cpu(out_path: str | Path, model_name: str = "tiny", quick: bool = Fa
         overhead_note = "not measured (engine_overhead=False)"
         if engine_overhead:
             from testbed.sim.calibration import measure_frontend_message, measure_overhead, measure_serving
-            serving = measure_serving(model, hardware, quick)
-            fit = measure_overhead(model, hardware, quick, serving)
+            fit = measure_overhead(model, hardware, quick, lambda: measure_serving(model, hardware, quick))
+            serving = fit.serving
             hardware.overhead_ms = round(fit.overhead_ms, 4)
             hardware.overhead_per_seq_ms = round(fit.overhead_per_seq_ms, 4)
             hardware.overhead_per_token_ms = round(fit.overhead_per_token_ms, 5)
@@ -176,7 +176,7 @@ def profile_cpu(out_path: str | Path, model_name: str = "tiny", quick: bool = Fa
                     log(f"  served {count:4d}x {seqs:2d} seqs, {tokens:4d} tokens: engine {wall * 1e3:7.2f} ms, "
                         f"model {model_ms:7.2f} ms ({model_ms / (wall * 1e3) - 1:+.0%})")
             served = [fit.predict_ms(*row[:2], row[3]) / (row[2] * 1e3) - 1 for row in fit.serving_rows]
-            log(f"  {len(fit.serving_rows)} batch shapes of a real serving run: model error median "
+            log(f"  {len(fit.serving_rows)} batch shapes of real serving runs: model error median "
                 f"{np.median(served):+.0%}, 10th-90th percentile "
                 f"{np.percentile(served, 10):+.0%} to {np.percentile(served, 90):+.0%}")
             overhead_note = (f"fitted with calibration_scale to the real engine's step times over "
@@ -192,8 +192,8 @@ def profile_cpu(out_path: str | Path, model_name: str = "tiny", quick: bool = Fa
               "# overhead_ms + overhead_per_seq_ms * num_seqs + overhead_per_token_ms * num_tokens:\n"
               f"# {overhead_note}.\n"
               "# step_jitter_ms: quantiles 0%..100% of a serving step's time minus the median step of its\n"
-              "# shape, in ms (a real run).\n"
-              "# frontend_hop_ms: one way, frontend <-> worker process, from the same serving run;\n"
+              "# shape, in ms (real serving runs spread over the calibration rounds).\n"
+              "# frontend_hop_ms: one way, frontend <-> worker process, from the same serving runs;\n"
               "# frontend_message_ms: the frontend's time to route, pack and send one command.\n")
     body = yaml.safe_dump(dataclasses.asdict(hardware), sort_keys=False, default_flow_style=None, width=120)
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
