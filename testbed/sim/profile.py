@@ -72,6 +72,9 @@ _FULL = _Plan([1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 48, 64, 128, 256, 512
               [(2, 64), (4, 32), (8, 32), (8, 128)], 0.2)
 
 
+_PASSES = 3
+
+
 def seconds_per_call(fn: Callable[[], object], min_time_s: float, repeats: int = 3) -> float:
     """Best of `repeats` averages, each over enough calls to last
     min_time_s / repeats (the minimum resists other processes' noise)."""
@@ -106,8 +109,8 @@ def profile_attention(model: ModelConfig, plan: _Plan, block_size: int = 16) -> 
     k_cache = torch.randn(max_blocks, block_size, kv_heads, d, dtype=dtype)
     v_cache = torch.randn_like(k_cache)
     backend, scale = TorchAttentionBackend(), d ** -0.5
-    rows = []
-    for batch in batches:
+
+    def forward(batch: list[tuple[int, int]]) -> Callable[[], object]:
         starts, tables, next_block = [0], [], 0
         for q, ctx in batch:
             starts.append(starts[-1] + q)
@@ -117,9 +120,16 @@ def profile_attention(model: ModelConfig, plan: _Plan, block_size: int = 16) -> 
         meta = AttentionMetadata(query_start_loc=starts, seq_lens=[c for _, c in batch], block_tables=tables,
                                  slot_mapping=torch.zeros(starts[-1], dtype=torch.int64), block_size=block_size)
         query = torch.randn(starts[-1], heads, d, dtype=dtype)
-        secs = seconds_per_call(lambda: backend.forward(query, k_cache, v_cache, meta, scale), plan.min_time_s)
-        rows.append([*attention_features(shape, batch, block_size, budget_tokens), secs])
-    return rows
+        return lambda: backend.forward(query, k_cache, v_cache, meta, scale)
+
+    # the best of passes over the whole grid, not of calls in a row: a row's
+    # timings then span the whole measurement, and a slow few seconds on this
+    # shared machine cannot make one part of the grid slow against the rest
+    calls, secs = [forward(batch) for batch in batches], [float("inf")] * len(batches)
+    for _ in range(_PASSES):
+        for i, fn in enumerate(calls):
+            secs[i] = min(secs[i], seconds_per_call(fn, plan.min_time_s / _PASSES, repeats=1))
+    return [[*attention_features(shape, batch, block_size, budget_tokens), s] for batch, s in zip(batches, secs)]
 
 
 def memcpy_gbps(nbytes: int = 64 << 20, min_time_s: float = 0.1) -> float:
