@@ -16,10 +16,19 @@ from testbed.workloads.config import WorkloadConfig
 
 
 def test_quantiles_run_from_min_to_max_through_the_median():
-    q = jitter_quantiles([0.0, -0.1, 0.1, 1.0, 0.0], num_quantiles=5)
+    q = jitter_quantiles([0.0, -0.1, 0.1, 1.0, 0.0], num_quantiles=5, top=1.0)
     assert q == [-0.1, 0.0, 0.0, 0.1, 1.0]
     with pytest.raises(ValueError, match="at least 2"):
         jitter_quantiles([1.0])
+
+
+def test_one_hiccup_among_thousands_of_steps_does_not_stretch_the_top_percent():
+    steps = [i / 1000 for i in range(3000)] + [30.0]          # 0..3 ms, and one 30 ms hiccup
+    q = jitter_quantiles(steps)
+    assert q[0] == 0.0 and q[50] == pytest.approx(1.5, abs=0.01)
+    assert q[99] == pytest.approx(2.97, abs=0.01)
+    assert q[100] == pytest.approx(3.0, abs=0.01)            # the 99.9th percentile, not the 30 ms
+    assert jitter_quantiles(steps, top=1.0)[100] == 30.0
 
 
 def test_draws_follow_the_quantiles_in_seconds_and_repeat_with_the_seed():

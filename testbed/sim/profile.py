@@ -201,7 +201,7 @@ def profile_cpu(out_path: str | Path, model_name: str = "tiny", quick: bool = Fa
               f"# forward [{', '.join(ATTENTION_COLUMNS)}].\n"
               "# overhead_ms + overhead_per_seq_ms * num_seqs + overhead_per_token_ms * num_tokens:\n"
               f"# {overhead_note}.\n"
-              "# step_jitter_ms: quantiles 0%..100% of a serving step's time minus the median step of its\n"
+              "# step_jitter_ms: quantiles 0%..100% (above 99.9% clipped) of a serving step's time minus the median step of its\n"
               "# shape, in ms (real serving runs spread over the calibration rounds).\n"
               "# frontend_hop_ms: one way, frontend <-> worker process, from the same serving runs;\n"
               "# frontend_message_ms: the frontend's time to route, pack and send one command.\n")
