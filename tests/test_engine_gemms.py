@@ -3,7 +3,7 @@ import torch
 
 from testbed.model.config import load_model_preset
 from testbed.model.loader import load_model
-from testbed.sim.engine_gemms import MAX_DECODE_BATCH, _LinearTimer, measure_engine_gemms
+from testbed.sim.engine_gemms import MAX_DECODE_BATCH, _LinearTimer, measure_engine_gemms, spread_rounds
 from testbed.sim.layer_shapes import layer_shapes
 
 
@@ -40,3 +40,13 @@ def test_timer_hooks_every_linear_and_leaves_none_behind():
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in linears)
     with torch.inference_mode():
         assert torch.equal(linears[0](x), expected)
+
+
+def test_a_shape_needing_few_rounds_gets_them_spread_over_the_whole_measurement():
+    rounds = spread_rounds({1: 50, 2048: 3, 512: 5})
+    assert len(rounds) == 50
+    seen = {m: [r for r, shapes in enumerate(rounds) if m in shapes] for m in (1, 2048, 512)}
+    assert seen[1] == list(range(50))
+    assert seen[2048] == [0, 25, 49]                 # first, middle, last: not rounds 0-2
+    assert seen[512] == [0, 13, 25, 37, 49]
+    assert spread_rounds({1: 3, 2: 3}) == [[1, 2]] * 3

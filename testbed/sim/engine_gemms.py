@@ -78,6 +78,15 @@ class _LinearTimer:
             h.remove()
 
 
+def spread_rounds(needs: dict[int, int]) -> list[list[int]]:
+    """The shapes each round steps, when shape m needs `needs[m]` rounds:
+    as many rounds as the most needed, every shape in the first and the last,
+    each shape's rounds spread evenly in between."""
+    total = max(needs.values())
+    return [[m for m, n in needs.items()
+             if r == 0 or r * (n - 1) // (total - 1) > (r - 1) * (n - 1) // (total - 1)] for r in range(total)]
+
+
 def measure_engine_gemms(model: ModelConfig, token_counts: list[int], min_time_s: float) -> list[list[float]]:
     """Rows [m, n, k, seconds per call] for every GEMM shape of `model` at
     each of `token_counts`, timed inside real engine steps (module docstring)."""
@@ -116,11 +125,9 @@ def measure_engine_gemms(model: ModelConfig, token_counts: list[int], min_time_s
             burst(m)
         needs = {m: min(MAX_ROUNDS, max(MIN_ROUNDS, math.ceil(min_time_s / max(spent[m], 1e-9))))
                  for m in token_counts}
-        total = max(needs.values())
-        for r in range(1, total):
-            for m in token_counts:    # shape m's rounds spread evenly over all `total`, the last one last
-                if r * (needs[m] - 1) // (total - 1) > (r - 1) * (needs[m] - 1) // (total - 1):
-                    burst(m)
+        for shapes in spread_rounds(needs)[1:]:
+            for m in shapes:
+                burst(m)
         rows = [[float(m), float(n), float(k), float(np.median(secs))] for (m, n, k), secs in samples.items()]
     finally:
         timer.remove()
