@@ -2,6 +2,7 @@
 loop: take commands, step the engine, stream events back."""
 from __future__ import annotations
 
+import os
 import signal
 import traceback
 
@@ -58,7 +59,12 @@ def worker_main(spec: dict) -> None:
             if not service.stopping:
                 if kv_port is not None:
                     kv_port.pump(service)
-                service.step()
+                if service.step() is not None:
+                    # let ZMQ's I/O thread send this step's events now: woken on
+                    # this core, it otherwise waited for the next step to end its
+                    # CFS slice, and 30% of first tokens after an idle spell reached
+                    # the frontend 3-4 ms late (experiments/benchmarks/bench_event_latency.py)
+                    os.sched_yield()
         emit(service.stats())
     except Exception as e:  # report, then exit non-zero: the frontend fails this worker's requests
         emit({"type": "error", "worker": spec["worker_id"], "error": f"{type(e).__name__}: {e}",
