@@ -62,7 +62,7 @@ def worker_main(spec: dict) -> None:
                 if service.step() is not None:
                     # let ZMQ's I/O thread send this step's events now: woken on
                     # this core, it otherwise waited for the next step to end its
-                    # CFS slice, and 30% of first tokens after an idle spell reached
+                    # CFS slice, and 20-30% of first tokens after an idle spell reached
                     # the frontend 3-4 ms late (experiments/benchmarks/bench_event_latency.py)
                     os.sched_yield()
         emit(service.stats())

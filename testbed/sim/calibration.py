@@ -25,10 +25,11 @@ alike).
 
 Real serving runs (the worker process, the frontend, ZMQ; measure_serving),
 three spread over the rounds, add their iterations, whose batches are
-recovered from the records, to the fit, long prompts among them: the rounds pin how a step's time depends on
-its shape, which a serving run covers only in part (no batch of 32 decodes,
-few hybrids); the serving runs, what serving costs (served steps ran 0-10%
-slower here than the same shapes stepped alone). The same runs give the
+recovered from the records, to the fit, long prompts among them: the rounds
+pin how a step's time depends on its shape, which a serving run covers only
+in part (no batch of 32 decodes, few hybrids); the serving runs, what
+serving costs (served steps ran 0-10% slower here than the same shapes
+stepped alone). The same runs give the
 one-way frontend <-> worker hop, and the noise of serving steps: each
 decode-only step's time minus the median of the steps with as many
 decodes, whose quantiles become hardware.step_jitter_ms (jitter.py):
