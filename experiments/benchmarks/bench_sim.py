@@ -115,12 +115,19 @@ def print_table(rows: list[tuple]) -> None:
             r = median(reals)
             s = median({id(sim): sim[key][q] for *_, sim in mine}.values())     # each sim run once
             err = (s - r) / r if r else float("nan")
-            self_err = max((abs(x - median(reals[:i] + reals[i + 1:])) / median(reals[:i] + reals[i + 1:])
-                            for i, x in enumerate(reals)), default=0.0) if len(reals) > 1 else float("nan")
+            self_err = _worst_leave_one_out(reals)
             worst[q], floor[q] = max(worst[q], abs(err)), max(floor[q], self_err)
             print(f"{case:<18} {key[:-3] + ' ' + q:<10} {r:9.1f} {s:9.1f} {err:+7.1%} {self_err:14.0%}")
     print(f"\nworst |error|: p50 {worst['p50']:.1%} (target 15%), p99 {worst['p99']:.1%} (target 25%); "
           f"a real repeat against the median of the others, worst: p50 {floor['p50']:.0%}, p99 {floor['p99']:.0%}")
+
+
+def _worst_leave_one_out(xs: list[float]) -> float:
+    """The largest relative distance of one value from the median of the others."""
+    from statistics import median
+    if len(xs) < 2:
+        return float("nan")
+    return max(abs(x - (rest := median(xs[:i] + xs[i + 1:]))) / rest for i, x in enumerate(xs))
 
 
 def recalibrated(hardware):

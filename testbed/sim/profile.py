@@ -72,9 +72,6 @@ _FULL = _Plan([1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 48, 64, 128, 256, 512
               [(2, 64), (4, 32), (8, 32), (8, 128)], 0.2)
 
 
-_PASSES = 3
-
-
 def seconds_per_call(fn: Callable[[], object], min_time_s: float, repeats: int = 3) -> float:
     """Best of `repeats` averages, each over enough calls to last
     min_time_s / repeats (the minimum resists other processes' noise)."""
@@ -109,6 +106,7 @@ def profile_attention(model: ModelConfig, plan: _Plan, block_size: int = 16) -> 
     k_cache = torch.randn(max_blocks, block_size, kv_heads, d, dtype=dtype)
     v_cache = torch.randn_like(k_cache)
     backend, scale = TorchAttentionBackend(), d ** -0.5
+    passes = 3
 
     def forward(batch: list[tuple[int, int]]) -> Callable[[], object]:
         starts, tables, next_block = [0], [], 0
@@ -126,9 +124,9 @@ def profile_attention(model: ModelConfig, plan: _Plan, block_size: int = 16) -> 
     # timings then span the whole measurement, and a slow few seconds on this
     # shared machine cannot make one part of the grid slow against the rest
     calls, secs = [forward(batch) for batch in batches], [float("inf")] * len(batches)
-    for _ in range(_PASSES):
+    for _ in range(passes):
         for i, fn in enumerate(calls):
-            secs[i] = min(secs[i], seconds_per_call(fn, plan.min_time_s / _PASSES, repeats=1))
+            secs[i] = min(secs[i], seconds_per_call(fn, plan.min_time_s / passes, repeats=1))
     return [[*attention_features(shape, batch, block_size, budget_tokens), s] for batch, s in zip(batches, secs)]
 
 
