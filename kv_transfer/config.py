@@ -50,7 +50,7 @@ class TransferConfig:
         if self.protocol not in PROTOCOLS:
             raise bad("protocol", f"'{self.protocol}' is not one of {', '.join(PROTOCOLS)}")
         if not self.host:
-            raise bad("host", "must be an address to bind, e.g. 127.0.0.1")
+            raise bad("host", f"must be an address to bind, e.g. {TransferConfig.host}")
         if self.max_header_bytes < 1024:
             raise bad("max_header_bytes", f"must be >= 1024, got {self.max_header_bytes}")
         if self.frame_bytes < 4096:

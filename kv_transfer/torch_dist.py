@@ -40,11 +40,11 @@ DATA_TAG = 0
 def _host_port(address: str) -> tuple[str, int]:
     url = urlparse(address)
     if url.scheme != "tcp" or not url.hostname or not url.port:
-        raise ValueError(f"init address '{address}' must look like tcp://127.0.0.1:29500")
+        raise ValueError(f"init address '{address}' must look like tcp://HOST:PORT")
     return url.hostname, url.port
 
 
-def start_rendezvous(host: str = "127.0.0.1", timeout_s: float = 30.0) -> tuple[dist.TCPStore, str]:
+def start_rendezvous(host: str, timeout_s: float = 30.0) -> tuple[dist.TCPStore, str]:
     """The launcher's half: a TCPStore on a free port of `host`. Keep the store
     object alive while the workers run; give them the returned address."""
     store = dist.TCPStore(host, 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),

@@ -3,7 +3,9 @@ to workers, reacts to their events, and keeps one RequestRecord per request.
 
 It talks to workers only through `send(worker_id, command)` and `on_event`, so
 the same controller drives real processes (testbed/runtime/real.py) and the
-simulator (testbed/runtime/sim.py)."""
+simulator (testbed/runtime/sim.py). What it knows of each worker (outstanding
+requests, queued prompt tokens, free blocks) lives in `self.pool`, which the
+mode's routers (modes/routers.py) read."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -11,10 +13,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 from testbed.metrics import IterationRecord, RequestRecord
+from testbed.modes.pool import PoolState
 from testbed.request import Request
-from testbed.runtime.protocol import request_to_msg
+from testbed.runtime.messages import (Abort, Command, Event, Finished, FreeBlocks, IterationDone, Preempted,
+                                      RequestMsg, Tokens, request_to_msg)
 
-Send = Callable[[str, dict], None]
+Send = Callable[[str, Command], None]
 
 
 @dataclass
@@ -26,13 +30,13 @@ class WorkerInfo:
 
 
 class ModeController(ABC):
-    def __init__(self, workers: list[WorkerInfo], send: Send):
+    def __init__(self, workers: list[WorkerInfo], send: Send, copy_prompts: bool = True):
         self.workers = {w.worker_id: w for w in workers}
         self.send = send
-        # how a request rides in a command: msgpack-able fields for worker
-        # processes; the simulator, whose workers share this process, swaps in
-        # one that passes the (possibly lazy, 1M-token) prompt without copying it
-        self.request_msg: Callable[[Request], dict] = request_to_msg
+        # worker processes get the prompt as a list of ids; the simulator, whose workers
+        # share this process, passes the (possibly lazy, 1M-token) prompt without copying it
+        self.copy_prompts = copy_prompts
+        self.pool = PoolState({w.worker_id: w.num_blocks for w in workers})
         self.records: dict[str, RequestRecord] = {}
         self.iterations: list[IterationRecord] = []
         self.unresolved: set[str] = set()
@@ -42,7 +46,7 @@ class ModeController(ABC):
         # a `finished` waiting for them: disagg's first token comes from the prefill worker, the
         # rest from the decode worker, on separate sockets that a busy frontend reads out of order
         self.early_tokens: dict[str, dict[int, int]] = {}
-        self.early_finish: dict[str, dict] = {}
+        self.early_finish: dict[str, Finished] = {}
 
     # -- called by the runtime -------------------------------------------------
     def on_arrival(self, req: Request, now: float) -> None:
@@ -54,24 +58,25 @@ class ModeController(ABC):
         self.location[req.request_id] = set()
         self.route(req, now)
 
-    def on_event(self, ev: dict, now: float) -> None:
-        kind = ev["type"]
-        if kind == "tokens":
-            for rid, token, _engine_t, index in ev["items"]:
+    def request_msg(self, req: Request) -> RequestMsg:
+        return request_to_msg(req, self.copy_prompts)
+
+    def on_event(self, ev: Event, now: float) -> None:
+        kind = type(ev)
+        if kind is Tokens:
+            for rid, token, _engine_t, index in ev.items:
                 if self.records[rid].status not in ("aborted", "failed"):
                     # else produced before the worker heard of the end: never delivered to the client
                     self._deliver(rid, index, token, now)
-        elif kind == "iteration":
-            self.iterations.append(IterationRecord(    # its fields in order (keywords cost ~0.3 µs a step)
-                ev["start_s"], ev["duration_s"], ev["num_prefill_tokens"], ev["num_decode_tokens"],
-                ev["kv_bytes_read"], ev["worker"]))
-            self.on_free_blocks(ev["worker"], ev["free_blocks"], now)
-        elif kind == "free_blocks":     # blocks released between iterations (a dropped reservation)
-            self.on_free_blocks(ev["worker"], ev["free_blocks"], now)
-        elif kind == "finished":
+        elif kind is IterationDone:
+            self.iterations.append(ev.record)
+            self.on_free_blocks(ev.record.worker, ev.free_blocks, now)
+        elif kind is FreeBlocks:     # blocks released between iterations (a dropped reservation)
+            self.on_free_blocks(ev.worker, ev.free_blocks, now)
+        elif kind is Finished:
             self._finish(ev, now)
-        elif kind == "preempted":
-            self.records[ev["id"]].num_preemptions += 1
+        elif kind is Preempted:
+            self.records[ev.id].num_preemptions += 1
         else:
             self.on_mode_event(ev, now)
 
@@ -80,7 +85,7 @@ class ModeController(ABC):
         if request_id not in self.unresolved:
             return
         for w in self.location[request_id]:
-            self.send(w, {"type": "abort", "id": request_id})
+            self.send(w, Abort(request_id))
         self.forget(request_id)
         self._resolve(request_id, "aborted", "aborted by the client", now)
 
@@ -88,7 +93,7 @@ class ModeController(ABC):
         self.dead.add(worker_id)
         for rid in [r for r in self.unresolved if worker_id in self.location[r]]:
             for other in self.location[rid] - {worker_id}:
-                self.send(other, {"type": "abort", "id": rid})
+                self.send(other, Abort(rid))
             self.forget(rid)
             self._resolve(rid, "failed", f"worker {worker_id} died", now)
 
@@ -119,19 +124,19 @@ class ModeController(ABC):
             if rid in self.early_finish:
                 self._finish(self.early_finish.pop(rid), now)
 
-    def _finish(self, ev: dict, now: float) -> None:
-        rid = ev["id"]
+    def _finish(self, ev: Finished, now: float) -> None:
+        rid = ev.id
         if rid not in self.unresolved:
             return
-        if rid in self.early_tokens and ev["status"] == "finished":
+        if rid in self.early_tokens and ev.status == "finished":
             self.early_finish[rid] = ev          # ends once the token it is missing arrives
             return
         rec = self.records[rid]
-        rec.num_preemptions = max(rec.num_preemptions, ev.get("num_preemptions") or 0)
-        if ev.get("first_scheduled_s") is not None and rec.first_scheduled_s is None:
-            rec.first_scheduled_s = ev["first_scheduled_s"]
+        rec.num_preemptions = max(rec.num_preemptions, ev.num_preemptions)
+        if ev.first_scheduled_s is not None and rec.first_scheduled_s is None:
+            rec.first_scheduled_s = ev.first_scheduled_s
         self.on_request_end(rid, ev, now)
-        self._resolve(rid, ev["status"], ev.get("error"), now)
+        self._resolve(rid, ev.status, ev.error, now)
 
     def _fail_if_never_fits(self, req: Request, pool: list[str], what: str, now: float) -> bool:
         """A request whose prompt and outputs need more KV blocks than any worker
@@ -161,7 +166,10 @@ class ModeController(ABC):
     def on_free_blocks(self, worker_id: str, free_blocks: int, now: float) -> None:
         """A worker reported how many KV blocks it has free."""
 
-    def on_request_end(self, rid: str, ev: dict, now: float) -> None:
+    def alive(self, pool: list[str]) -> list[str]:
+        return [w for w in pool if w not in self.dead]
+
+    def on_request_end(self, rid: str, ev: Finished, now: float) -> None:
         """A worker reported the request finished (or failed)."""
 
     # -- the mode's policy ---------------------------------------------------------
@@ -169,5 +177,5 @@ class ModeController(ABC):
     def route(self, req: Request, now: float) -> None:
         """Send a newly arrived request to its worker(s)."""
 
-    def on_mode_event(self, ev: dict, now: float) -> None:
-        raise ValueError(f"unexpected event type '{ev['type']}'")
+    def on_mode_event(self, ev: Event, now: float) -> None:
+        raise ValueError(f"unexpected event '{ev.kind}'")

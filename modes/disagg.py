@@ -1,23 +1,28 @@
 """`mode=disagg` (Splitwise): P prefill workers and D decode workers.
 
 Hand-off, per request:
-  1. the router picks the decode worker with the most free KV blocks and asks
-     it to `reserve` blocks for the prompt; on `rejected` the request waits at
-     the head of the queue until a decode worker reports enough free blocks
-     (it is never dropped);
-  2. on `reserved`, the prefill worker with the fewest outstanding prefill
-     tokens computes the prompt and the first token (streamed to the client:
-     TTFT), and sends the KV straight into the reserved blocks;
-  3. on `kv_received`, the prefill worker is told to `release` its blocks; the
+  1. the decode router (`decode_router=`, default the most free KV blocks)
+     picks a decode worker and asks it to `Reserve` blocks for the prompt; on
+     `Rejected` the request waits at the head of the queue until a decode
+     worker reports enough free blocks (it is never dropped);
+  2. on `Reserved`, the prefill router (`prefill_router=`, default the fewest
+     outstanding prompt tokens) picks the prefill worker that computes the
+     prompt and the first token (streamed to the client: TTFT), and sends the
+     KV straight into the reserved blocks;
+  3. on `KVReceived`, the prefill worker is told to `Release` its blocks; the
      decode worker decodes the rest.
+The workers' side of it is modes/disagg_roles.py.
 """
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass
 
 from testbed.modes.base import ModeController, Send, WorkerInfo
+from testbed.modes.routers import Router
 from testbed.request import Request
+from testbed.runtime.messages import Abort, Event, Finished, KVReceived, Prefill, Prefilled, Rejected, Release, \
+    Reserve, Reserved
 
 
 @dataclass
@@ -29,14 +34,15 @@ class _HandOff:
 
 
 class DisaggController(ModeController):
-    def __init__(self, workers: list[WorkerInfo], send: Send):
-        super().__init__(workers, send)
-        self.prefill = sorted(w for w, i in self.workers.items() if i.role == "prefill")
-        self.decode = sorted(w for w, i in self.workers.items() if i.role == "decode")
+    def __init__(self, prefill: list[WorkerInfo], decode: list[WorkerInfo], send: Send,
+                 prefill_router: Router, decode_router: Router, copy_prompts: bool = True):
+        super().__init__(prefill + decode, send, copy_prompts)
+        self.prefill = sorted(w.worker_id for w in prefill)
+        self.decode = sorted(w.worker_id for w in decode)
         if not self.prefill or not self.decode:
             raise ValueError("mode=disagg needs prefill_workers >= 1 and decode_workers >= 1")
-        self.free_blocks = {w: self.workers[w].num_blocks for w in self.decode}
-        self.prefill_tokens: Counter[str] = Counter()
+        self.decode_set = set(self.decode)
+        self.prefill_router, self.decode_router = prefill_router, decode_router
         self.queue: deque[str] = deque()
         self.reserving: str | None = None        # one reservation in flight keeps FCFS order
         self.reserving_on: str | None = None     # the decode worker asked
@@ -67,76 +73,75 @@ class DisaggController(ModeController):
         while self.queue and self.reserving is None:
             rid = self.queue[0]
             ho = self.handoffs[rid]
-            alive = [w for w in self.decode if w not in self.dead]
+            alive = self.alive(self.decode)
             if not alive:
                 return
-            best = max(alive, key=lambda w: (self.free_blocks[w], w))
-            if self.free_blocks[best] < self._blocks_needed(ho.request):
+            best = self.decode_router.pick(ho.request, alive, self.pool)
+            if self.pool.free_blocks(best) < self._blocks_needed(ho.request):
                 return                                    # wait for blocks to free up
             self.queue.popleft()
             self.reserving, self.reserving_on = rid, best
             ho.decode = best
             self.location[rid] = {best}
-            self.send(best, {"type": "reserve", "request": self.request_msg(ho.request)})
+            self.send(best, Reserve(self.request_msg(ho.request)))
 
     def on_free_blocks(self, worker_id: str, free_blocks: int, now: float) -> None:
-        if worker_id in self.free_blocks:
-            self.free_blocks[worker_id] = free_blocks
+        if worker_id in self.decode_set:
+            self.pool.set_free_blocks(worker_id, free_blocks)
             self._dispatch()
 
-    def on_mode_event(self, ev: dict, now: float) -> None:
-        kind, rid = ev["type"], ev["id"]
-        if ev.get("worker") in self.dead:
+    def on_mode_event(self, ev: Event, now: float) -> None:
+        kind = type(ev)
+        if kind not in (Reserved, Rejected, Prefilled, KVReceived):
+            raise ValueError(f"unexpected event '{ev.kind}'")
+        rid = ev.id
+        if ev.worker in self.dead:
             return      # sent just before it died, read after: its requests are resolved, a reservation re-queued
-        if kind in ("reserved", "rejected"):
+        if kind is Reserved or kind is Rejected:
             self.reserving = self.reserving_on = None
-            self.free_blocks[ev["worker"]] = ev["free_blocks"]
+            self.pool.set_free_blocks(ev.worker, ev.free_blocks)
         ho = self.handoffs.get(rid)
         if ho is None:                     # resolved meanwhile (aborted, a worker died)
-            if kind == "reserved":
-                self.send(ev["worker"], {"type": "release", "id": rid})
-            elif kind == "kv_received":
-                self.send(ev["worker"], {"type": "abort", "id": rid})
-            elif kind == "prefilled" and rid in self.records:
+            if kind is Reserved:
+                self.send(ev.worker, Release(rid))
+            elif kind is KVReceived:
+                self.send(ev.worker, Abort(rid))
+            elif kind is Prefilled and rid in self.records:
                 self._record_prefilled(rid, ev)      # the KV did leave: count it
             self._dispatch()
             return
-        if kind == "reserved":
-            alive = [w for w in self.prefill if w not in self.dead]
-            p = min(alive, key=lambda w: (self.prefill_tokens[w], w))
+        if kind is Reserved:
+            p = self.prefill_router.pick(ho.request, self.alive(self.prefill), self.pool)
             ho.prefill = p
-            self.prefill_tokens[p] += ho.request.prompt_len
+            self.pool.add_prompt_tokens(p, ho.request.prompt_len)
             self.location[rid] = {ho.decode, p}
-            self.send(p, {"type": "prefill", "request": self.request_msg(ho.request),
-                          "peer": ho.decode, "dst_blocks": ev["blocks"]})
-        elif kind == "rejected":
+            self.send(p, Prefill(self.request_msg(ho.request), ho.decode, ev.blocks))
+        elif kind is Rejected:
             ho.decode = None
             self.location[rid] = set()
             self.queue.appendleft(rid)
-        elif kind == "prefilled":
-            ho.prefilled_s = ev["t"]
+        elif kind is Prefilled:
+            ho.prefilled_s = ev.t
             self._record_prefilled(rid, ev)
-            self.prefill_tokens[ho.prefill] -= ho.request.prompt_len
-        elif kind == "kv_received":
-            rec = self.records[rid]
-            rec.transfer_end_s = ev["t"]
-            if ho.prefilled_s is not None:         # else _record_prefilled sets it when that event comes
-                rec.exposed_transfer_s = max(0.0, ev["t"] - ho.prefilled_s)
-            self.send(ho.prefill, {"type": "release", "id": rid})
-            self.location[rid] = {ho.decode}
+            self.pool.add_prompt_tokens(ho.prefill, -ho.request.prompt_len)
         else:
-            raise ValueError(f"unexpected event type '{kind}'")
+            rec = self.records[rid]
+            rec.transfer_end_s = ev.t
+            if ho.prefilled_s is not None:         # else _record_prefilled sets it when that event comes
+                rec.exposed_transfer_s = max(0.0, ev.t - ho.prefilled_s)
+            self.send(ho.prefill, Release(rid))
+            self.location[rid] = {ho.decode}
         self._dispatch()
 
-    def _record_prefilled(self, rid: str, ev: dict) -> None:
+    def _record_prefilled(self, rid: str, ev: Prefilled) -> None:
         """The prefill and decode workers report on separate sockets, so the
-        decode side's `kv_received` (even the request's end) may come first."""
+        decode side's `KVReceived` (even the request's end) may come first."""
         rec = self.records[rid]
-        rec.kv_bytes_sent = ev["kv_bytes"]
+        rec.kv_bytes_sent = ev.kv_bytes
         # layer-wise, the first layers left before the first token: the transfer began there
-        rec.transfer_start_s = ev.get("transfer_start_s", ev["t"])
+        rec.transfer_start_s = ev.transfer_start_s
         if rec.transfer_end_s is not None:
-            rec.exposed_transfer_s = max(0.0, rec.transfer_end_s - ev["t"])
+            rec.exposed_transfer_s = max(0.0, rec.transfer_end_s - ev.t)
 
     def on_worker_died(self, worker_id: str, now: float) -> None:
         # a reservation asked of the dead worker is never answered, and it would
@@ -153,28 +158,29 @@ class DisaggController(ModeController):
         if gone is not None:       # nobody left to serve what waits: fail it now, not at timeout_s
             for rid in list(self.handoffs):
                 for w in self.location[rid] - self.dead:
-                    self.send(w, {"type": "abort", "id": rid})
+                    self.send(w, Abort(rid))
                 self.forget(rid)
                 self._resolve(rid, "failed", gone, now)
         self._dispatch()
 
-    def on_request_end(self, rid: str, ev: dict, now: float) -> None:
+    def on_request_end(self, rid: str, ev: Finished, now: float) -> None:
         ho = self.handoffs.get(rid)
         if ho is None:
             return
-        # the side that did not report may still hold blocks for it
-        if ev.get("worker") != ho.decode and ho.decode is not None:
-            self.send(ho.decode, {"type": "release", "id": rid})
+        # `Finished` does not say which side reported it, and either may still hold
+        # blocks for it: both are told to release (a no-op where nothing is held)
+        if ho.decode is not None:
+            self.send(ho.decode, Release(rid))
         if ho.prefill is not None:
-            self.send(ho.prefill, {"type": "release", "id": rid})
+            self.send(ho.prefill, Release(rid))
             if ho.prefilled_s is None:
-                self.prefill_tokens[ho.prefill] -= ho.request.prompt_len
+                self.pool.add_prompt_tokens(ho.prefill, -ho.request.prompt_len)
         self.handoffs.pop(rid, None)
 
     def forget(self, rid: str) -> None:
         ho = self.handoffs.pop(rid, None)
         if ho is not None and ho.prefill is not None and ho.prefilled_s is None:
-            self.prefill_tokens[ho.prefill] -= ho.request.prompt_len
+            self.pool.add_prompt_tokens(ho.prefill, -ho.request.prompt_len)
         if rid in self.queue:
             self.queue.remove(rid)
         # a reservation in flight for it is released when its reply arrives (on_mode_event)

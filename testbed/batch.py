@@ -68,5 +68,3 @@ class StepResult:
     sampled: dict[str, int]
     duration_s: float
     kv_bytes_read: int = 0
-    finished: list[Request] = field(default_factory=list)
-    prefill_completed: list[Request] = field(default_factory=list)

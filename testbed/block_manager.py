@@ -1,7 +1,7 @@
 """BlockManager: the paged KV cache's bookkeeping, torch-free (DESIGN.md, "Paged KV cache").
 
-The scheduler asks it whether a request fits (`can_allocate`), grows the
-request's block table before each step (`allocate`), and after the step
+The scheduler grows a request's block table before each step (`allocate`,
+which says False when memory is short; the policy then preempts), and after the step
 registers the blocks that filled up (`commit`) so that a later request with the
 same prefix reuses them (`match_prefix`). The executor only reads the block
 tables; it owns the KV tensors `[num_layers, 2, num_blocks, block_size, ...]`
@@ -137,6 +137,7 @@ class BlockManager:
         return need if need > 0 else 0
 
     def can_allocate(self, request: Request, num_tokens: int) -> bool:
+        """Whether `allocate(request, num_tokens)` would succeed, without doing it."""
         # blocks_needed inlined: called for every running request every step
         table = self._tables.get(request.request_id)
         need = -(-num_tokens // self.block_size) - (len(table) if table else 0)

@@ -12,26 +12,9 @@ import sys
 USAGE = __doc__
 
 
-def _unknown_preset(argv: list[str]) -> str | None:
-    """Hydra answers an unknown group choice (`model=nope`) with a dozen lines
-    of search paths; say it in one line, like every other config error."""
-    from testbed.model.config import CONF_DIR
-    for arg in argv:
-        group, sep, value = arg.partition("=")
-        if not sep or not group.isidentifier() or not (CONF_DIR / group).is_dir():
-            continue
-        if any(c in value for c in "()[]$*"):
-            continue  # sweep syntax (choice(...), range(...), globs): Hydra's to judge
-        for choice in value.split(","):
-            if choice and choice != "null" and not (CONF_DIR / group / f"{choice}.yaml").exists():
-                names = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
-                return (f"{group}='{choice}' is not a known preset (conf/{group}/); "
-                        f"choose one of: {', '.join(names) or '(none yet)'}")
-    return None
-
-
 def _hydra_run(argv: list[str]) -> int:
-    unknown = _unknown_preset(argv)
+    from testbed.overrides import unknown_preset
+    unknown = unknown_preset(argv)
     if unknown:
         print(f"error: {unknown}", file=sys.stderr)
         return 2
@@ -85,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         from testbed.report import report_main
         return report_main(rest)
     if cmd == "profile":
-        from testbed.sim.profile import profile_main
+        from testbed.profiling.profile import profile_main
         return profile_main(rest)
     if cmd == "capacity":
         from testbed.capacity import capacity_main

@@ -16,9 +16,15 @@ from testbed.model.config import ModelConfig
 from testbed.sim.config import HardwareConfig, LinkConfig, ParallelConfig, load_hardware_preset, load_link_preset
 from testbed.workloads.config import WorkloadConfig
 
-MODES = ("colocated", "disagg")
 RUNTIMES = ("real", "sim")
-ROUTERS = ("round_robin", "least_outstanding")
+
+
+@dataclass
+class RuntimeConfig:
+    """`runtime=real|sim` picks the preset (conf/runtime/); `runtime.host` is
+    the address the frontend binds and workers reach it on."""
+    name: str = "real"             # real | sim
+    host: str = "127.0.0.1"
 
 
 @dataclass
@@ -37,9 +43,11 @@ class WandbConfig:
 
 @dataclass
 class RunConfig:
-    mode: str = "colocated"        # colocated | disagg
-    runtime: str = "real"          # real | sim
+    mode: str = "colocated"        # a name in modes.registry.MODES: colocated | disagg
     scheduler: str = "sarathi"     # request_level | vllm_v0 | orca | sarathi
+    # two budgets because they bound different things: token_budget caps every token of a
+    # chunking policy's iteration (decodes included; a prompt is cut to fit), while
+    # max_num_batched_tokens caps the whole prompts a whole-prefill policy admits together
     token_budget: int = 256        # sarathi: tokens per iteration
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192   # whole-prefill schedulers: prompt tokens per iteration
@@ -53,14 +61,18 @@ class RunConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     ignore_eos: bool = True
+    launcher: str = "local"        # runtime=real: where worker processes run (testbed/launchers/)
     # colocated
     replicas: int = 1
-    router: str = "round_robin"    # round_robin | least_outstanding
+    router: str = "round_robin"    # a name in modes.routers.ROUTERS
     # disagg
     prefill_workers: int = 1
     decode_workers: int = 1
+    prefill_router: str = "least_prompt_tokens"
+    decode_router: str = "most_free_blocks"
     timeout_s: float = 120.0       # a run (or a worker that stops answering) fails after this
     progress: bool = True
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
@@ -81,12 +93,19 @@ def _one_of(field_name: str, value: str, choices) -> None:
 
 
 def validate(cfg: RunConfig) -> None:
+    from testbed.launchers import LAUNCHERS
+    from testbed.modes.registry import MODES
+    from testbed.modes.routers import ROUTERS
     from testbed.schedulers import SCHEDULERS
     _one_of("mode", cfg.mode, MODES)
-    _one_of("runtime", cfg.runtime, RUNTIMES)
+    _one_of("runtime", cfg.runtime.name, RUNTIMES)
+    _one_of("launcher", cfg.launcher, LAUNCHERS)
     _one_of("scheduler", cfg.scheduler, SCHEDULERS)
-    _one_of("router", cfg.router, ROUTERS)
-    if cfg.runtime == "real":      # (the registry imports torch; the simulator never needs it)
+    for f in ("router", "prefill_router", "decode_router"):
+        _one_of(f, getattr(cfg, f), ROUTERS)
+    if not cfg.runtime.host:
+        raise ValueError(f"runtime.host: must name an address to bind, e.g. {RuntimeConfig.host}")
+    if cfg.runtime.name == "real":      # (the registry imports torch; the simulator never needs it)
         from testbed.kernels.attention import attention_backend_names
         _one_of("attention_backend", cfg.attention_backend, attention_backend_names())
     _one_of("wandb.mode", cfg.wandb.mode, ("offline", "online", "disabled"))

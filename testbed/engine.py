@@ -8,58 +8,20 @@ simulator (virtual clock, a cost model): `Clock` says which time it reads.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable
 
 from testbed.batch import Batch, StepResult
+from testbed.clock import Clock, VirtualClock, WallClock  # noqa: F401  (re-exported: the engine's clocks)
 from testbed.executor import Executor
+from testbed.metrics import IterationRecord
 from testbed.request import Request, RequestStatus
 from testbed.schedulers.base import Scheduler
 
 
-class Clock(Protocol):
-    virtual: bool
-
-    def now(self) -> float: ...
-
-
-class WallClock:
-    """Seconds since `t0` on the machine's monotonic clock (shared by all
-    processes of one machine, so workers and the frontend agree)."""
-    virtual = False
-
-    def __init__(self, t0: float | None = None):
-        self.t0 = time.monotonic() if t0 is None else t0
-
-    def now(self) -> float:
-        return time.monotonic() - self.t0
-
-
-class VirtualClock:
-    """The simulator's clock: set by the event loop, advanced by modeled durations."""
-    virtual = True
-
-    def __init__(self, t: float = 0.0):
-        self.t = t
-
-    def now(self) -> float:
-        return self.t
-
-
-@dataclass
-class Iteration:
-    start_s: float
-    duration_s: float
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    kv_bytes_read: int
-    num_preempted: int = 0
-
-
 @dataclass
 class StepOutput:
-    iteration: Iteration
+    iteration: IterationRecord        # its worker is set by the WorkerService that ran it
     new_tokens: list[tuple[Request, int]] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)
     # prefill done and first token sampled: a prefill worker hands these off
@@ -121,6 +83,7 @@ class Engine:
             self.clock.t = end          # what follows this step (hand-offs, events) happens at its end
         else:
             end = self.clock.now()
+        self.scheduler.on_step(batch, end - start)
         return self._update(batch, result, start, end)
 
     def _update(self, batch: Batch, result: StepResult, start: float, end: float) -> StepOutput:
@@ -161,6 +124,5 @@ class Engine:
             elif prefill_only and len(req.output_token_ids) == 1:
                 self.scheduler.running.remove(req)     # keeps its blocks for the hand-off
                 out.prefill_completed.append(req)
-        out.iteration = Iteration(start, end - start, num_prefill, num_decode, result.kv_bytes_read,
-                                  len(batch.preempted))
+        out.iteration = IterationRecord(start, end - start, num_prefill, num_decode, result.kv_bytes_read)
         return out

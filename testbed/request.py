@@ -22,10 +22,6 @@ class RequestStatus(str, enum.Enum):
     ABORTED = "aborted"          # cancelled by the client
     FAILED = "failed"            # a fault ended it (see Request.error)
 
-    @property
-    def is_done(self) -> bool:
-        return self in (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.FAILED)
-
 
 @dataclass(frozen=True)
 class SamplingParams:

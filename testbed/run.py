@@ -17,7 +17,7 @@ from testbed.workloads.build import build_workload
 
 
 def run_workload(cfg: RunConfig, requests, progress=None):
-    if cfg.runtime == "sim":
+    if cfg.runtime.name == "sim":
         from testbed.runtime.sim import SimRuntime
         return SimRuntime(cfg).run(requests)
     from testbed.runtime.real import RealRuntime
@@ -43,7 +43,7 @@ def execute(cfg: RunConfig, out_dir: str | Path) -> dict:
         summary = summarize(result.records, result.iterations, cfg.slo.ttft_ms, cfg.slo.tpot_ms,
                             duration_s=result.duration_s or None)
         summary.update({
-            "mode": cfg.mode, "runtime": cfg.runtime, "scheduler": cfg.scheduler, "model": cfg.model.name,
+            "mode": cfg.mode, "runtime": cfg.runtime.name, "scheduler": cfg.scheduler, "model": cfg.model.name,
             "workload": cfg.workload.name, "token_budget": cfg.token_budget,
             "interrupted": result.interrupted,
             "kv_blocks_leaked": {w: s["num_blocks"] - s["num_free_blocks"]

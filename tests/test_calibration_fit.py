@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from testbed.sim.calibration import _fit
+from testbed.profiling.calibration import _fit
 
 TRUE = dict(a=1.5, b=0.1, c=0.02, k=0.9)          # ms, ms/seq, ms/token, scale
 
@@ -48,7 +48,7 @@ def test_one_vote_per_shape_however_many_steps_it_had():
 
 
 def test_serving_runs_merge_into_one_pool_of_steps_with_each_runs_own_deviations():
-    from testbed.sim.calibration import ServingRun
+    from testbed.profiling.calibration import ServingRun
     fast = ServingRun([([(1, 100)], 0.003)] * 3, [-0.1, 0.0, 0.1], hop_ms=0.2)
     slow = ServingRun([([(1, 100)], 0.005)] * 2, [-0.4, 0.4], hop_ms=0.4)
     odd = ServingRun([([(64, 64)], 0.020)], [0.0], hop_ms=0.3)

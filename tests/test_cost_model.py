@@ -17,7 +17,7 @@ from testbed.sim.cost_model import CostModel
 from testbed.sim.crossover import chunked_prefill_s
 from testbed.sim.layer_shapes import Gemm, expected_experts_touched
 from testbed.sim.link_model import LinkModel
-from testbed.sim.profile import profile_cpu, seconds_per_call
+from testbed.profiling.profile import profile_cpu, seconds_per_call
 from testbed.sim.timers import ProfiledGemms
 
 

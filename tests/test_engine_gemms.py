@@ -3,7 +3,7 @@ import torch
 
 from testbed.model.config import load_model_preset
 from testbed.model.loader import load_model
-from testbed.sim.engine_gemms import MAX_DECODE_BATCH, _LinearTimer, measure_engine_gemms, spread_rounds
+from testbed.profiling.engine_gemms import MAX_DECODE_BATCH, _LinearTimer, measure_engine_gemms, spread_rounds
 from testbed.sim.layer_shapes import layer_shapes
 
 

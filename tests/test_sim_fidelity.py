@@ -13,7 +13,7 @@ from testbed.config import RunConfig, register_configs
 from testbed.model.config import CONF_DIR
 from testbed.run import execute
 from testbed.sim.config import load_hardware_preset
-from testbed.sim.profile import profile_main
+from testbed.profiling.profile import profile_main
 
 CHAT = ["model=tiny", "workload=chat", "workload.num_requests=24", "workload.rate=4", "wandb.mode=disabled",
         "progress=false"]

@@ -29,7 +29,7 @@ def test_gloo_round_trip_acks_and_corruption():
         pack_kv(cache, (0, 4), [8, 9], [30, 31], 20, "req-b"),
         pack_kv(cache, (0, 4), list(range(10, 30)), list(range(20)), 320, "req-c"),
     ]
-    store, init_address = start_rendezvous()
+    store, init_address = start_rendezvous("127.0.0.1")
     out_q, ctl_q = SPAWN.Queue(), SPAWN.Queue()
     proc = SPAWN.Process(target=peers.run_receiver, args=(cfg, len(payloads), out_q, ctl_q),
                          kwargs={"dist": (init_address, 1, 2)})

@@ -60,7 +60,7 @@ def compose(overrides: list[str]) -> RunConfig:
 def fidelity(args) -> int:
     from testbed.run import execute
     from testbed.sim.config import load_hardware_preset
-    from testbed.sim.profile import profile_main
+    from testbed.profiling.profile import profile_main
     cases = args.cases.split(",")
     for case in cases:
         if case not in CASES:
@@ -140,7 +140,7 @@ def recalibrated(hardware):
     import torch
 
     from testbed.model.config import load_model_preset
-    from testbed.sim.calibration import measure_overhead, measure_serving
+    from testbed.profiling.calibration import measure_overhead, measure_serving
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -39,6 +39,7 @@ from testbed.kv_transfer import TorchDistGroup, TransferConfig, make_receiver, m
 MiB = 1 << 20
 
 
+HOST = TransferConfig.host                    # loopback: the config default
 BLOCK_BYTES = 8 * 2 * 16 * 8 * 128 * 2       # one block over all layers of the cache below
 
 
@@ -51,13 +52,13 @@ def receiver_main(plan: list[tuple[str, int]], init_address: str, addr_q, done_p
     torch.set_num_threads(1)
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
-    raw_port = pull.bind_to_random_port("tcp://127.0.0.1")
+    raw_port = pull.bind_to_random_port(f"tcp://{HOST}")
     done = ctx.socket(zmq.PUSH)
-    done.connect(f"tcp://127.0.0.1:{done_port_q.get()}")
+    done.connect(f"tcp://{HOST}:{done_port_q.get()}")
     zmq_rx = make_receiver(TransferConfig())      # the frame size is the sender's choice
     group = TorchDistGroup(init_address, 1, 2, timeout_s=120)
     gloo_rx = make_receiver(TransferConfig(transport="torch_dist", timeout_s=120), group=group)
-    addr_q.put((f"tcp://127.0.0.1:{raw_port}", zmq_rx.address, gloo_rx.address))
+    addr_q.put((f"tcp://{HOST}:{raw_port}", zmq_rx.address, gloo_rx.address))
     caches: dict[int, torch.Tensor] = {}
     for mode, size in plan:
         if mode.startswith("multipart"):
@@ -122,12 +123,12 @@ def main() -> None:
 
     spawn = mp.get_context("spawn")
     addr_q, done_port_q = spawn.Queue(), spawn.Queue()
-    store, init_address = start_rendezvous(timeout_s=120)
+    store, init_address = start_rendezvous(HOST, timeout_s=120)
     proc = spawn.Process(target=receiver_main, args=(plan, init_address, addr_q, done_port_q))
     proc.start()
     ctx = zmq.Context()
     done = ctx.socket(zmq.PULL)
-    done_port_q.put(done.bind_to_random_port("tcp://127.0.0.1"))
+    done_port_q.put(done.bind_to_random_port(f"tcp://{HOST}"))
     group = TorchDistGroup(init_address, 0, 2, timeout_s=120)
     raw_addr, zmq_addr, gloo_addr = addr_q.get(timeout=120)
     push = ctx.socket(zmq.PUSH)

@@ -218,7 +218,7 @@ def _workload(name: str, spec: dict) -> WorkloadConfig:
 def _real_cfg(cfg: RunConfig) -> RunConfig:
     """The real-engine point: the first of real_models on this CPU."""
     model = load_model_preset(cfg.experiment.real_models[0])
-    return dataclasses.replace(cfg, runtime="real", model=model, hardware=load_hardware_preset("cpu"),
+    return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, name="real"), model=model, hardware=load_hardware_preset("cpu"),
                                num_kv_blocks=RunConfig.num_kv_blocks, progress=False)
 
 
@@ -226,7 +226,7 @@ def _sim_cfg(cfg: RunConfig) -> RunConfig:
     """The simulator on the run's model and hardware, with the KV memory the accelerator has after the weights."""
     from testbed.sim.cost_model import CostModel
     tokens = CostModel(cfg.model, cfg.hardware, cfg.parallel).kv_capacity_tokens()
-    return dataclasses.replace(cfg, runtime="sim", num_kv_blocks=tokens // cfg.block_size, progress=False)
+    return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, name="sim"), num_kv_blocks=tokens // cfg.block_size, progress=False)
 
 
 def _plot_capacity(rows: list[dict], probe_rows: list[dict], path: Path) -> None:

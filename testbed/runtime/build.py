@@ -1,13 +1,18 @@
-"""Builds a worker's engine from the run config: block manager, scheduler,
-executor (a model for runtime=real, the cost model for runtime=sim)."""
+"""Builds a worker from the run config: block manager, scheduler (with its
+context), executor (a model for runtime=real, the cost model for runtime=sim),
+engine, and the WorkerService of its role (modes/registry.py). Both runtimes
+build their workers here and nowhere else."""
 from __future__ import annotations
 
 from testbed.block_manager import BlockManager
 from testbed.config import RunConfig
 from testbed.engine import Clock, Engine
 from testbed.executor import Executor
+from testbed.modes.registry import get_role
 from testbed.request import Request, SamplingParams
-from testbed.schedulers import SchedulerConfig, make_scheduler
+from testbed.runtime.kv_port import KVPort
+from testbed.schedulers import SchedulerConfig, SchedulerContext, make_scheduler, scheduler_class
+from testbed.worker import Emit, WorkerService
 
 
 def scheduler_config(cfg: RunConfig) -> SchedulerConfig:
@@ -15,21 +20,34 @@ def scheduler_config(cfg: RunConfig) -> SchedulerConfig:
                            max_num_batched_tokens=cfg.max_num_batched_tokens)
 
 
+def scheduler_context(cfg: RunConfig, clock: Clock) -> SchedulerContext:
+    """The one place a policy's context is made, for real and sim alike."""
+    predictor = None
+    if scheduler_class(cfg.scheduler).needs_predictor:
+        from testbed.sim.cost_model import CostModel
+        predictor = CostModel(cfg.model, cfg.hardware, cfg.parallel)
+    return SchedulerContext(clock, cfg.slo.ttft_ms, cfg.slo.tpot_ms, predictor)
+
+
 def build_engine(cfg: RunConfig, role: str, clock: Clock, executor_factory=None) -> Engine:
     """`executor_factory(block_table_fn) -> Executor`; default: the real model.
-
-    Prefix caching is a prefill-side feature: a decode worker's blocks are
-    reserved fresh and filled by transfer, and nothing there looks a prefix
-    up, so hashing them would cost as much as on the prefill side for no hit."""
-    bm = BlockManager(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching and role != "decode")
-    scheduler = make_scheduler(cfg.scheduler, scheduler_config(cfg), bm)
+    The role's class says whether its blocks are hashed for prefix reuse and
+    whether requests leave after their first token."""
+    worker_cls = get_role(role)
+    bm = BlockManager(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching and worker_cls.prefix_caching)
+    scheduler = make_scheduler(cfg.scheduler, scheduler_config(cfg), bm, scheduler_context(cfg, clock))
     if executor_factory is None:
         from testbed.model_executor import ModelExecutor
         executor: Executor = ModelExecutor(cfg.model, cfg.num_kv_blocks, cfg.block_size, bm.block_table,
                                            cfg.attention_backend, cfg.device)
     else:
         executor = executor_factory(bm.block_table)
-    return Engine(scheduler, executor, clock, prefill_only=(role == "prefill"))
+    return Engine(scheduler, executor, clock, prefill_only=worker_cls.prefill_only)
+
+
+def build_worker(worker_id: str, role: str, engine: Engine, emit: Emit, kv_port: KVPort | None,
+                 layerwise: bool) -> WorkerService:
+    return get_role(role)(worker_id, engine, emit, kv_port, layerwise)
 
 
 def apply_sampling(cfg: RunConfig, requests: list[Request]) -> None:

@@ -16,6 +16,7 @@ only materialized for a worker whose block manager hashes it (materialize_prompt
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import heapq
 import itertools
@@ -25,9 +26,10 @@ from typing import Any, Callable, Iterator
 from testbed.config import RunConfig
 from testbed.engine import VirtualClock
 from testbed.request import Request
-from testbed.runtime.build import build_engine
+from testbed.runtime.build import build_engine, build_worker
+from testbed.runtime.deployment import RunResult, build_mode
 from testbed.runtime.kv_port import KVArrival, KVPort
-from testbed.runtime.real import RunResult, make_controller, worker_layout
+from testbed.runtime.messages import Command, Event, RequestMsg
 from testbed.sim.cost_executor import CostModelExecutor
 from testbed.sim.cost_model import CostModel
 from testbed.sim.jitter import StepJitter
@@ -39,25 +41,15 @@ from testbed.workloads.tokens import stream_key
 _JITTER_STREAM = 0x6A17   # keeps each worker's jitter draws apart from the workload's streams
 
 
-def in_process_request_msg(req: Request) -> dict:
-    """protocol.request_to_msg's fields, with the prompt passed as is (no
-    list copy): the simulator's workers live in this process and never mutate
-    it. tests/test_sim.py checks both build the same Request."""
-    sp = req.sampling
-    return {"id": req.request_id, "prompt": req.prompt_token_ids, "max_tokens": req.max_tokens,
-            "arrival_s": req.arrival_s, "temperature": sp.temperature, "top_p": sp.top_p,
-            "seed": sp.seed, "ignore_eos": sp.ignore_eos, "eos": sp.eos_token_id}
-
-
-def materialize_prompt(request_msg: dict) -> dict:
+def materialize_prompt(request_msg: RequestMsg) -> RequestMsg:
     """With prefix caching on, the block manager hashes every full block,
     fetching the tokens of each chunk that filled blocks; a lazy prompt
     computes each fetch with a dozen numpy calls (~28 µs), an int64 array
     slices in well under a microsecond. So a worker that hashes gets the
     prompt materialized once, as an array (8 bytes a token), as it reads it
     all anyway; a decode worker, which does not hash, gets it lazy."""
-    numpy = getattr(request_msg["prompt"], "numpy", None)
-    return request_msg if numpy is None else {**request_msg, "prompt": numpy()}
+    numpy = getattr(request_msg.prompt, "numpy", None)
+    return request_msg if numpy is None else dataclasses.replace(request_msg, prompt=numpy())
 
 
 class SimKVPort(KVPort):
@@ -108,7 +100,8 @@ class SimRuntime:
         self.clock = VirtualClock()
         self._heap: list[tuple[float, int, Callable[[Any], None], Any]] = []
         self._seq = itertools.count()
-        self.workers = worker_layout(cfg)
+        self.mode = build_mode(cfg)
+        self.workers = self.mode.workers()
         # frontend <-> worker messages (commands, events) take this long; KV
         # goes worker to worker over the link model instead
         self.hop_s = cfg.hardware.frontend_hop_ms * 1e-3
@@ -124,23 +117,22 @@ class SimRuntime:
         self.ports: dict[str, SimKVPort] = {}
         self.busy_until: dict[str, float] = {}
         self.step_scheduled: set[str] = set()
-        self.outbox: dict[str, list[dict]] = {}
+        self.outbox: dict[str, list[Event]] = {}
         for index, w in enumerate(self.workers):
             jitter = (StepJitter(cfg.hardware.step_jitter_ms, stream_key(cfg.seed, _JITTER_STREAM, index))
                       if cfg.hardware.step_jitter_ms else None)
             engine = build_engine(cfg, w.role, self.clock,
                                   executor_factory=lambda _bt, j=jitter: CostModelExecutor(cost, j))
             port = None
-            if cfg.mode == "disagg":
+            if self.mode.needs_kv_port:
                 port = SimKVPort(self, w.worker_id, LinkModel(cfg.link), cfg.model.kv_bytes_per_token,
                                  cfg.model.num_layers, cfg.parallel.tp)
                 self.ports[w.worker_id] = port
             self.outbox[w.worker_id] = []
-            self.services[w.worker_id] = WorkerService(w.worker_id, w.role, engine, self.outbox[w.worker_id].append,
-                                                       port, cfg.transfer.layerwise)
+            self.services[w.worker_id] = build_worker(w.worker_id, w.role, engine, self.outbox[w.worker_id].append,
+                                                      port, cfg.transfer.layerwise)
             self.busy_until[w.worker_id] = 0.0
-        self.controller = make_controller(cfg, self.workers, self._send)
-        self.controller.request_msg = in_process_request_msg
+        self.controller = self.mode.controller(self.workers, self._send, copy_prompts=False)
         # workers whose block manager hashes prompt blocks: they get the prompt as an array
         self.hashing = {w for w, svc in self.services.items() if svc.engine.bm.enable_prefix_caching}
 
@@ -159,12 +151,12 @@ class SimRuntime:
             else:
                 self._to_controller(events)
 
-    def _to_controller(self, events: list[dict]) -> None:
+    def _to_controller(self, events: list[Event]) -> None:
         now, on_event = self.clock.t, self.controller.on_event
         for ev in events:
             on_event(ev, now)
 
-    def _send(self, worker_id: str, msg: dict) -> None:
+    def _send(self, worker_id: str, msg: Command) -> None:
         if self.hop_s or self.message_s:
             # the frontend sends one command after another, each a hop away;
             # a worker idle in its poll wakes a hop after the first and then
@@ -182,10 +174,10 @@ class SimRuntime:
         else:
             self._handle((worker_id, msg))
 
-    def _handle(self, arg: tuple[str, dict]) -> None:
+    def _handle(self, arg: tuple[str, Command]) -> None:
         worker_id, msg = arg
-        if "request" in msg and worker_id in self.hashing:
-            msg = {**msg, "request": materialize_prompt(msg["request"])}
+        if worker_id in self.hashing and getattr(msg, "request", None) is not None:
+            msg = dataclasses.replace(msg, request=materialize_prompt(msg.request))
         self.services[worker_id].handle(msg)
         self._flush(worker_id)
         self._kick(worker_id)
@@ -214,7 +206,7 @@ class SimRuntime:
         else:
             self.at(end, self._deliver, (worker_id, events))
 
-    def _deliver(self, arg: tuple[str, list[dict]]) -> None:
+    def _deliver(self, arg: tuple[str, list[Event]]) -> None:
         """The iteration's events reach the frontend as the worker frees up."""
         worker_id, events = arg
         self._to_controller(events)
@@ -253,7 +245,7 @@ class SimRuntime:
                 t, _, action, arg = pop(heap)
                 clock.t = t
                 action(arg)
-        stats = {w: svc.stats() for w, svc in self.services.items()}
+        stats = {w: svc.stats().to_dict() for w, svc in self.services.items()}
         stuck = [w for w, svc in self.services.items() if svc.has_work()]
         for rid in list(ctl.unresolved):     # nothing left to happen: these can never finish
             ctl.records[rid].status = "failed"

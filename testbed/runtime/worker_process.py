@@ -1,18 +1,19 @@
-"""The body of a worker process in the real runtime: build the engine, then
-loop: take commands, step the engine, stream events back."""
+"""The body of a worker process in the real runtime: build the engine and the
+role's WorkerService, then loop: take commands, step the engine, stream events
+back. Started by a launcher (testbed/launchers/) from a WorkerSpec."""
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import traceback
 
-import msgpack
 import zmq
 
 POLL_IDLE_MS = 5
 
 
-def worker_main(spec: dict) -> None:
+def worker_main(spec) -> None:
     # Ctrl-C in a terminal signals the whole process group. The frontend owns
     # shutdown (abort, stop, collect stats); a worker interrupted mid-step would
     # die with a traceback and never report its final block counts.
@@ -21,40 +22,48 @@ def worker_main(spec: dict) -> None:
 
     from testbed.config import from_dict
     from testbed.engine import WallClock
-    from testbed.runtime.build import build_engine
-    from testbed.worker import WorkerService
+    from testbed.modes.registry import get_role
+    from testbed.runtime.build import build_engine, build_worker
+    from testbed.runtime.messages import Ping, Ready, WorkerError
+    from testbed.runtime.wire import WireError, decode, encode
 
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 2000)
-    push.connect(spec["event_addr"])
+    push.connect(spec.event_addr)
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
-    dealer.setsockopt(zmq.IDENTITY, spec["worker_id"].encode())
-    dealer.connect(spec["cmd_addr"])
+    dealer.setsockopt(zmq.IDENTITY, spec.worker_id.encode())
+    dealer.connect(spec.cmd_addr)
 
-    def emit(ev: dict) -> None:
-        push.send(msgpack.packb(ev))
+    def emit(ev) -> None:
+        push.send(encode(ev))
 
     kv_port = None
     try:
-        cfg = from_dict(spec["cfg"])
+        cfg = from_dict(spec.cfg)
         torch.set_num_threads(cfg.torch_threads)
-        engine = build_engine(cfg, spec["role"], WallClock(spec["t0"]))
-        if cfg.mode == "disagg":
+        engine = build_engine(cfg, spec.role, WallClock(spec.t0))
+        if spec.needs_kv_port:
             from testbed.runtime.real_kv_port import RealKVPort
-            kv_port = RealKVPort(cfg, spec, engine)
-        service = WorkerService(spec["worker_id"], spec["role"], engine, emit, kv_port, cfg.transfer.layerwise)
-        emit({"type": "ready", "worker": spec["worker_id"], "kv_address": kv_port.address if kv_port else ""})
+            role = get_role(spec.role)
+            kv_port = RealKVPort(cfg, spec, engine, sends=role.sends_kv, receives=role.receives_kv)
+        service = build_worker(spec.worker_id, spec.role, engine, emit, kv_port, cfg.transfer.layerwise)
+        emit(Ready(spec.worker_id, kv_port.address if kv_port else ""))
         while not service.stopping:
-            timeout = 0 if service.engine.has_work() else (1 if service.reserved else POLL_IDLE_MS)
+            timeout = 0 if service.engine.has_work() else (1 if service.awaits_kv() else POLL_IDLE_MS)
             if dealer.poll(timeout):
                 while True:
                     try:
-                        msg = msgpack.unpackb(dealer.recv(zmq.NOBLOCK))
+                        raw = dealer.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    if msg["type"] != "ping":
+                    try:
+                        msg = decode(raw)
+                    except WireError as e:      # only the frontend reaches this socket: its bug, not a reason to die
+                        print(f"worker {spec.worker_id}: dropped a command: {e}", file=sys.stderr)
+                        continue
+                    if type(msg) is not Ping:
                         service.handle(msg)
             if not service.stopping:
                 if kv_port is not None:
@@ -62,13 +71,11 @@ def worker_main(spec: dict) -> None:
                 if service.step() is not None:
                     # let ZMQ's I/O thread send this step's events now: woken on
                     # this core, it otherwise waited for the next step to end its
-                    # CFS slice, and 20-30% of first tokens after an idle spell reached
-                    # the frontend 3-4 ms late (experiments/benchmarks/bench_event_latency.py)
+                    # CFS slice (experiments/benchmarks/bench_event_latency.py)
                     os.sched_yield()
         emit(service.stats())
     except Exception as e:  # report, then exit non-zero: the frontend fails this worker's requests
-        emit({"type": "error", "worker": spec["worker_id"], "error": f"{type(e).__name__}: {e}",
-              "traceback": traceback.format_exc()})
+        emit(WorkerError(spec.worker_id, f"{type(e).__name__}: {e}", traceback.format_exc()))
         raise
     finally:
         if kv_port is not None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from testbed.block_manager import BlockManager
 from testbed.schedulers.base import Scheduler, SchedulerConfig
+from testbed.schedulers.context import SchedulerContext
 from testbed.schedulers.orca import OrcaScheduler
 from testbed.schedulers.request_level import RequestLevelScheduler
 from testbed.schedulers.sarathi import SarathiScheduler
@@ -13,10 +14,15 @@ SCHEDULERS: dict[str, type[Scheduler]] = {
 }
 
 
-def make_scheduler(name: str, cfg: SchedulerConfig, block_manager: BlockManager) -> Scheduler:
+def scheduler_class(name: str) -> type[Scheduler]:
     if name not in SCHEDULERS:
         raise ValueError(f"scheduler='{name}' is not known; choose one of: {', '.join(sorted(SCHEDULERS))}")
-    return SCHEDULERS[name](cfg, block_manager)
+    return SCHEDULERS[name]
 
 
-__all__ = ["SCHEDULERS", "Scheduler", "SchedulerConfig", "make_scheduler"]
+def make_scheduler(name: str, cfg: SchedulerConfig, block_manager: BlockManager,
+                   context: SchedulerContext | None = None) -> Scheduler:
+    return scheduler_class(name)(cfg, block_manager, context)
+
+
+__all__ = ["SCHEDULERS", "Scheduler", "SchedulerConfig", "SchedulerContext", "make_scheduler", "scheduler_class"]

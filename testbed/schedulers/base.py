@@ -3,7 +3,10 @@ queue, the running list, KV allocation with preemption by recompute, and the
 invariants each `schedule()` ends by asserting.
 
 A policy decides which slices run in the next iteration; it never touches the
-model. The same classes run under the real engine and the simulator."""
+model. The same classes run under the real engine and the simulator. Two
+hooks let a policy adapt: `iteration_budget()` (the token budget of the next
+iteration) and `on_step(batch, duration_s)` (each finished step's measured or
+simulated duration); what else it needs comes in its `SchedulerContext`."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -14,6 +17,7 @@ from typing import ClassVar
 from testbed.batch import Batch, ScheduledSlice
 from testbed.block_manager import BlockManager
 from testbed.request import Request, RequestStatus
+from testbed.schedulers.context import SchedulerContext
 
 
 @dataclass(frozen=True)
@@ -31,11 +35,13 @@ class SchedulerConfig:
 
 class Scheduler(ABC):
     name: ClassVar[str]
+    needs_predictor: ClassVar[bool] = False     # its context must carry a step-time predictor
 
-    def __init__(self, cfg: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, cfg: SchedulerConfig, block_manager: BlockManager, context: SchedulerContext | None = None):
         cfg.validate()
         self.cfg = cfg
         self.bm = block_manager
+        self.context = context
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -47,9 +53,6 @@ class Scheduler(ABC):
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
-
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
 
     def remove(self, request: Request) -> None:
         """Take a request out (finished, aborted, failed or handed off) and free its KV."""
@@ -148,6 +151,14 @@ class Scheduler(ABC):
     @abstractmethod
     def schedule(self) -> Batch:
         """The slices to run in the next iteration."""
+
+    # -- hooks ---------------------------------------------------------------
+    def iteration_budget(self) -> int:
+        """Tokens the next iteration may schedule (a budgeted policy's input)."""
+        return self.cfg.token_budget
+
+    def on_step(self, batch: Batch, duration_s: float) -> None:
+        """A scheduled batch ran and took `duration_s` (wall or virtual time)."""
 
     def _admit_whole_prefills(self, batch: Batch) -> None:
         """FCFS whole prompts into `batch` while memory, max_num_seqs and

@@ -17,7 +17,7 @@ class SarathiScheduler(Scheduler):
         # catches up with its tokens; a decode needs 1, a partial prefill the rest.
         batch = Batch()
         slices = batch.slices
-        budget = self.cfg.token_budget
+        budget = token_budget = self.iteration_budget()
         prefills = []
         grow, bs = self._grow, self.bm.block_size
         for req in list(self.running):               # decodes first, in running order
@@ -49,7 +49,7 @@ class SarathiScheduler(Scheduler):
         # a preempted request may already have a slice scheduled: drop it
         if batch.preempted:
             batch.slices = [s for s in slices if s.request.status is RequestStatus.RUNNING]
-        return self._check(batch, self.cfg.token_budget)
+        return self._check(batch, token_budget)
 
     def _add_slice(self, req: Request, budget: int, batch: Batch) -> int:
         """Schedule up to `budget` of a running request's missing tokens; returns how many."""

@@ -55,7 +55,7 @@ class HardwareConfig:
     # leave one after another, so a burst reaches an idle worker spread out
     # and its first iteration may start with only the first request
     frontend_message_ms: float = 0.0
-    # Measured tables (written by testbed.sim.profile); when present the cost
+    # Measured tables (written by testbed.profiling.profile); when present the cost
     # model uses them instead of the roofline for the shapes they cover.
     gemm_profile: list[list[float]] = field(default_factory=list)       # rows [m, n, k, seconds]
     # rows [num_seqs, single_calls, batched_calls, flops, masked_flops, bytes, seconds] (timers.fit_attention)

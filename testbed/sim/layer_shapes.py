@@ -174,6 +174,3 @@ def expected_experts_touched(num_experts: int, top_k: int, num_tokens: float) ->
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
 
 
-def gemm_flops(m: float, gemm: Gemm) -> float:
-    return 2.0 * m * gemm.n * gemm.k * gemm.layers
-

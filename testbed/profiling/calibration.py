@@ -46,7 +46,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-import msgpack
 import numpy as np
 
 from testbed.batch import Batch, StepResult
@@ -58,6 +57,7 @@ from testbed.request import Request
 from testbed.schedulers import SchedulerConfig, make_scheduler
 from testbed.sim.config import HardwareConfig
 from testbed.sim.cost_model import CostModel
+from testbed.runtime.wire import encode
 from testbed.worker import WorkerService
 
 
@@ -108,7 +108,7 @@ def profiling_service(model: ModelConfig, num_blocks: int, token_budget: int,
         inner.model = weights
     executor = _Recording(inner)
     engine = Engine(scheduler, executor, WallClock())
-    return WorkerService("profile", "colocated", engine, msgpack.packb), executor
+    return WorkerService("profile", engine, encode), executor
 
 
 def decode_service(model: ModelConfig, num_seqs: int, weights, prompt: Callable[[int], list[int]],
@@ -339,7 +339,7 @@ def measure_serving(model: ModelConfig, hardware: HardwareConfig, quick: bool = 
     return ServingRun(steps, deviations, 1e3 * (float(np.median(way_in)) + float(np.median(way_out))) / 2)
 
 
-def measure_frontend_message(model: ModelConfig, num_requests: int = 500, repeats: int = 5) -> float:
+def measure_frontend_message(model: ModelConfig, host: str, num_requests: int = 500, repeats: int = 5) -> float:
     """The frontend's time per command, in ms: the colocated controller routing
     short requests, each command packed with msgpack and sent over a loopback
     ZMQ socket, as the real runtime's frontend does; the best of `repeats`
@@ -348,6 +348,7 @@ def measure_frontend_message(model: ModelConfig, num_requests: int = 500, repeat
 
     from testbed.modes.base import WorkerInfo
     from testbed.modes.colocated import ColocatedController
+    from testbed.modes.routers import RoundRobin
     from testbed.workloads.build import build_workload
     from testbed.workloads.config import WorkloadConfig
     workload = WorkloadConfig(name="frontend_message", num_requests=num_requests, prompt_dist="fixed",
@@ -356,11 +357,11 @@ def measure_frontend_message(model: ModelConfig, num_requests: int = 500, repeat
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     try:
-        push.connect(f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}")
+        push.connect(f"tcp://{host}:{pull.bind_to_random_port(f'tcp://{host}')}")
         best = float("inf")
         for _ in range(repeats):
             ctl = ColocatedController([WorkerInfo("w", "colocated", 1 << 20, 16)],
-                                      lambda _w, msg: push.send(msgpack.packb(msg)))
+                                      lambda _w, msg: push.send(encode(msg)), RoundRobin())
             t0 = time.perf_counter()
             for req in requests:
                 ctl.on_arrival(req, 0.0)

@@ -38,7 +38,7 @@ import torch
 from testbed.model.config import ModelConfig
 from testbed.model.loader import load_model
 from testbed.request import Request
-from testbed.sim.calibration import decode_service, profiling_service
+from testbed.profiling.calibration import decode_service, profiling_service
 
 MAX_DECODE_BATCH = 64
 MIN_ROUNDS = 3

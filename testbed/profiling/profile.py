@@ -43,7 +43,7 @@ from testbed.kernels.attention import AttentionMetadata
 from testbed.kernels.torch_backend import TorchAttentionBackend
 from testbed.model.config import ModelConfig, load_model_preset
 from testbed.sim.config import HardwareConfig
-from testbed.sim.engine_gemms import measure_engine_gemms
+from testbed.profiling.engine_gemms import measure_engine_gemms
 from testbed.sim.jitter import jitter_quantiles
 from testbed.sim.layer_shapes import layer_shapes
 from testbed.sim.timers import ATTENTION_COLUMNS, attention_features
@@ -163,7 +163,8 @@ def profile_cpu(out_path: str | Path, model_name: str = "tiny", quick: bool = Fa
             attention_profile=[[*row[:-1], float(f"{row[-1]:.4g}")] for row in attention_rows], profiled_for=name)
         overhead_note = "not measured (engine_overhead=False)"
         if engine_overhead:
-            from testbed.sim.calibration import measure_frontend_message, measure_overhead, measure_serving
+            from testbed.config import RuntimeConfig
+            from testbed.profiling.calibration import measure_frontend_message, measure_overhead, measure_serving
             fit = measure_overhead(model, hardware, quick, lambda: measure_serving(model, hardware, quick))
             serving = fit.serving
             hardware.overhead_ms = round(fit.overhead_ms, 4)
@@ -172,7 +173,7 @@ def profile_cpu(out_path: str | Path, model_name: str = "tiny", quick: bool = Fa
             hardware.calibration_scale = round(fit.calibration_scale, 4)
             hardware.step_jitter_ms = [round(q, 4) for q in jitter_quantiles(serving.step_deviations_ms)]
             hardware.frontend_hop_ms = round(serving.hop_ms, 4)
-            hardware.frontend_message_ms = round(measure_frontend_message(model), 4)
+            hardware.frontend_message_ms = round(measure_frontend_message(model, RuntimeConfig.host), 4)
 
             for seqs, tokens, wall, modeled, _ in fit.rows:
                 model_ms = fit.predict_ms(seqs, tokens, modeled)
@@ -189,10 +190,10 @@ def profile_cpu(out_path: str | Path, model_name: str = "tiny", quick: bool = Fa
                 f"{np.percentile(served, 10):+.0%} to {np.percentile(served, 90):+.0%}")
             overhead_note = (f"fitted with calibration_scale to the real engine's step times over "
                              f"{len(fit.rows)} batch shapes stepped alone and {len(fit.serving_rows)} "
-                             f"served (testbed.sim.calibration)")
+                             f"served (testbed.profiling.calibration)")
     finally:
         torch.set_num_threads(threads)
-    header = (f"# Measured on this machine by testbed.sim.profile.profile_cpu ({time.strftime('%Y-%m-%d %H:%M')}):\n"
+    header = (f"# Measured on this machine by testbed.profiling.profile.profile_cpu ({time.strftime('%Y-%m-%d %H:%M')}):\n"
               f"# model={model_name} ({model.dtype}), torch threads={num_threads}, quick={quick}.\n"
               "# peak_tflops: best GEMM throughput seen; hbm_bw_gbps: memcpy, read plus written bytes.\n"
               "# gemm_profile rows [m, n, k, seconds]; attention_profile rows of one torch-backend attention\n"

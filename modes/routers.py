@@ -1,0 +1,70 @@
+"""Routers: which worker of a pool serves a request, as classes chosen by name
+(`router=`, `prefill_router=`, `decode_router=`). A router sees the live
+candidates and a read-only view of the pool (modes/pool.py), never the
+controller. Ties go by worker id, so a seeded run routes the same way twice."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+from testbed.modes.pool import PoolView
+from testbed.request import Request
+
+
+class Router(ABC):
+    name: ClassVar[str]
+
+    @abstractmethod
+    def pick(self, request: Request, candidates: list[str], pool: PoolView) -> str:
+        """One of `candidates` (live workers, sorted by id, never empty)."""
+
+
+class RoundRobin(Router):
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def pick(self, request, candidates, pool):
+        self._next += 1
+        return candidates[(self._next - 1) % len(candidates)]
+
+
+class LeastOutstanding(Router):
+    name = "least_outstanding"
+
+    def pick(self, request, candidates, pool):
+        return min(candidates, key=lambda w: (pool.outstanding(w), w))
+
+
+class MostFreeBlocks(Router):
+    """The worker with the most free KV blocks (the highest id on a tie)."""
+    name = "most_free_blocks"
+
+    def pick(self, request, candidates, pool):
+        return max(candidates, key=lambda w: (pool.free_blocks(w), w))
+
+
+class LeastPromptTokens(Router):
+    name = "least_prompt_tokens"
+
+    def pick(self, request, candidates, pool):
+        return min(candidates, key=lambda w: (pool.prompt_tokens(w), w))
+
+
+ROUTERS: dict[str, type[Router]] = {}
+
+
+def register_router(cls: type[Router]) -> type[Router]:
+    ROUTERS[cls.name] = cls
+    return cls
+
+
+for _cls in (RoundRobin, LeastOutstanding, MostFreeBlocks, LeastPromptTokens):
+    register_router(_cls)
+
+
+def make_router(name: str, field_name: str = "router") -> Router:
+    if name not in ROUTERS:
+        raise ValueError(f"{field_name}='{name}' is not known; choose one of: {', '.join(sorted(ROUTERS))}")
+    return ROUTERS[name]()

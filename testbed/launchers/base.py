@@ -1,0 +1,47 @@
+"""Launcher: starts worker processes from plain specs, reports whether they
+live, and kills them. The real runtime's event loop talks to a launcher, never
+to a process object, so where a worker runs (a local process, a Ray actor on
+another node) is the launcher's business alone."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker process needs to start; plain values only."""
+    worker_id: str
+    role: str                  # a name in modes.registry.ROLES
+    needs_kv_port: bool
+    rank: int
+    world_size: int
+    cmd_addr: str              # the frontend's ROUTER (commands)
+    event_addr: str            # the frontend's PULL (events)
+    t0: float                  # the frontend's clock origin (testbed/clock.py)
+    dist_addr: str | None      # torch.distributed rendezvous, when the transport uses it
+    cfg: dict                  # the resolved RunConfig as plain values
+
+
+class Launcher(ABC):
+    name: str
+
+    @abstractmethod
+    def start(self, spec: WorkerSpec) -> None:
+        """Start one worker; returns at once (readiness comes as its Ready event)."""
+
+    @abstractmethod
+    def alive(self, worker_id: str) -> bool:
+        ...
+
+    @abstractmethod
+    def exit_code(self, worker_id: str) -> int | None:
+        """The exit status of a worker that is gone; None while it lives."""
+
+    @abstractmethod
+    def kill(self, worker_id: str) -> None:
+        """Kill a worker for real now (faults, stragglers at shutdown)."""
+
+    @abstractmethod
+    def join(self, timeout_s: float) -> None:
+        """Wait up to timeout_s in all for the workers to exit; kill those left."""

@@ -1,0 +1,41 @@
+"""`launcher=local`: every worker is a process on this host (multiprocessing,
+spawn: each starts a fresh interpreter, so no torch state is inherited)."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+from testbed.launchers.base import Launcher, WorkerSpec
+from testbed.runtime.worker_process import worker_main
+
+
+class LocalLauncher(Launcher):
+    name = "local"
+
+    def __init__(self) -> None:
+        self._mp = mp.get_context("spawn")
+        self._procs: dict[str, mp.Process] = {}
+
+    def start(self, spec: WorkerSpec) -> None:
+        p = self._mp.Process(target=worker_main, args=(spec,), name=spec.worker_id, daemon=True)
+        p.start()
+        self._procs[spec.worker_id] = p
+
+    def alive(self, worker_id: str) -> bool:
+        return self._procs[worker_id].is_alive()
+
+    def exit_code(self, worker_id: str) -> int | None:
+        return self._procs[worker_id].exitcode
+
+    def kill(self, worker_id: str) -> None:
+        p = self._procs[worker_id]
+        p.kill()
+        p.join(5)
+
+    def join(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for p in self._procs.values():
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(5)

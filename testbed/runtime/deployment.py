@@ -1,0 +1,29 @@
+"""What the two runtimes share above the worker: the run's mode (its layout and
+controller, from modes/registry.py) and the result of a run. runtime/real.py
+and runtime/sim.py both import this module and never each other."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from testbed.config import RunConfig
+from testbed.metrics import IterationRecord, RequestRecord
+from testbed.modes.registry import Mode, ModeSettings, get_mode
+
+
+@dataclass
+class RunResult:
+    records: list[RequestRecord]
+    iterations: list[IterationRecord]
+    worker_stats: dict[str, dict] = field(default_factory=dict)
+    duration_s: float = 0.0
+    interrupted: bool = False
+
+
+def mode_settings(cfg: RunConfig) -> ModeSettings:
+    return ModeSettings(replicas=cfg.replicas, prefill_workers=cfg.prefill_workers,
+                        decode_workers=cfg.decode_workers, router=cfg.router, prefill_router=cfg.prefill_router,
+                        decode_router=cfg.decode_router, num_kv_blocks=cfg.num_kv_blocks, block_size=cfg.block_size)
+
+
+def build_mode(cfg: RunConfig) -> Mode:
+    return get_mode(cfg.mode, mode_settings(cfg))
