@@ -15,6 +15,7 @@ from testbed.kv_transfer.base import TransferError
 from testbed.request import Request, RequestStatus
 from testbed.runtime.messages import (Finished, FreeBlocks, HandOffMeta, KVReceived, Prefill, Prefilled, Rejected,
                                       Reserve, Reserved)
+from testbed.runtime.wire import hand_off_meta
 from testbed.worker import WorkerService
 
 
@@ -157,7 +158,7 @@ class DecodeWorker(WorkerService):
             if not a.last:
                 continue
             try:
-                meta = HandOffMeta.from_dict(a.meta)
+                meta = hand_off_meta(a.meta)
             except ValueError as e:     # a peer's bug: fail the request, never the worker
                 self._release(a.request_id)
                 self.emit(Finished.failed(a.request_id, f"KV transfer failed: bad hand-off metadata ({e})"))

@@ -21,7 +21,9 @@ from testbed.config import RunConfig, from_dict, to_dict
 from testbed.engine import WallClock
 from testbed.request import Request
 from testbed.runtime.build import apply_sampling, build_engine
-from testbed.runtime.real import RealRuntime, RunResult
+from testbed.runtime.deployment import RunResult
+from testbed.runtime.messages import Event
+from testbed.runtime.real import RealRuntime
 from testbed.workloads.build import build_workload
 
 LONG = 1024             # the injected long prompt: 16 chunks of 64, 2 MiB of KV on tiny
@@ -114,32 +116,32 @@ class Watch:
     run's processes listened on (read while they run)."""
 
     def __init__(self):
-        self.events: list[dict] = []
+        self.events: list[Event] = []
         self.reserved_on: dict[str, str] = {}     # request -> decode worker that reserved its blocks
         self.prefilled_by: dict[str, str] = {}    # request -> prefill worker it was sent to
         self.ports: set[int] = set()
         self._before = listening_ports(os.getpid())
 
-    def see(self, rt: RealRuntime, ev: dict) -> None:
+    def see(self, rt: RealRuntime, ev: Event) -> None:
         self.events.append(ev)
         if not self.ports:
-            self.ports = {p for pid in [os.getpid(), *(p.pid for p in rt.procs.values())]
+            self.ports = {p for pid in [os.getpid(), *(rt.launcher.pid(w.worker_id) for w in rt.workers)]
                           for p in listening_ports(pid)} - self._before
             assert self.ports, "no listening port found for the run's processes"
-        if ev["type"] == "reserved":
-            self.reserved_on[ev["id"]] = ev["worker"]
-            ho = rt.controller.handoffs.get(ev["id"])
+        if ev.kind == "reserved":
+            self.reserved_on[ev.id] = ev.worker
+            ho = rt.controller.handoffs.get(ev.id)
             if ho is not None and ho.prefill is not None:
-                self.prefilled_by[ev["id"]] = ho.prefill
+                self.prefilled_by[ev.id] = ho.prefill
 
     def count(self, kind: str, **match) -> int:
-        return sum(ev["type"] == kind and all(ev.get(k) == v for k, v in match.items()) for ev in self.events)
+        return sum(ev.kind == kind and all(getattr(ev, k, None) == v for k, v in match.items()) for ev in self.events)
 
 
 def run(cfg: RunConfig, watch: Watch, hook) -> RunResult:
     before = children(os.getpid())
 
-    def on_event(rt: RealRuntime, ev: dict) -> None:
+    def on_event(rt: RealRuntime, ev: Event) -> None:
         watch.see(rt, ev)
         hook(rt, ev)
 
@@ -188,8 +190,8 @@ def test_decode_worker_killed_mid_transfer(transport):
     cfg = config(decode_workers=2, transfer={**SLOW_LINK, "shaped_inner": transport})
     long_rid, watch, killed = long_request(cfg), Watch(), []
 
-    def hook(rt: RealRuntime, ev: dict) -> None:
-        if ev["type"] == "prefilled" and ev["id"] == long_rid:
+    def hook(rt: RealRuntime, ev: Event) -> None:
+        if ev.kind == "prefilled" and ev.id == long_rid:
             killed.append(watch.reserved_on[long_rid])
             rt.kill(killed[0])
 
@@ -217,9 +219,9 @@ def test_decode_worker_killed_with_a_reservation_in_flight():
     cfg = config(decode_workers=2, workload={"arrival": "burst", "inject_arrival_s": [0.0]})
     watch, killed = Watch(), []
 
-    def hook(rt: RealRuntime, ev: dict) -> None:
+    def hook(rt: RealRuntime, ev: Event) -> None:
         ctl = rt.controller
-        if ev["type"] == "reserved" and not killed and ctl.reserving is not None:
+        if ev.kind == "reserved" and not killed and ctl.reserving is not None:
             killed.append((ctl.handoffs[ctl.reserving].decode, ctl.reserving))
             rt.kill(killed[0][0])
 
@@ -246,10 +248,10 @@ def test_decode_worker_killed_before_its_kv_is_sent_over_gloo():
                  workload={"arrival": "burst", "inject_arrival_s": [0.0]})
     watch, killed = Watch(), []
 
-    def hook(rt: RealRuntime, ev: dict) -> None:
-        if ev["type"] == "reserved" and not killed:
-            killed.append((ev["worker"], ev["id"]))
-            rt.kill(ev["worker"])
+    def hook(rt: RealRuntime, ev: Event) -> None:
+        if ev.kind == "reserved" and not killed:
+            killed.append((ev.worker, ev.id))
+            rt.kill(ev.worker)
 
     result = run(cfg, watch, hook)
     ((dead, first),) = killed
@@ -272,10 +274,10 @@ def test_prefill_worker_killed_mid_prefill():
     cfg = config(prefill_workers=2)
     long_rid, watch, chosen, killed = long_request(cfg), Watch(), [], []
 
-    def hook(rt: RealRuntime, ev: dict) -> None:
-        if ev["type"] == "reserved" and ev["id"] == long_rid:
+    def hook(rt: RealRuntime, ev: Event) -> None:
+        if ev.kind == "reserved" and ev.id == long_rid:
             chosen.append([rt.controller.handoffs[long_rid].prefill, 0])
-        elif chosen and not killed and ev["type"] == "iteration" and ev["worker"] == chosen[0][0]:
+        elif chosen and not killed and ev.kind == "iteration" and ev.worker == chosen[0][0]:
             chosen[0][1] += 1
             if chosen[0][1] == 2:
                 killed.append(chosen[0][0])
@@ -307,12 +309,12 @@ def test_client_aborts_during_prefill_transfer_and_decode():
     aborted: dict[str, str] = {}
     prefill_its = [None]
 
-    def hook(rt: RealRuntime, ev: dict) -> None:
-        kind, rid = ev["type"], ev.get("id")
+    def hook(rt: RealRuntime, ev: Event) -> None:
+        kind, rid = ev.kind, getattr(ev, "id", None)
         now = rt.clock.now()
         if kind == "reserved" and rid == long_rid:
             prefill_its[0] = 0
-        elif kind == "iteration" and ev["worker"] == "prefill0" and prefill_its[0] is not None \
+        elif kind == "iteration" and ev.worker == "prefill0" and prefill_its[0] is not None \
                 and "prefill" not in aborted:
             prefill_its[0] += 1
             if prefill_its[0] == 2:
@@ -360,11 +362,11 @@ def test_decode_worker_out_of_kv_blocks():
     assert sum(-(-(r.prompt_len + 1) // 16) for r in reqs) > 2 * 32               # far from all at once
     watch, waits, staled = Watch(), [], []
 
-    def hook(rt: RealRuntime, ev: dict) -> None:
+    def hook(rt: RealRuntime, ev: Event) -> None:
         ctl = rt.controller
         if ctl.queue and ctl.reserving is None:
             head = ctl.handoffs[ctl.queue[0]].request
-            waits.append(ctl.free_blocks["decode0"] < -(-(head.prompt_len + 1) // 16))
+            waits.append(ctl.pool.free_blocks("decode0") < -(-(head.prompt_len + 1) // 16))
             if not staled:
                 staled.append(head.request_id)
                 ctl.on_free_blocks("decode0", 32, rt.clock.now())
@@ -372,7 +374,7 @@ def test_decode_worker_out_of_kv_blocks():
     result = run(cfg, watch, hook)
     check(result, cfg, {}, {"prefill0", "decode0"})
     assert waits and all(waits), "the queue stalled for another reason than blocks"
-    rejected = [ev["id"] for ev in watch.events if ev["type"] == "rejected"]
+    rejected = [ev.id for ev in watch.events if ev.kind == "rejected"]
     assert staled[0] in rejected
     # each rejected request was reserved again later, and served (check() saw its tokens)
     assert all(watch.reserved_on.get(rid) == "decode0" for rid in rejected)
@@ -388,7 +390,7 @@ def test_corrupted_payload_fails_only_its_request(transport, layerwise):
     cfg = config(transfer={"transport": transport, "layerwise": layerwise, "fault_corrupt_nth": 2})
     watch = Watch()
     result = run(cfg, watch, lambda rt, ev: None)
-    prefilled = [ev["id"] for ev in watch.events if ev["type"] == "prefilled"]
+    prefilled = [ev.id for ev in watch.events if ev.kind == "prefilled"]
     victim = prefilled[0] if layerwise else prefilled[1]
     records = {r.request_id: r for r in result.records}
     err = records[victim].error or ""

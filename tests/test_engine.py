@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from testbed.block_manager import BlockManager
-from testbed.engine import Engine, Iteration, WallClock
+from testbed.engine import Engine, WallClock
+from testbed.metrics import IterationRecord
 from testbed.kernels.attention import AttentionMetadata
 from testbed.kernels.reference import ref_paged_attention
 from testbed.kernels.torch_backend import TorchAttentionBackend
@@ -40,7 +41,7 @@ def prompt(n: int, seed: int) -> list[int]:
 class Run:
     tokens: dict[str, list[int]] = field(default_factory=dict)
     logits: dict[str, list[torch.Tensor]] = field(default_factory=dict)   # one [vocab] row per sampled token
-    iterations: list[Iteration] = field(default_factory=list)
+    iterations: list[IterationRecord] = field(default_factory=list)
     kv: dict[str, torch.Tensor] = field(default_factory=dict)             # last seen KV, token order
     num_preemptions: int = 0
 

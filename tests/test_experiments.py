@@ -162,7 +162,7 @@ def test_hybrid_batch_table_and_figure(tmp_path):
 def stall_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("stall")
     from testbed.workloads.config import load_workload_preset
-    cfg = from_dict({"runtime": "sim", "wandb": {"mode": "disabled"},
+    cfg = from_dict({"runtime": {"name": "sim"}, "wandb": {"mode": "disabled"},
                      "experiment": {"name": "stall", "schedulers": ["vllm_v0", "orca", "sarathi"],
                                     "token_budgets": [256], "disagg_splits": ["1P1D"]}})
     # the decodes run ~0.1 s on the simulated cpu: the long prompts must land inside that

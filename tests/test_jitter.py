@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from testbed.config import RunConfig, WandbConfig
+from testbed.config import RunConfig, RuntimeConfig, WandbConfig
 from testbed.runtime.sim import SimRuntime
 from testbed.sim.config import load_hardware_preset
 from testbed.sim.jitter import StepJitter, jitter_quantiles
@@ -61,7 +61,7 @@ def _iterations(step_jitter_ms, seed=0):
     hardware = dataclasses.replace(load_hardware_preset("h100-sxm"), step_jitter_ms=step_jitter_ms)
     workload = WorkloadConfig(name="j", num_requests=12, arrival="poisson", rate=50.0, prompt_dist="fixed",
                               prompt_len=300, output_dist="fixed", output_len=20)
-    cfg = RunConfig(runtime="sim", workload=workload, hardware=hardware, seed=seed, wandb=WandbConfig(mode="disabled"),
+    cfg = RunConfig(runtime=RuntimeConfig("sim"), workload=workload, hardware=hardware, seed=seed, wandb=WandbConfig(mode="disabled"),
                     progress=False)
     result = SimRuntime(cfg, log=lambda _: None).run(build_workload(workload, cfg.model.vocab_size, seed))
     assert all(r.status == "finished" for r in result.records)

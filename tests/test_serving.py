@@ -272,7 +272,7 @@ def test_ctrl_c_writes_what_was_measured_and_leaves_no_process(tmp_path):
 
 
 def test_sim_runtime_writes_the_same_files_and_keys(runs, tmp_path):
-    execute(config(runtime="sim"), tmp_path)
+    execute(config(runtime={"name": "sim"}), tmp_path)
     real = runs["sarathi"]
     assert {p.name for p in tmp_path.iterdir()} == {p.name for p in real.iterdir()}
     sim_summary = json.loads((tmp_path / "summary.json").read_text())
@@ -295,7 +295,7 @@ def test_sim_runtime_writes_the_same_files_and_keys(runs, tmp_path):
 def test_a_request_larger_than_the_kv_cache_fails_at_once(tmp_path):
     """8 blocks of 16 slots = 128 tokens: the longer requests can never fit and
     fail with an error naming the knob; the rest are served."""
-    summary = execute(config(runtime="sim", num_kv_blocks=8), tmp_path)
+    summary = execute(config(runtime={"name": "sim"}, num_kv_blocks=8), tmp_path)
     records = read_jsonl(tmp_path / "requests.jsonl")
     reqs = {r.request_id: r for r in expected_requests(config())}
     for r in records:

@@ -15,8 +15,10 @@ from testbed.config import RunConfig, register_configs
 from testbed.model.config import CONF_DIR, load_model_preset
 from testbed.request import Request, SamplingParams
 from testbed.run import execute
-from testbed.runtime.protocol import request_from_msg, request_to_msg
-from testbed.runtime.sim import SimRuntime, in_process_request_msg, materialize_prompt
+from testbed.runtime.messages import request_to_msg
+from testbed.runtime.sim import SimRuntime, materialize_prompt
+from testbed.runtime.messages import Add
+from testbed.runtime.wire import decode, encode
 from testbed.sim.config import HardwareConfig, load_hardware_preset
 from testbed.sim.cost_model import CostModel
 from testbed.sim.memory import kv_footprint
@@ -185,14 +187,14 @@ def test_a_million_token_prompt_is_never_copied(tmp_path):
 def test_in_process_commands_build_the_same_request_without_copying_the_prompt():
     prompt = synthesize_prompt(3, 7, 1000, 4096)
     req = Request("r7", prompt, 5, 1.5, SamplingParams(0.7, 0.9, 11, False, 2))
-    via_wire = request_from_msg(request_to_msg(req))
-    for msg in (in_process_request_msg(req), materialize_prompt(in_process_request_msg(req))):
-        assert msg.keys() == request_to_msg(req).keys()
-        got = request_from_msg(msg)
+    via_wire = decode(encode(Add(request_to_msg(req)))).request.to_request()
+    in_process = request_to_msg(req, copy_prompt=False)
+    for msg in (in_process, materialize_prompt(in_process)):
+        got = msg.to_request()
         assert (got.request_id, got.max_tokens, got.arrival_s, got.sampling) == \
                (via_wire.request_id, via_wire.max_tokens, via_wire.arrival_s, via_wire.sampling)
         assert list(got.prompt_token_ids) == list(via_wire.prompt_token_ids)
-    assert in_process_request_msg(req)["prompt"] is prompt
+    assert in_process.prompt is prompt
 
 
 # -- the cost model's short-batch path ------------------------------------------------------------

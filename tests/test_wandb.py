@@ -98,7 +98,7 @@ def offline(tmp_path, monkeypatch):
     return tmp_path
 
 
-SIM_RUN = {"runtime": "sim", "model": {"name": "tiny"}, "wandb": {"mode": "offline", "group": "g1"},
+SIM_RUN = {"runtime": {"name": "sim"}, "model": {"name": "tiny"}, "wandb": {"mode": "offline", "group": "g1"},
            "workload": {"num_requests": 5, "prompt_min": 16, "prompt_max": 64, "output_min": 4, "output_max": 8,
                         "rate": 50.0}}
 
@@ -108,7 +108,7 @@ def test_a_run_logs_config_summary_iterations_and_requests(offline):
     summary = execute(from_dict(SIM_RUN), out)
     logged = Logged(out)
 
-    assert logged.config["runtime"] == "sim" and logged.config["workload"]["num_requests"] == 5
+    assert logged.config["runtime"]["name"] == "sim" and logged.config["workload"]["num_requests"] == 5
     assert logged.config["wandb"]["group"] == "g1"
     for key in ("num_requests", "num_finished", "duration_s", "goodput"):
         assert logged.summary[key] == pytest.approx(summary[key]), key

@@ -41,7 +41,10 @@ class Policy:
 
     @property
     def num_gpus(self) -> int:
-        return self.replicas if self.mode == "colocated" else self.prefill_workers + self.decode_workers
+        """Workers in the mode's layout (one accelerator each)."""
+        from testbed.modes.registry import ModeSettings, get_mode
+        settings = ModeSettings(self.replicas, self.prefill_workers, self.decode_workers, "", "", "", 0, 0)
+        return len(get_mode(self.mode, settings).layout())
 
     def apply(self, cfg: RunConfig, **changes) -> RunConfig:
         """`cfg` run under this policy as a plain run (no experiment, no W&B run of its own)."""
@@ -218,15 +221,17 @@ def _workload(name: str, spec: dict) -> WorkloadConfig:
 def _real_cfg(cfg: RunConfig) -> RunConfig:
     """The real-engine point: the first of real_models on this CPU."""
     model = load_model_preset(cfg.experiment.real_models[0])
-    return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, name="real"), model=model, hardware=load_hardware_preset("cpu"),
-                               num_kv_blocks=RunConfig.num_kv_blocks, progress=False)
+    return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, name="real"), model=model,
+                               hardware=load_hardware_preset("cpu"), num_kv_blocks=RunConfig.num_kv_blocks,
+                               progress=False)
 
 
 def _sim_cfg(cfg: RunConfig) -> RunConfig:
     """The simulator on the run's model and hardware, with the KV memory the accelerator has after the weights."""
     from testbed.sim.cost_model import CostModel
     tokens = CostModel(cfg.model, cfg.hardware, cfg.parallel).kv_capacity_tokens()
-    return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, name="sim"), num_kv_blocks=tokens // cfg.block_size, progress=False)
+    return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, name="sim"),
+                               num_kv_blocks=tokens // cfg.block_size, progress=False)
 
 
 def _plot_capacity(rows: list[dict], probe_rows: list[dict], path: Path) -> None:

@@ -42,6 +42,10 @@ class Launcher(ABC):
     def kill(self, worker_id: str) -> None:
         """Kill a worker for real now (faults, stragglers at shutdown)."""
 
+    def pid(self, worker_id: str) -> int | None:
+        """The worker's process id where it runs on this host (tests read its sockets)."""
+        return None
+
     @abstractmethod
     def join(self, timeout_s: float) -> None:
         """Wait up to timeout_s in all for the workers to exit; kill those left."""

@@ -22,10 +22,14 @@ class LocalLauncher(Launcher):
         self._procs[spec.worker_id] = p
 
     def alive(self, worker_id: str) -> bool:
-        return self._procs[worker_id].is_alive()
+        p = self._procs.get(worker_id)
+        return p is not None and p.is_alive()
 
     def exit_code(self, worker_id: str) -> int | None:
         return self._procs[worker_id].exitcode
+
+    def pid(self, worker_id: str) -> int | None:
+        return self._procs[worker_id].pid
 
     def kill(self, worker_id: str) -> None:
         p = self._procs[worker_id]

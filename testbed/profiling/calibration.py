@@ -1,42 +1,27 @@
 """Calibrating the cost model to the real engine on this machine: what an
-iteration costs besides what the cost model prices from the GEMM and
-attention tables (scheduling, building the inputs, sampling, updating the
-requests, packing the events), and how much slower the kernels run inside the
-engine than alone in the profiler (cold caches, other processes), measured so
-`runtime=sim hardware=cpu` predicts the real engine's iteration times, not
-just its kernels.
+iteration costs besides what the GEMM and attention tables price
+(scheduling, building the inputs, sampling, updating the requests, packing
+the events), and how much slower the kernels run inside the engine than
+alone in the profiler, so that `runtime=sim hardware=cpu` predicts the real
+engine's iteration times, not just its kernels.
 
-Method: real WorkerServices (engine, scheduler, ModelExecutor, events packed
-with msgpack as a worker process does) step batches of known shapes: decode
-batches of 1 to 32 requests (contexts spread over 64..512) and of 4 to 16
-of one length (a burst of like prompts: one SDPA call, no mask), whole
-prefills of 16 to 2048 tokens, and a 64-token chunk beside 1 to 8 decodes; a
-few steps of each shape in a row per round (serving repeats a batch step
-after step), so that whatever else runs on the machine spreads over all
-shapes alike. (Steps timed inside a real runtime's burst were fitted too once:
-the frontend busy sending the burst on the other core slowed them 20-30%,
-which raised calibration_scale and overpriced every quiet step and long
-prefill by 10-40%.) Each shape's median step time is fitted to
+Method: real WorkerServices (engine, scheduler, ModelExecutor, events
+encoded as a worker process does) step batches of known shapes (decode
+batches of spread and of like contexts, whole prefills, a chunk beside
+decodes), a few steps of each shape in a row per round, rounds interleaved
+so that whatever else runs on the machine spreads over all shapes alike.
+Each shape's median step time is fitted to
     overhead_ms + overhead_per_seq_ms · num_seqs + overhead_per_token_ms · num_tokens
         + calibration_scale · modeled
 where `modeled` is the cost model's time without overhead; all four >= 0,
 minimising relative error (a 1-decode step and a 512-token prefill count
-alike).
-
-Real serving runs (the worker process, the frontend, ZMQ; measure_serving),
-three spread over the rounds, add their iterations, whose batches are
-recovered from the records, to the fit, long prompts among them: the rounds
-pin how a step's time depends on its shape, which a serving run covers only
-in part (no batch of 32 decodes, few hybrids); the serving runs, what
-serving costs (served steps ran 0-10% slower here than the same shapes
-stepped alone). The same runs give the
-one-way frontend <-> worker hop, and the noise of serving steps: each
-decode-only step's time minus the median of the steps with as many
-decodes, whose quantiles become hardware.step_jitter_ms (jitter.py):
-serving is noisier than the rounds above (the frontend process on the other
-core, the worker's socket I/O), its 99th percentile step 1.3-1.5x the median
-where repeated rounds give 1.12x, and that tail is what a run's p99 token gap
-is made of. Last, the frontend's own time per command it sends."""
+alike). Three real serving runs (worker process, frontend, ZMQ;
+measure_serving), spread over the rounds, add their iterations, batches
+recovered from the records, to the fit: the rounds pin how a step's time
+depends on its shape, the serving runs what serving costs. The same runs give
+the frontend <-> worker hop and the step jitter (jitter.py); last, the
+frontend's own time per command. experiments/README.md ("Calibration notes")
+has the measurements that shaped this method."""
 from __future__ import annotations
 
 import bisect
@@ -146,10 +131,7 @@ def measure_overhead(model: ModelConfig, hardware: HardwareConfig, quick: bool =
     the rounds below, and the iterations of real serving runs if `serve` is
     given: one before the rounds, one halfway and one after (quick: one), so
     that the fit, whose two kinds of rows otherwise come from two different
-    stretches of time, sees this machine over a minute or two. (With one
-    serving run of ~13 s, the profile caught the machine's speed of that
-    moment: its 1-decode step took 3.1 ms in one profile and 3.6-4.3 ms in
-    four others, and the sim was 9-20% fast or 5-29% slow on every case.)"""
+    stretches of time, sees this machine over a minute or two."""
     bare = dataclasses.replace(hardware, overhead_ms=0.0, overhead_per_seq_ms=0.0, overhead_per_token_ms=0.0,
                                calibration_scale=1.0,
                                frontend_hop_ms=0.0, frontend_message_ms=0.0)

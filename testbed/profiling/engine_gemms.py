@@ -2,16 +2,11 @@
 timed inside real engine steps, by (rows, out_features, in_features).
 
 Why not F.linear alone, called again and again on one weight: there the
-weight stays in cache, which in a forward pass it does not. Between two
+weight stays in cache, which in a forward pass it does not (between two
 calls on a layer's weight the engine runs every other layer, the attention
-and the sampling, and on this VM (a 32 MB L3 shared with other tenants) the
-weights come back from memory. On `tiny` the engine's GEMMs take 1.9 ms a
-step at one token and 2.1 ms at two (steps back to back, as serving runs
-them; 2.1 and 3.4 ms with other shapes stepped in between), where the same
-calls timed alone take 0.4 and 0.8 ms. Priced from the isolated table, the
-difference fell to the fitted overhead, which is one number for every batch
-and cannot follow how it changes with m. Measured in the engine, the table
-carries it.
+and the sampling). Priced from an isolated table the difference would fall
+to the fitted overhead, one number for every batch that cannot follow how
+it changes with m; measured in the engine, the table carries it.
 
 A token count m is a step of m decodes (contexts spread over 64..512, as in
 serving) while m <= MAX_DECODE_BATCH, else a whole prefill of m tokens; lm_head
@@ -20,12 +15,10 @@ extends them linearly. Each round steps every shape BURST times in a row, as
 serving repeats a batch, and times all but the first (which follows another
 shape). A shape gets as many rounds as it takes to reach `min_time_s` of
 GEMM time (MIN_ROUNDS at least), spread evenly over the whole measurement
-(rounds 0, middle and last for a 2K prefill, every round for one decode),
-and a row is the median over the steps of the per-call time, so whatever
-else runs on the machine spreads over all shapes alike. (Measured in the
-first three rounds only, the large shapes once caught a slow few seconds:
-their rows came out 12-15% above the small ones' against the same machine
-measured again, and the sim priced every prefill 12-19% high.)"""
+(spread_rounds), and a row is the median over the steps of the per-call
+time, so whatever else runs on the machine spreads over all shapes alike.
+The measurements behind these choices are in experiments/README.md
+("Calibration notes")."""
 from __future__ import annotations
 
 import math

@@ -54,7 +54,8 @@ def request_to_msg(req: Request, copy_prompt: bool = True) -> RequestMsg:
 @dataclass(slots=True)
 class HandOffMeta:
     """What the decode worker needs of a request's prefill, riding with its
-    last KV payload: the first token and when it was sampled."""
+    last KV payload (as `to_dict()`; read back by wire.hand_off_meta): the
+    first token and when it was sampled."""
     first_token: int
     first_token_s: float
     last_iteration_s: float           # the final prefill iteration's duration (layer-wise timing)
@@ -65,11 +66,6 @@ class HandOffMeta:
         return {"first_token": self.first_token, "first_token_s": self.first_token_s,
                 "last_iteration_s": self.last_iteration_s, "first_scheduled_s": self.first_scheduled_s,
                 "num_preemptions": self.num_preemptions}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> HandOffMeta:
-        from testbed.runtime.wire import check_fields
-        return check_fields(cls, [d.get(name) for name in cls.__dataclass_fields__])
 
 
 class Message:

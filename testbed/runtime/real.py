@@ -84,7 +84,7 @@ class RealRuntime:
         dist_addr = None
         if self.mode.needs_kv_port:
             from testbed.runtime.real_kv_port import uses_torch_dist
-            if uses_torch_dist(self.cfg):
+            if uses_torch_dist(self.cfg.transfer):
                 from testbed.kv_transfer import start_rendezvous
                 self._store, dist_addr = start_rendezvous(self.cfg.transfer.host, self.cfg.transfer.timeout_s)
         for rank, w in enumerate(self.workers):
@@ -131,7 +131,16 @@ class RealRuntime:
         return addresses
 
     def run(self, requests: list[Request]) -> RunResult:
-        self.start()
+        """Serve `requests`; whatever goes wrong (a start-up failure, a crashed
+        worker, an error in a hook), the workers are stopped before it propagates."""
+        try:
+            self.start()
+            return self._serve(requests)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _serve(self, requests: list[Request]) -> RunResult:
         ctl = self.controller
         pending = deque(sorted(requests, key=lambda r: r.arrival_s))
         total, interrupted = len(pending), False
@@ -188,7 +197,16 @@ class RealRuntime:
         self.launcher.kill(worker_id)
 
     def shutdown(self) -> None:
-        """Stop every worker, collect their final stats, leave no process or port behind."""
+        """Stop every worker, collect their final stats, leave no process or port behind.
+        Safe to call twice, and before start() got far."""
+        if self.ctx.closed:
+            return
+        if not hasattr(self, "events"):         # start() failed before its sockets existed
+            self.launcher.join(0.0)
+            if hasattr(self, "cmd"):
+                self.cmd.close(0)
+            self.ctx.term()
+            return
         alive = [w.worker_id for w in self.workers if self.launcher.alive(w.worker_id)]
         for w in alive:
             self._send(w, Stop())

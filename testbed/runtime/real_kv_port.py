@@ -8,16 +8,15 @@ from collections import OrderedDict
 
 import torch
 
-from testbed.config import RunConfig
 from testbed.engine import Engine
 from testbed.kv_transfer import PayloadError, TransferError, make_receiver, make_sender, pack_kv, unpack_kv
+from testbed.kv_transfer.config import TransferConfig
 from testbed.kv_transfer.torch_dist import TorchDistGroup
 from testbed.launchers.base import WorkerSpec
 from testbed.runtime.kv_port import KVArrival, KVPort
 
 
-def uses_torch_dist(cfg: RunConfig) -> bool:
-    t = cfg.transfer
+def uses_torch_dist(t: TransferConfig) -> bool:
     return (t.shaped_inner if t.transport == "shaped" else t.transport) == "torch_dist"
 
 
@@ -30,17 +29,17 @@ class RealKVPort(KVPort):
     only once the receiver has acknowledged the request it carried (by then
     every byte has left); one never acknowledged is simply not reused."""
 
-    def __init__(self, cfg: RunConfig, spec: WorkerSpec, engine: Engine, sends: bool, receives: bool):
+    def __init__(self, transfer: TransferConfig, spec: WorkerSpec, engine: Engine, sends: bool, receives: bool):
         self.cache = engine.executor.kv_cache
         self.bm = engine.bm
         self.num_layers = engine.executor.num_layers
         self.kv_bytes_per_token = engine.executor.kv_bytes_per_token
         self.group = None
-        if uses_torch_dist(cfg):
+        if uses_torch_dist(transfer):
             self.group = TorchDistGroup(spec.dist_addr, spec.rank, spec.world_size,
-                                        cfg.transfer.dist_backend, cfg.transfer.timeout_s)
-        self.receiver = make_receiver(cfg.transfer, group=self.group) if receives else None
-        self.sender = make_sender(cfg.transfer, name=spec.worker_id, group=self.group) if sends else None
+                                        transfer.dist_backend, transfer.timeout_s)
+        self.receiver = make_receiver(transfer, group=self.group) if receives else None
+        self.sender = make_sender(transfer, name=spec.worker_id, group=self.group) if sends else None
         self._free_buffers: list[torch.Tensor] = []
         self._in_flight: OrderedDict[str, list[torch.Tensor]] = OrderedDict()   # request id -> its buffers
 

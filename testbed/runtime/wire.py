@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import msgpack
 
-from testbed.runtime.messages import MESSAGES, Message
+from testbed.runtime.messages import MESSAGES, HandOffMeta, Message
 
 MAX_MESSAGE_BYTES = 64 << 20   # a command carries at most one prompt (8 MiB of ids for 1M tokens as int64)
 
@@ -59,12 +59,20 @@ def decode(raw: bytes | memoryview) -> Message:
     return check_fields(cls, obj[1:])
 
 
-def check_fields(cls: type, values: list) -> Any:
+def hand_off_meta(d: dict) -> HandOffMeta:
+    """The hand-off metadata of a KV payload's header, checked like a message."""
+    if not isinstance(d, dict):
+        raise WireError(f"hand-off metadata is a {type(d).__name__}, expected a map")
+    return check_fields(HandOffMeta, [d.get(name) for name in HandOffMeta.__dataclass_fields__])
+
+
+def check_fields(cls: type, values: list, where: str | None = None) -> Any:
     """An instance of dataclass `cls` from its field values, each checked against its annotation."""
+    where = where or _name(cls)
     checkers = _checkers(cls)
     if len(values) != len(checkers):
-        raise WireError(f"{_name(cls)}: expected {len(checkers)} fields, got {len(values)}")
-    return cls(*[check(v, f"{_name(cls)}.{name}") for (name, check), v in zip(checkers, values)])
+        raise WireError(f"{where}: expected {len(checkers)} fields, got {len(values)}")
+    return cls(*[check(v, f"{where}.{name}") for (name, check), v in zip(checkers, values)])
 
 
 def _name(cls: type) -> str:
@@ -120,7 +128,7 @@ def _checker(tp: Any) -> Callable[[Any, str], Any]:
         def nested(v, where):
             if not isinstance(v, list):
                 raise WireError(f"{where}: expected a {tp.__name__} as a list")
-            return check_fields(tp, v)
+            return check_fields(tp, v, where)
         return nested
     if tp is float:
         def a_float(v, where):

@@ -47,7 +47,7 @@ def worker_main(spec) -> None:
         if spec.needs_kv_port:
             from testbed.runtime.real_kv_port import RealKVPort
             role = get_role(spec.role)
-            kv_port = RealKVPort(cfg, spec, engine, sends=role.sends_kv, receives=role.receives_kv)
+            kv_port = RealKVPort(cfg.transfer, spec, engine, sends=role.sends_kv, receives=role.receives_kv)
         service = build_worker(spec.worker_id, spec.role, engine, emit, kv_port, cfg.transfer.layerwise)
         emit(Ready(spec.worker_id, kv_port.address if kv_port else ""))
         while not service.stopping:

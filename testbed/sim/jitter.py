@@ -2,20 +2,19 @@
 model's prediction, so that `runtime=sim` predicts tails (p99 TBT), not only
 medians.
 
-On this CPU the same batch takes 3.1 ms one step and 4.6 ms another (the
-other process on the second core, the worker's socket I/O, the OS): a run's
-p99 token gap is set by that spread, not by the batch. `testbed profile`
-serves a short decode-heavy workload on the real runtime and stores the
-quantiles of each decode step's time minus the median of the steps with as
-many decodes, in ms (`hardware.step_jitter_ms`, evenly spaced probabilities
-0, 1/(n-1), ..., 1). The simulator adds a deviation drawn from them to each
-modeled iteration, with a seeded generator per worker, so a run is
-reproducible. The noise is time the machine takes away or gives back, not a
-share of the step: served 1800-token prefills (~330 ms) vary by ~3%, where
-a 3 ms decode step varies by 30%; scaling the decodes' spread onto a
-prefill drew it 10% short one run and 30% long the next. The cost model
-itself is fitted to median step times, so the median iteration is
-unchanged. GPU presets carry no table: no jitter.
+On a shared CPU the same batch takes noticeably longer one step than the
+next (the other process on the second core, the worker's socket I/O, the
+OS), and a run's p99 token gap is set by that spread, not by the batch.
+`testbed profile` serves a short decode-heavy workload on the real runtime
+and stores the quantiles of each decode step's time minus the median of the
+steps with as many decodes, in ms (`hardware.step_jitter_ms`, evenly spaced
+probabilities 0, 1/(n-1), ..., 1). The simulator adds a deviation drawn from
+them to each modeled iteration, with a seeded generator per worker, so a run
+is reproducible. The noise is added time, not a share of the step: a long
+prefill varies by a few percent where a decode step varies by tens, so
+scaling the decodes' spread onto a prefill would be wrong. The cost model is
+fitted to median step times, so the median iteration is unchanged. GPU
+presets carry no table: no jitter.
 """
 from __future__ import annotations
 
@@ -28,10 +27,8 @@ def jitter_quantiles(samples: Sequence[float], num_quantiles: int = 101, top: fl
     step-time deviations, linearly interpolated between samples, the samples
     above their `top` quantile first clipped to it. Why clip: the last of
     101 quantiles is the max, and a draw in the top 1% lands anywhere
-    between the 99th percentile and it; one 30 ms hiccup among ~3,000
-    served steps (2.4 ms at the 99th percentile) so made half of the top 1%
-    of simulated steps 15-30 ms slower, and the sim's p99 TBT came out 85-99%
-    above the real one's."""
+    between the 99th percentile and it, so one rare hiccup would otherwise
+    set the simulated p99 (experiments/README.md, "Calibration notes")."""
     if len(samples) < 2:
         raise ValueError(f"step_jitter_ms: need at least 2 measured steps, got {len(samples)}")
     xs = sorted(samples)
