@@ -46,7 +46,7 @@ KERNELS = {
     # Decode fractions: experiments/results/h200_kernels.csv, decode_64x4k at
     # 4,124 GB/s and decode_1x128k at 2,040 GB/s of the datasheet's 4,800.
     # Assumed the same on A100 (not measured there).
-    "triton": AttentionKernel("triton", {"h100": 0.317, "a100": 0.317}, q_half=8.0, ctx_half=256.0,
+    "triton": AttentionKernel("triton", {"h100": 0.314, "a100": 0.314}, q_half=128.0, ctx_half=2048.0,
                               decode_bw_fraction=0.859, single_seq_bw_fraction=0.425),
     # FlashAttention-2 (the flash-attn package's varlen/kvcache kernels).
     # Long-sequence forward throughput: up to 73% of A100's peak (Dao,
@@ -56,7 +56,7 @@ KERNELS = {
     # "FlashAttention-2 achieving only 35% utilization on the H100").
     # q_half, ctx_half: assumed those fitted for triton (no per-length figures
     # quoted here). Decode bandwidth: assumed as the Triton kernel's.
-    "flash_attn": AttentionKernel("flash_attn", {"h100": 0.35, "a100": 0.73}, q_half=8.0, ctx_half=256.0,
+    "flash_attn": AttentionKernel("flash_attn", {"h100": 0.35, "a100": 0.73}, q_half=128.0, ctx_half=2048.0,
                                   decode_bw_fraction=0.859, single_seq_bw_fraction=0.425),
 }
 

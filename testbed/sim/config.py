@@ -77,6 +77,10 @@ class HardwareConfig:
     # in eager mode (an iteration can be no faster than its launches), and
     # whether decode iterations of up to cuda_graph_max_tokens replay a CUDA
     # graph instead (no per-kernel launches). Sources in each preset.
+    # a measured dense bf16 matmul of 8192^3 on this chip, TFLOP/s (0: none):
+    # when set, the tables' times are transferred to this chip by it against the
+    # tables' own 8192^3 throughput, not by the datasheet peaks (gpu_tables.py)
+    matmul_tflops_measured: float = 0.0
     kernel_launch_us: float = 0.0
     cuda_graphs: bool = False
     cuda_graph_max_tokens: int = 512
@@ -130,6 +134,7 @@ class HardwareConfig:
         if self.kv_blocks_default < 0:
             raise ValueError(f"hardware.kv_blocks_default: must be >= 0 (0: from memory), got {self.kv_blocks_default}")
         for f in ("peak_tflops_fp8", "gemm_ramp_tokens", "overhead_ms", "overhead_per_seq_ms", "kernel_launch_us",
+                  "matmul_tflops_measured",
                   "overhead_per_token_ms", "frontend_hop_ms", "frontend_message_ms"):
             if getattr(self, f) < 0:
                 raise ValueError(f"hardware.{f}: must be >= 0, got {getattr(self, f)}")

@@ -21,6 +21,7 @@ from testbed.sim.table_pricing import Curve, RooflineRatio, TableElementwise, Ta
 # the source side of the roofline ratio. Their dtype: 16-bit.
 TABLE_CHIPS = {"h100": (989.4, 3350.0), "a100": (312.0, 2039.0)}
 TABLE_DTYPE_BYTES = 2
+MATMUL_SIDE = 8192             # the square matmul HardwareConfig.matmul_tflops_measured times
 
 
 @lru_cache(maxsize=None)
@@ -64,8 +65,14 @@ class GpuTablePricing:
                              f"choose one of: {', '.join(sorted(TABLE_CHIPS))} (or '' for the roofline)")
         self.gemms, self.elementwise = table_models(hardware.gemm_table)
         peak, bw = TABLE_CHIPS[hardware.gemm_table]
-        self.ratio = RooflineRatio(peak * 1e12, bw * 1e9, TABLE_DTYPE_BYTES,
-                                   hardware.peak_flops(model.dtype), hardware.hbm_bw_gbps * 1e9, shapes.dtype_bytes)
+        source_flops, target_flops = peak * 1e12, hardware.peak_flops(model.dtype)
+        if hardware.matmul_tflops_measured:
+            # measured on both sides: the tables' own 8192^3 throughput against this chip's
+            n = MATMUL_SIDE
+            source_flops = 2.0 * n ** 3 / self.gemms.seconds(n, n, n)
+            target_flops *= hardware.matmul_tflops_measured / hardware.peak_tflops
+        self.ratio = RooflineRatio(source_flops, bw * 1e9, TABLE_DTYPE_BYTES,
+                                   target_flops, hardware.hbm_bw_gbps * 1e9, shapes.dtype_bytes)
         self.model, self.shapes = model, shapes
 
     def _scale(self, g: Gemm, m: np.ndarray) -> np.ndarray | float:
