@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 
@@ -40,10 +41,11 @@ class RunConfig:
     mode: str = "colocated"        # colocated | disagg
     runtime: str = "real"          # real | sim
     scheduler: str = "sarathi"     # request_level | vllm_v0 | orca | sarathi
-    token_budget: int = 256        # sarathi: tokens per iteration
+    token_budget: Optional[int] = None   # sarathi: tokens per iteration; None: the hardware's default
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192   # whole-prefill schedulers: prompt tokens per iteration
-    num_kv_blocks: int = 2048      # KV memory per worker, in blocks
+    num_kv_blocks: Any = "auto"    # KV memory per worker, in blocks; auto: testbed/sim/defaults.py
+    gpu_memory_utilization: float = 0.9   # num_kv_blocks=auto: the share of the accelerator's memory used
     block_size: int = 16
     enable_prefix_caching: bool = True
     attention_backend: str = "torch"
@@ -73,6 +75,10 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
+
+    def __post_init__(self) -> None:
+        from testbed.sim.defaults import resolve_hardware_defaults
+        self.hardware_defaults_note = resolve_hardware_defaults(self)    # not a field: the run header's line
 
 
 def _one_of(field_name: str, value: str, choices) -> None:
@@ -110,6 +116,7 @@ def register_configs() -> None:
     config: hardware=cpu sets its own, and any other preset has them reset as
     not profiled for it (HardwareConfig.__post_init__)."""
     schema = RunConfig()
+    schema.token_budget, schema.num_kv_blocks = None, "auto"      # resolved per run, after the presets merge
     schema.hardware = dataclasses.replace(schema.hardware, gemm_profile=[], attention_profile=[], step_jitter_ms=[])
     ConfigStore.instance().store(name="run_schema", node=schema)
 
