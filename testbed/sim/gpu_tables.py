@@ -75,11 +75,8 @@ class GpuTablePricing:
                                    target_flops, hardware.hbm_bw_gbps * 1e9, shapes.dtype_bytes)
         self.model, self.shapes = model, shapes
 
-    def _scale(self, g: Gemm, m: np.ndarray) -> np.ndarray | float:
-        return 1.0 if self.ratio.identity else self.ratio.gemm(g, m)
-
     def gemm_curve(self, gemms: Sequence[Gemm]) -> Curve:
-        return self.gemms.curve(gemms, None if self.ratio.identity else self._scale)
+        return self.gemms.curve(gemms, None if self.ratio.identity else self.ratio.gemm)
 
     def elementwise_curve(self) -> Curve:
         return self.elementwise.curve(elementwise_ops(self.model, self.shapes), self.ratio.streaming())
@@ -93,8 +90,8 @@ class GpuTablePricing:
         rows = max(1.0, m * e.top_k / touched)
         total = 0.0
         for g in (Gemm("expert_up", up_width * im, self.model.hidden_size), Gemm("expert_down", self.model.hidden_size, im)):
-            t = self.gemms.seconds(rows, g.n, g.k)
-            total += t * float(np.asarray(self._scale(g, np.array([rows])))[0] if not self.ratio.identity else 1.0)
+            scale = 1.0 if self.ratio.identity else float(self.ratio.gemm(g, np.array([rows]))[0])
+            total += self.gemms.seconds(rows, g.n, g.k) * scale
         return e.layers * touched * total
 
 
