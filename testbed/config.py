@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 
@@ -48,10 +49,11 @@ class RunConfig:
     # two budgets because they bound different things: token_budget caps every token of a
     # chunking policy's iteration (decodes included; a prompt is cut to fit), while
     # max_num_batched_tokens caps the whole prompts a whole-prefill policy admits together
-    token_budget: int = 256        # sarathi: tokens per iteration
+    token_budget: Optional[int] = None   # sarathi: tokens per iteration; None: the hardware's default
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192   # whole-prefill schedulers: prompt tokens per iteration
-    num_kv_blocks: int = 2048      # KV memory per worker, in blocks
+    num_kv_blocks: Any = "auto"    # KV memory per worker, in blocks; auto: testbed/sim/defaults.py
+    gpu_memory_utilization: float = 0.9   # num_kv_blocks=auto: the share of the accelerator's memory used
     block_size: int = 16
     enable_prefix_caching: bool = True
     attention_backend: str = "torch"
@@ -85,6 +87,10 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
+
+    def __post_init__(self) -> None:
+        from testbed.sim.defaults import resolve_hardware_defaults
+        self.hardware_defaults_note = resolve_hardware_defaults(self)    # not a field: the run header's line
 
 
 def _one_of(field_name: str, value: str, choices) -> None:
@@ -129,6 +135,7 @@ def register_configs() -> None:
     config: hardware=cpu sets its own, and any other preset has them reset as
     not profiled for it (HardwareConfig.__post_init__)."""
     schema = RunConfig()
+    schema.token_budget, schema.num_kv_blocks = None, "auto"      # resolved per run, after the presets merge
     schema.hardware = dataclasses.replace(schema.hardware, gemm_profile=[], attention_profile=[], step_jitter_ms=[])
     ConfigStore.instance().store(name="run_schema", node=schema)
 

@@ -46,6 +46,8 @@ def execute(cfg: RunConfig, out_dir: str | Path) -> dict:
             "mode": cfg.mode, "runtime": cfg.runtime.name, "scheduler": cfg.scheduler, "model": cfg.model.name,
             "workload": cfg.workload.name, "token_budget": cfg.token_budget,
             "interrupted": result.interrupted,
+            "hardware": {"name": cfg.hardware.name, "provenance": cfg.hardware.provenance,
+                         "defaults": getattr(cfg, "hardware_defaults_note", "")},
             "kv_blocks_leaked": {w: s["num_blocks"] - s["num_free_blocks"]
                                  for w, s in result.worker_stats.items() if not s["all_free"]},
             "workers": result.worker_stats,

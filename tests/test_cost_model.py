@@ -23,7 +23,11 @@ from testbed.sim.timers import ProfiledGemms
 
 @pytest.fixture(scope="module")
 def h100():
-    return load_hardware_preset("h100-sxm")
+    """h100-sxm priced by the roofline (the tables, the attention kernel model
+    and the launch bound off): these tests pin down the roofline's first
+    principles; tests/test_gpu_tables.py covers the table-priced preset."""
+    return load_hardware_preset("h100-sxm", gemm_table="", allreduce_table="", attention_kernel="",
+                                kernel_launch_us=0.0)
 
 
 @pytest.fixture(scope="module")

@@ -154,3 +154,31 @@ def test_an_error_inside_a_real_run_stops_every_worker_before_it_propagates():
     with pytest.raises(RuntimeError, match="a hook failed mid-run"):
         RealRuntime(cfg, on_event=hook).run(requests)
     assert children(os.getpid()) <= before
+
+
+def test_the_simulator_physics_is_torch_free():
+    """testbed/sim/ runs on a machine without torch: none of its modules, nor
+    any project module they import, imports torch at the top."""
+    import ast
+    from import_graph import module_files
+    files, graph = module_files(), import_graph()
+
+    def top_level_imports(mod: str) -> set[str]:
+        tree = ast.parse(files[mod].read_text())
+        out = set()
+        for node in tree.body:
+            if isinstance(node, ast.Import):
+                out |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                out.add(node.module.split(".")[0])
+        return out
+
+    seen, todo = set(), [m for m in graph if m.startswith("testbed.sim")]
+    while todo:
+        m = todo.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        assert "torch" not in top_level_imports(m), f"{m} imports torch"
+        tree = ast.parse(files[m].read_text())
+        todo += [n.module for n in tree.body if isinstance(n, ast.ImportFrom) and n.module in files]

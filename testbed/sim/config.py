@@ -64,6 +64,34 @@ class HardwareConfig:
     # minus the median time of the same batch, in ms: the machine's noise,
     # which sets p99 token gaps (testbed.sim.jitter); [] = none (GPU presets)
     step_jitter_ms: list[float] = field(default_factory=list)
+    # Measured operator tables (testbed/sim/vidur_tables/; "" = the roofline above):
+    # gemm_table prices GEMMs and elementwise ops by shape from a GPU's table
+    # ("h100", "a100"; transferred to this chip by the roofline ratio), and
+    # allreduce_table prices TP all-reduces from a topology's ("h100_dgx", ...;
+    # "" = the ring on parallel.intra_node). attention_kernel picks the attention
+    # efficiency model ("triton", "flash_attn"; "" = the roofline), attention_kernels.py.
+    gemm_table: str = ""
+    allreduce_table: str = ""
+    attention_kernel: str = ""
+    # Engine overhead (engine_overhead.py): the host's cost of one kernel launch
+    # in eager mode (an iteration can be no faster than its launches), and
+    # whether decode iterations of up to cuda_graph_max_tokens replay a CUDA
+    # graph instead (no per-kernel launches). Sources in each preset.
+    # a measured dense bf16 matmul of 8192^3 on this chip, TFLOP/s (0: none):
+    # when set, the tables' times are transferred to this chip by it against the
+    # tables' own 8192^3 throughput, not by the datasheet peaks (gpu_tables.py)
+    matmul_tflops_measured: float = 0.0
+    kernel_launch_us: float = 0.0
+    cuda_graphs: bool = False
+    cuda_graph_max_tokens: int = 512
+    # What a run gets when it leaves the knob unset: RunConfig.token_budget, and
+    # the blocks num_kv_blocks=auto means (0: what the memory holds after the
+    # weights and activations at RunConfig.gpu_memory_utilization; sim/defaults.py)
+    token_budget_default: int = 256
+    kv_blocks_default: int = 2048
+    # where the preset's numbers come from (printed by `testbed run --cfg job`
+    # and in summary.json)
+    provenance: str = ""
     # the preset `testbed profile` measured the fields above for ("" if none):
     # they describe that machine only (see __post_init__)
     profiled_for: str = ""
@@ -100,7 +128,13 @@ class HardwareConfig:
                 raise ValueError(f"hardware.{f}: a fraction in (0, 1], got {getattr(self, f)}")
         if not self.calibration_scale > 0:
             raise ValueError(f"hardware.calibration_scale: must be > 0, got {self.calibration_scale}")
-        for f in ("peak_tflops_fp8", "gemm_ramp_tokens", "overhead_ms", "overhead_per_seq_ms",
+        for f in ("token_budget_default", "cuda_graph_max_tokens"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"hardware.{f}: must be >= 1, got {getattr(self, f)}")
+        if self.kv_blocks_default < 0:
+            raise ValueError(f"hardware.kv_blocks_default: must be >= 0 (0: from memory), got {self.kv_blocks_default}")
+        for f in ("peak_tflops_fp8", "gemm_ramp_tokens", "overhead_ms", "overhead_per_seq_ms", "kernel_launch_us",
+                  "matmul_tflops_measured",
                   "overhead_per_token_ms", "frontend_hop_ms", "frontend_message_ms"):
             if getattr(self, f) < 0:
                 raise ValueError(f"hardware.{f}: must be >= 0, got {getattr(self, f)}")

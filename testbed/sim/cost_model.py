@@ -6,13 +6,17 @@ per scheduled request: a decode is (1, ctx), a chunk of C tokens on a cached
 prefix of P is (C, P + C), a whole prefill of L is (L, L). Per iteration:
 
 - GEMMs over all m = Σ new tokens (qkv/o or the MLA projections, MLP or MoE
-  router, shared and routed experts): each max(compute, memory) with the weights
-  streamed once per iteration (timers.py). lm_head runs only on the sampled rows.
+  router, shared and routed experts). On a preset with `gemm_table`, priced by
+  shape from measured operator tables (gpu_tables.py), elementwise ops too;
+  otherwise each max(compute, memory) with the weights streamed once per
+  iteration (timers.py). lm_head runs only on the sampled rows.
 - Attention per slice, from its query length and context: a chunk reads its
-  whole prefix's KV again (the chunk re-read), a decode reads its context.
+  whole prefix's KV again (the chunk re-read), a decode reads its context;
+  priced by the preset's kernel (attention_kernels.py) or the roofline.
 - Norms, residuals, rope, activations, embedding: memory-bound.
-- TP: the per-GPU shapes (layer_shapes.py) plus two ring all-reduces of the
-  hidden states per layer (after attention and after the MLP) on the
+- TP: the per-GPU shapes (layer_shapes.py) plus two all-reduces of the
+  hidden states per layer (after attention and after the MLP): from the
+  preset's measured all-reduce table (collectives.py), else a ring on the
   intra-node link.
 - PP: the batch crosses all pp stages in turn, so its latency is every layer's
   time plus pp-1 hand-offs of the hidden states. The engine runs one batch at a
@@ -20,7 +24,8 @@ prefix of P is (C, P + C), a whole prefill of L is (L, L). Per iteration:
   (An engine keeping pp batches in flight would start one every latency/pp.)
 - A per-iteration overhead: hardware.overhead_ms plus overhead_per_seq_ms per
   scheduled request and overhead_per_token_ms per new token (the CPU engine's
-  Python work and small ops; 0 on the GPU presets).
+  Python work and small ops; 0 on the GPU presets), and on the GPU presets
+  the eager kernel launches' lower bound (engine_overhead.py).
   A profiled CPU also scales every other term by hardware.calibration_scale
   (its kernels inside the engine against the same kernels timed alone).
 
@@ -39,7 +44,11 @@ from typing import Sequence
 import numpy as np
 
 from testbed.model.config import ModelConfig
+from testbed.sim.attention_kernels import KernelAttention, attention_kernel
+from testbed.sim.collectives import AllReduceTable
 from testbed.sim.config import HardwareConfig, ParallelConfig, load_link_preset
+from testbed.sim.engine_overhead import EngineOverhead
+from testbed.sim.gpu_tables import GpuTablePricing
 from testbed.sim.layer_shapes import expected_experts_touched, layer_shapes
 from testbed.sim.link_model import LinkModel
 from testbed.sim.timers import Curve, ProfiledAttention, ProfiledGemms, RooflineAttention, RooflineGemms
@@ -61,21 +70,37 @@ class CostModel:
         self._s_per_flop = 1.0 / (hardware.peak_flops(model.dtype) * hardware.compute_efficiency)
         self._s_per_byte = 1.0 / (hardware.hbm_bw_gbps * 1e9 * hardware.memory_efficiency)
 
-        roofline = RooflineGemms(self._s_per_flop, self._s_per_byte, hardware.gemm_ramp_tokens, shapes.dtype_bytes)
-        gemms = ProfiledGemms(hardware.gemm_profile) if hardware.gemm_profile else roofline
-        self._gemms_s = _remembered(gemms.curve(shapes.gemms))
-        self._lm_head_s = _remembered(gemms.curve([shapes.lm_head]))
+        self._tables = GpuTablePricing(hardware, model, shapes) if hardware.gemm_table else None
+        if self._tables:
+            self._gemms_s = _remembered(self._tables.gemm_curve(shapes.gemms))
+            self._lm_head_s = _remembered(self._tables.gemm_curve([shapes.lm_head]))
+            self._elementwise_s = _remembered(self._tables.elementwise_curve())
+        else:
+            roofline = RooflineGemms(self._s_per_flop, self._s_per_byte, hardware.gemm_ramp_tokens,
+                                     shapes.dtype_bytes)
+            gemms = ProfiledGemms(hardware.gemm_profile) if hardware.gemm_profile else roofline
+            self._gemms_s = _remembered(gemms.curve(shapes.gemms))
+            self._lm_head_s = _remembered(gemms.curve([shapes.lm_head]))
+            per_token = shapes.elementwise_bytes_per_token * self._s_per_byte
+            self._elementwise_s = lambda m: m * per_token
         if hardware.attention_profile:
             self._attention = ProfiledAttention(shapes.attention, shapes.num_layers, hardware.attention_profile)
+        elif hardware.attention_kernel:
+            self._attention = KernelAttention(shapes.attention, shapes.num_layers,
+                                              attention_kernel(hardware.attention_kernel),
+                                              hardware.gemm_table or "h100", hardware.peak_flops(model.dtype),
+                                              hardware.hbm_bw_gbps * 1e9)
         else:
             self._attention = RooflineAttention(shapes.attention, shapes.num_layers,
                                                 self._s_per_flop, self._s_per_byte)
-        self._elementwise_s_per_token = shapes.elementwise_bytes_per_token * self._s_per_byte
+        self._engine = EngineOverhead.of(hardware, shapes, parallel)
         self._overhead_s = hardware.overhead_ms * 1e-3
         self._overhead_per_seq_s = hardware.overhead_per_seq_ms * 1e-3
         self._overhead_per_token_s = hardware.overhead_per_token_ms * 1e-3
         self._scale = hardware.calibration_scale
         self._tp_link = LinkModel(load_link_preset(parallel.intra_node)) if parallel.tp > 1 else None
+        self._allreduce_table = (AllReduceTable(hardware.allreduce_table, parallel.tp)
+                                 if parallel.tp > 1 and hardware.allreduce_table else None)
         self._pp_link = (LinkModel(load_link_preset(parallel.pp_link or parallel.intra_node))
                          if parallel.pp > 1 else None)
 
@@ -112,21 +137,38 @@ class CostModel:
             m = float(q.sum())
             attention = self._attention.seconds(q, ctx)
         sampled = len(slices) if num_sampled is None else num_sampled
-        hidden = m * self.shapes.hidden_bytes_per_token
-        allreduce = (2 * self.shapes.num_layers * self._tp_link.allreduce_time_s(hidden, self.parallel.tp)
-                     if self._tp_link else 0.0)
-        pp = (self.parallel.pp - 1) * self._pp_link.transfer_time_s(hidden) if self._pp_link else 0.0
-        terms = (self._gemms_s(m), self._experts_s(m), attention, m * self._elementwise_s_per_token,
-                 self._lm_head_s(sampled) if sampled else 0.0, allreduce, pp)
+        terms = (self._gemms_s(m), self._experts_s(m), attention, self._elementwise_s(m),
+                 self._lm_head_s(sampled) if sampled else 0.0, self._allreduce_s(m), self._pp_s(m))
         if self._scale != 1.0:
             terms = tuple(t * self._scale for t in terms)
-        return terms + (self._overhead_s + self._overhead_per_seq_s * len(slices) + self._overhead_per_token_s * m,)
+        overhead = self._overhead_s + self._overhead_per_seq_s * len(slices) + self._overhead_per_token_s * m
+        if self._engine.launches_s:
+            # eager launches bound the kernels' time from below (engine_overhead.py)
+            gpu = sum(terms)
+            overhead += max(0.0, self._engine.launch_bound(m, m == len(slices)) - gpu)
+        return terms + (overhead,)
+
+    def _allreduce_s(self, m: float) -> float:
+        """Two all-reduces of the hidden states per layer (after attention, after the MLP)."""
+        if self.parallel.tp == 1:
+            return 0.0
+        hidden = m * self.shapes.hidden_bytes_per_token
+        one = (self._allreduce_table.seconds(hidden) if self._allreduce_table
+               else self._tp_link.allreduce_time_s(hidden, self.parallel.tp))
+        return 2 * self.shapes.num_layers * one
+
+    def _pp_s(self, m: float) -> float:
+        if not self._pp_link:
+            return 0.0
+        return (self.parallel.pp - 1) * self._pp_link.transfer_time_s(m * self.shapes.hidden_bytes_per_token)
 
     def _experts_s(self, m: float) -> float:
         e = self.shapes.experts
         if e is None:
             return 0.0
         touched = expected_experts_touched(e.num_experts, e.top_k, m)
+        if self._tables:
+            return self._tables.experts_s(m, touched)
         # one grouped GEMM over the touched experts, m·top_k routed rows; the
         # GEMM ramp is paid per expert
         flops = 2.0 * e.expert_params * (m * e.top_k + self.hardware.gemm_ramp_tokens * touched)

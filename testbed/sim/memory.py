@@ -23,6 +23,7 @@ class KVFootprint:
     weight_gib: float                 # per GPU
     gpu_capacity_tokens: int | None   # what the accelerator holds after weights; None: weights do not fit
     note: str | None = None
+    defaults: str = ""                # which knobs followed the hardware (sim/defaults.py)
 
     @property
     def kv_gib(self) -> float:
@@ -40,7 +41,7 @@ def kv_footprint(cfg: RunConfig, cost: CostModel) -> KVFootprint:
                 f"can ({gpu_tokens} after weights); the simulation assumes memory the GPU does not have")
     return KVFootprint(cfg.model.name, cfg.hardware.name, cfg.parallel.tp, cost.shapes.kv_bytes_per_token,
                        cfg.block_size, cfg.num_kv_blocks, capacity, cost.shapes.weight_bytes / 2**30,
-                       gpu_tokens, note)
+                       gpu_tokens, note, getattr(cfg, "hardware_defaults_note", ""))
 
 
 def format_footprint(f: KVFootprint) -> str:
@@ -48,4 +49,6 @@ def format_footprint(f: KVFootprint) -> str:
     line = (f"KV footprint: {f.kv_bytes_per_token:,} B/token ({f.model}, tp={f.tp}); num_kv_blocks="
             f"{f.num_kv_blocks} x {f.block_size} = {f.capacity_tokens:,} tokens/worker ({f.kv_gib:.1f} GiB); "
             f"{f.hardware} holds {gpu} tokens after {f.weight_gib:.1f} GiB of weights")
+    if f.defaults:
+        line = f"{line}\n  defaults: {f.defaults}"
     return line if f.note is None else f"{line}\n  warning: {f.note}"

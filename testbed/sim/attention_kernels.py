@@ -1,0 +1,118 @@
+"""Attention priced per kernel on the GPU presets (hardware.attention_kernel):
+an efficiency model by query length and context length for the kernel the
+preset's engine runs, instead of one roofline efficiency per chip.
+
+Per layer and iteration:
+- a slice with new tokens q > 1 (a whole prompt or a chunk on a cached
+  prefix) costs its causal FLOPs (AttentionShape.flops) at
+  peak · peak_fraction · q/(q + q_half) · ctx/(ctx + ctx_half): short queries
+  leave the kernel's query tiles part-empty and its SMs part-idle; short
+  contexts give each tile too few key blocks to hide the pipeline's fill —
+  or its KV bytes at decode bandwidth, whichever is longer;
+- the decodes (q = 1) stream their KV together at decode_bw_fraction of HBM
+  bandwidth, but no faster than the longest one alone at
+  single_seq_bw_fraction (one sequence splits its keys over too few SMs).
+
+The GPU presets say which kernel they model. Fractions are of the chip's
+datasheet peaks, so a kernel measured on one chip carries to another of the
+same generation (stated per kernel)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from testbed.sim.layer_shapes import AttentionShape
+
+
+@dataclass(frozen=True)
+class AttentionKernel:
+    name: str
+    peak_fraction: dict[str, float]    # by chip generation (the hardware's gemm_table: "h100", "a100")
+    q_half: float                      # query length at half the long-query efficiency
+    ctx_half: float                    # context length at half the long-context efficiency
+    decode_bw_fraction: float          # batched decodes: fraction of hbm_bw_gbps
+    single_seq_bw_fraction: float      # one decode alone: fraction of hbm_bw_gbps
+
+
+KERNELS = {
+    # The project's Triton paged kernels (kernels/triton_attention.py) on one
+    # H200. peak_fraction, q_half, ctx_half: fitted to the 18 Triton rows of
+    # experiments/results/h200_prefill.csv (llama3-8b, prompts 4K-128K, whole
+    # and in chunks of 2,048 and 512), each row's attention being its measured
+    # time less the cost model's GEMMs, elementwise ops and overheads
+    # (`python experiments/benchmarks/bench_gpu_presets.py --fit-triton`).
+    # Decode fractions: experiments/results/h200_kernels.csv, decode_64x4k at
+    # 4,124 GB/s and decode_1x128k at 2,040 GB/s of the datasheet's 4,800.
+    # Assumed the same on A100 (not measured there).
+    "triton": AttentionKernel("triton", {"h100": 0.314, "a100": 0.314}, q_half=128.0, ctx_half=2048.0,
+                              decode_bw_fraction=0.859, single_seq_bw_fraction=0.425),
+    # FlashAttention-2 (the flash-attn package's varlen/kvcache kernels).
+    # Long-sequence forward throughput: up to 73% of A100's peak (Dao,
+    # "FlashAttention-2", arXiv:2307.08691, abstract: "50-73% of the
+    # theoretical maximum FLOPs/s on A100", §4.1 up to 230 TFLOP/s), and 35%
+    # of H100's (Shah et al., "FlashAttention-3", arXiv:2407.08608, abstract:
+    # "FlashAttention-2 achieving only 35% utilization on the H100").
+    # q_half, ctx_half: assumed those fitted for triton (no per-length figures
+    # quoted here). Decode bandwidth: assumed as the Triton kernel's.
+    "flash_attn": AttentionKernel("flash_attn", {"h100": 0.35, "a100": 0.73}, q_half=128.0, ctx_half=2048.0,
+                                  decode_bw_fraction=0.859, single_seq_bw_fraction=0.425),
+}
+
+
+def attention_kernel(name: str) -> AttentionKernel:
+    if name not in KERNELS:
+        raise ValueError(f"hardware.attention_kernel: '{name}' is not known; choose one of: "
+                         f"{', '.join(sorted(KERNELS))} (or '' for the roofline)")
+    return KERNELS[name]
+
+
+class KernelAttention:
+    """Seconds of the attention of a batch over all layers, for one kernel on one chip."""
+
+    def __init__(self, shape: AttentionShape, num_layers: int, kernel: AttentionKernel,
+                 generation: str, peak_flops: float, hbm_bytes_per_s: float):
+        if generation not in kernel.peak_fraction:
+            raise ValueError(f"hardware.attention_kernel: '{kernel.name}' has no efficiency for '{generation}' "
+                             f"chips (it has {sorted(kernel.peak_fraction)})")
+        self.shape, self.num_layers, self.kernel = shape, num_layers, kernel
+        self._flops_per_s = peak_flops * kernel.peak_fraction[generation]
+        self._decode_s_per_byte = 1.0 / (hbm_bytes_per_s * kernel.decode_bw_fraction)
+        self._single_s_per_byte = 1.0 / (hbm_bytes_per_s * kernel.single_seq_bw_fraction)
+
+    def efficiency(self, q: np.ndarray | float, ctx: np.ndarray | float):
+        """Fraction of the long-query, long-context throughput."""
+        k = self.kernel
+        return q / (q + k.q_half) * ctx / (ctx + k.ctx_half)
+
+    def seconds(self, q: np.ndarray, ctx: np.ndarray) -> float:
+        shape = self.shape
+        nbytes = shape.bytes(q, ctx)
+        prefill = q > 1
+        total = 0.0
+        if prefill.any():
+            qp, cp = q[prefill], ctx[prefill]
+            compute = shape.flops(qp, cp) / (self._flops_per_s * self.efficiency(qp, cp))
+            total += float(np.maximum(compute, nbytes[prefill] * self._decode_s_per_byte).sum())
+        if (~prefill).any():
+            decode = nbytes[~prefill]
+            total += max(float(decode.sum()) * self._decode_s_per_byte, float(decode.max()) * self._single_s_per_byte)
+        return self.num_layers * total
+
+    def seconds_pairs(self, slices: Sequence[tuple[int, int]]) -> float:
+        shape = self.shape
+        kv, io = shape.kv_bytes_per_token, shape.io_bytes_per_token
+        total = decode_bytes = longest = 0.0
+        for q, ctx in slices:
+            nbytes = kv * ctx + io * q
+            if q > 1:
+                compute = shape.flops(q, ctx) / (self._flops_per_s * self.efficiency(q, ctx))
+                memory = nbytes * self._decode_s_per_byte
+                total += compute if compute > memory else memory
+            else:
+                decode_bytes += nbytes
+                longest = max(longest, nbytes)
+        if decode_bytes:
+            total += max(decode_bytes * self._decode_s_per_byte, longest * self._single_s_per_byte)
+        return self.num_layers * total

@@ -1,0 +1,134 @@
+"""Reader of the measured operator tables the GPU presets are priced from
+(testbed/sim/vidur_tables/: Vidur's public A100/H100 profiles, condensed by
+experiments/tools/condense_vidur_tables.py; see the README there).
+
+A compute table holds, per profiled model, the median time of every op of one
+transformer layer by num_tokens and TP degree. This module turns those rows
+into shape-keyed samples, which is all the pricing models (gemm_model.py)
+see: a GEMM sample is (m, n, k, seconds) on one GPU, an elementwise sample
+(m, width, seconds) with width the elements of one token's row.
+Model names only label samples, so that a model can be left out of a fit.
+
+A network table holds the median all-reduce time by message size and world
+size on one topology (collectives.py reads it)."""
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+TABLES_DIR = Path(__file__).resolve().parent / "vidur_tables"
+SOURCE = "microsoft/vidur@7d47513 data/profiling (MIT licence), median columns"
+
+GEMM_OPS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
+# per layer, except emb (once per iteration)
+ELEMENTWISE_OPS = ("input_layernorm", "post_attention_layernorm", "attn_rope", "mlp_act", "add", "emb")
+
+
+@dataclass(frozen=True)
+class ProfiledModel:
+    """One profiled model's geometry and its rows: (num_tokens, tp, {op: seconds})."""
+    name: str
+    n_head: int
+    n_kv_head: int
+    n_embd: int
+    n_expanded_embd: int
+    gated: bool
+    rows: tuple[tuple[int, int, dict[str, float]], ...]
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def gemm_shape(self, op: str, tp: int) -> tuple[int, int]:
+        """(n, k) of a GEMM op on one of `tp` GPUs (Megatron splits: heads,
+        the MLP's intermediate dimension; KV heads replicated below one per GPU)."""
+        d, h = self.head_dim, self.n_embd
+        heads, kv_heads = self.n_head // tp, max(1, self.n_kv_head // tp)
+        inter = self.n_expanded_embd // tp
+        return {"attn_pre_proj": ((heads + 2 * kv_heads) * d, h),
+                "attn_post_proj": (h, heads * d),
+                "mlp_up_proj": ((2 if self.gated else 1) * inter, h),
+                "mlp_down_proj": (h, inter)}[op]
+
+    def elementwise_width(self, op: str, tp: int) -> int:
+        """Elements one token moves through an elementwise op on one GPU."""
+        heads, kv_heads = self.n_head // tp, max(1, self.n_kv_head // tp)
+        inter = self.n_expanded_embd // tp
+        return {"input_layernorm": self.n_embd, "post_attention_layernorm": self.n_embd, "add": self.n_embd,
+                "emb": self.n_embd, "attn_rope": (heads + kv_heads) * self.head_dim,
+                "mlp_act": ((2 if self.gated else 1) + 1) * inter}[op]
+
+
+@dataclass(frozen=True)
+class GemmSample:
+    model: str
+    op: str
+    tp: int
+    m: int
+    n: int
+    k: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ElementwiseSample:
+    model: str
+    op: str
+    tp: int
+    m: int
+    width: int                # elements of one token's row
+    seconds: float
+
+
+def gpu_table_names() -> list[str]:
+    return sorted(p.name for p in (TABLES_DIR / "compute").iterdir() if p.is_dir())
+
+
+@lru_cache(maxsize=None)
+def load_compute_table(gpu: str) -> tuple[ProfiledModel, ...]:
+    """Every profiled model of one GPU table ('h100', 'a100')."""
+    root = TABLES_DIR / "compute" / gpu
+    if not (root / "models.csv").exists():
+        raise ValueError(f"hardware.gemm_table: '{gpu}' is not a known operator table; "
+                         f"choose one of: {', '.join(gpu_table_names())}")
+    models = []
+    with (root / "models.csv").open() as f:
+        for entry in csv.DictReader(f):
+            rows = []
+            with (root / entry["file"]).open() as g:
+                for r in csv.DictReader(g):
+                    ops = {op: float(v) * 1e-3 for op, v in r.items()      # ms -> s
+                           if op not in ("num_tokens", "tp") and v != ""}
+                    rows.append((int(r["num_tokens"]), int(r["tp"]), ops))
+            models.append(ProfiledModel(entry["model"], int(entry["n_head"]), int(entry["n_kv_head"]),
+                                        int(entry["n_embd"]), int(entry["n_expanded_embd"]),
+                                        entry["use_gated_mlp"] == "True", tuple(rows)))
+    return tuple(models)
+
+
+def gemm_samples(models: tuple[ProfiledModel, ...] | list[ProfiledModel]) -> list[GemmSample]:
+    return [GemmSample(pm.name, op, tp, m, *pm.gemm_shape(op, tp), ops[op])
+            for pm in models for m, tp, ops in pm.rows for op in GEMM_OPS if op in ops]
+
+
+def elementwise_samples(models: tuple[ProfiledModel, ...] | list[ProfiledModel]) -> list[ElementwiseSample]:
+    return [ElementwiseSample(pm.name, op, tp, m, pm.elementwise_width(op, tp), ops[op])
+            for pm in models for m, tp, ops in pm.rows for op in ELEMENTWISE_OPS if op in ops]
+
+
+def network_table_names() -> list[str]:
+    return sorted(p.stem for p in (TABLES_DIR / "network").glob("*.csv"))
+
+
+@lru_cache(maxsize=None)
+def load_allreduce_table(topology: str) -> tuple[tuple[int, int, int, float], ...]:
+    """Rows (num_workers, devices_per_node, size_bytes, seconds) of one topology."""
+    path = TABLES_DIR / "network" / f"{topology}.csv"
+    if not path.exists():
+        raise ValueError(f"hardware.allreduce_table: '{topology}' is not a known topology; "
+                         f"choose one of: {', '.join(network_table_names())}")
+    with path.open() as f:
+        return tuple((int(r["num_workers"]), int(r["devices_per_node"]), int(r["size"]),
+                      float(r["median_ms"]) * 1e-3) for r in csv.DictReader(f))
