@@ -18,6 +18,7 @@ from testbed.sim.config import HardwareConfig, LinkConfig, ParallelConfig, load_
 from testbed.workloads.config import WorkloadConfig
 
 RUNTIMES = ("real", "sim")
+AUTO = "auto"
 
 
 @dataclass
@@ -89,8 +90,37 @@ class RunConfig:
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
 
     def __post_init__(self) -> None:
-        from testbed.sim.defaults import resolve_hardware_defaults
-        self.hardware_defaults_note = resolve_hardware_defaults(self)    # not a field: the run header's line
+        self.hardware_defaults_note = self._resolve_hardware_defaults()    # not a field: the run header's line
+
+    def _resolve_hardware_defaults(self) -> str:
+        """The knobs whose defaults follow the hardware, once: token_budget
+        (hardware.token_budget_default: 256 on this CPU, 2,048 on the GPU
+        presets, vLLM V1's online-serving value) and num_kv_blocks=auto
+        (hardware.kv_blocks_default, or where that is 0 the KV memory left
+        after weights and activations: testbed/sim/defaults.py). An explicit
+        value always wins. Returns what was chosen ('' if both were given)."""
+        notes = []
+        if self.token_budget is None:
+            self.token_budget = self.hardware.token_budget_default
+            notes.append(f"token_budget={self.token_budget} ({self.hardware.name}'s default)")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization: a fraction in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_kv_blocks == AUTO:
+            if self.hardware.kv_blocks_default:
+                self.num_kv_blocks = self.hardware.kv_blocks_default
+                notes.append(f"num_kv_blocks=auto -> {self.num_kv_blocks} ({self.hardware.name}'s default)")
+            else:
+                from testbed.sim.defaults import kv_blocks_from_memory
+                max_tokens = max(self.token_budget if isinstance(self.token_budget, int) else 0,
+                                 self.max_num_batched_tokens)
+                self.num_kv_blocks = kv_blocks_from_memory(self.model, self.hardware, self.parallel,
+                                                           self.block_size, self.gpu_memory_utilization,
+                                                           max_tokens, self.max_num_seqs)
+                notes.append(f"num_kv_blocks=auto -> {self.num_kv_blocks} (the KV memory left after weights and "
+                             f"activations at gpu_memory_utilization={self.gpu_memory_utilization})")
+        elif isinstance(self.num_kv_blocks, (str, bool)):
+            raise ValueError(f"num_kv_blocks: expected a number of blocks or 'auto', got '{self.num_kv_blocks}'")
+        return "; ".join(notes)
 
 
 def _one_of(field_name: str, value: str, choices) -> None:

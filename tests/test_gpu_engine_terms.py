@@ -81,7 +81,10 @@ def test_gpu_defaults_follow_the_hardware_and_explicit_values_win():
     hw, model = load_hardware_preset("h100-sxm"), load_model_preset("llama3-8b")
     cfg = RunConfig(hardware=hw, model=model)
     assert cfg.token_budget == 2048
-    assert cfg.num_kv_blocks == kv_blocks_from_memory(cfg)
+    assert cfg.num_kv_blocks == kv_blocks_from_memory(cfg.model, cfg.hardware, cfg.parallel, cfg.block_size,
+                                                      cfg.gpu_memory_utilization,
+                                                      max(cfg.token_budget, cfg.max_num_batched_tokens),
+                                                      cfg.max_num_seqs)
     capacity = CostModel(model, hw).kv_capacity_tokens() // cfg.block_size     # weights only, no activations
     assert 0.9 * capacity < cfg.num_kv_blocks < capacity
     assert "num_kv_blocks=auto" in cfg.hardware_defaults_note

@@ -151,12 +151,12 @@ def test_layerwise_streaming_exposes_less_transfer_than_sending_the_whole_kv(tmp
 
 def test_kv_footprint_of_llama3_8b_on_h100():
     cfg = config("runtime=sim", "num_kv_blocks=20000", *GPU)
-    f = kv_footprint(cfg, CostModel(cfg.model, cfg.hardware))
+    f = kv_footprint(CostModel(cfg.model, cfg.hardware), cfg.num_kv_blocks, cfg.block_size)
     assert f.kv_bytes_per_token == 32 * 2 * 8 * 128 * 2
     assert f.capacity_tokens == 320_000 and f.kv_gib == pytest.approx(320_000 * 131072 / 2**30)
     assert f.gpu_capacity_tokens == CostModel(cfg.model, cfg.hardware).kv_capacity_tokens() and f.note is None
     big = config("runtime=sim", "num_kv_blocks=40000", *GPU)
-    assert "more than h100-sxm can" in kv_footprint(big, CostModel(big.model, big.hardware)).note
+    assert "more than h100-sxm can" in kv_footprint(CostModel(big.model, big.hardware), big.num_kv_blocks, big.block_size).note
 
 
 @pytest.mark.parametrize("mode", ["colocated", "disagg"])

@@ -111,7 +111,8 @@ class SimRuntime:
         # mostly that wake-up, so commands sent before it are read with the first
         self.wakes_at: dict[str, float] = {}
         cost = CostModel(cfg.model, cfg.hardware, cfg.parallel)
-        self.footprint = kv_footprint(cfg, cost)
+        self.footprint = kv_footprint(cost, cfg.num_kv_blocks, cfg.block_size,
+                                      getattr(cfg, "hardware_defaults_note", ""))
         (log or _stderr)(format_footprint(self.footprint))
         self.services: dict[str, WorkerService] = {}
         self.ports: dict[str, SimKVPort] = {}

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from testbed.config import RunConfig
 from testbed.sim.cost_model import CostModel
 
 
@@ -30,18 +29,19 @@ class KVFootprint:
         return self.capacity_tokens * self.kv_bytes_per_token / 2**30
 
 
-def kv_footprint(cfg: RunConfig, cost: CostModel) -> KVFootprint:
+def kv_footprint(cost: CostModel, num_kv_blocks: int, block_size: int, defaults: str = "") -> KVFootprint:
+    """`defaults`: the run's line on which knobs followed the hardware."""
     try:
         gpu_tokens, note = cost.kv_capacity_tokens(), None
     except ValueError as e:
         gpu_tokens, note = None, str(e)
-    capacity = cfg.num_kv_blocks * cfg.block_size
+    capacity = num_kv_blocks * block_size
     if gpu_tokens is not None and capacity > gpu_tokens:
-        note = (f"num_kv_blocks={cfg.num_kv_blocks} holds {capacity} tokens, more than {cfg.hardware.name} "
+        note = (f"num_kv_blocks={num_kv_blocks} holds {capacity} tokens, more than {cost.hardware.name} "
                 f"can ({gpu_tokens} after weights); the simulation assumes memory the GPU does not have")
-    return KVFootprint(cfg.model.name, cfg.hardware.name, cfg.parallel.tp, cost.shapes.kv_bytes_per_token,
-                       cfg.block_size, cfg.num_kv_blocks, capacity, cost.shapes.weight_bytes / 2**30,
-                       gpu_tokens, note, getattr(cfg, "hardware_defaults_note", ""))
+    return KVFootprint(cost.model.name, cost.hardware.name, cost.parallel.tp, cost.shapes.kv_bytes_per_token,
+                       block_size, num_kv_blocks, capacity, cost.shapes.weight_bytes / 2**30,
+                       gpu_tokens, note, defaults)
 
 
 def format_footprint(f: KVFootprint) -> str:
