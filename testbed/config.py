@@ -13,6 +13,7 @@ from hydra.core.config_store import ConfigStore
 from testbed.experiments.config import ExperimentConfig
 from testbed.kv_transfer.config import TransferConfig
 from testbed.model.config import ModelConfig
+from testbed.schedulers.adaptive_config import AdaptiveConfig
 from testbed.sim.config import HardwareConfig, LinkConfig, ParallelConfig, load_hardware_preset, load_link_preset
 from testbed.workloads.config import WorkloadConfig
 
@@ -44,11 +45,11 @@ class WandbConfig:
 @dataclass
 class RunConfig:
     mode: str = "colocated"        # a name in modes.registry.MODES: colocated | disagg
-    scheduler: str = "sarathi"     # request_level | vllm_v0 | orca | sarathi
+    scheduler: str = "sarathi"     # request_level | vllm_v0 | orca | sarathi | adaptive
     # two budgets because they bound different things: token_budget caps every token of a
     # chunking policy's iteration (decodes included; a prompt is cut to fit), while
     # max_num_batched_tokens caps the whole prompts a whole-prefill policy admits together
-    token_budget: int = 256        # sarathi: tokens per iteration
+    token_budget: int | str = 256  # sarathi: tokens per iteration, or "auto" (from slo.tpot_ms and the cost model)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192   # whole-prefill schedulers: prompt tokens per iteration
     num_kv_blocks: int = 2048      # KV memory per worker, in blocks
@@ -77,6 +78,7 @@ class RunConfig:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     slo: SLOConfig = field(default_factory=SLOConfig)
+    adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)   # scheduler=adaptive, token_budget=auto
     # the presets conf/config.yaml selects (hardware=NAME, link=NAME)
     # Hydra merges the chosen preset over this default; measured tables only count for
     # the preset named in their profiled_for, so cpu.yaml's never leak into a GPU's
@@ -109,7 +111,9 @@ def validate(cfg: RunConfig) -> None:
         from testbed.kernels.attention import attention_backend_names
         _one_of("attention_backend", cfg.attention_backend, attention_backend_names())
     _one_of("wandb.mode", cfg.wandb.mode, ("offline", "online", "disabled"))
-    for f in ("token_budget", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size",
+    from testbed.schedulers.budget import check_token_budget
+    check_token_budget(cfg.token_budget)
+    for f in ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size",
               "replicas", "prefill_workers", "decode_workers", "torch_threads"):
         if getattr(cfg, f) < 1:
             raise ValueError(f"{f}: must be >= 1, got {getattr(cfg, f)}")
@@ -117,7 +121,8 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError(f"timeout_s: must be > 0, got {cfg.timeout_s}")
     if not 0.0 < cfg.top_p <= 1.0:
         raise ValueError(f"top_p: must be in (0, 1], got {cfg.top_p}")
-    for sub in (cfg.model, cfg.workload, cfg.transfer, cfg.hardware, cfg.link, cfg.parallel, cfg.experiment):
+    for sub in (cfg.model, cfg.workload, cfg.transfer, cfg.hardware, cfg.link, cfg.parallel, cfg.experiment,
+                cfg.adaptive):
         sub.validate()
 
 
