@@ -38,6 +38,10 @@ class ScheduledSlice:
 class Batch:
     slices: list[ScheduledSlice] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)   # requests evicted this step
+    # what a budgeted policy planned (recorded in iterations.jsonl): the iteration's
+    # token budget, and the duration its predictor expected (adaptive)
+    token_budget: int | None = None
+    predicted_s: float | None = None
 
     @property
     def num_tokens(self) -> int:

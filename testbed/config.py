@@ -14,6 +14,7 @@ from hydra.core.config_store import ConfigStore
 from testbed.experiments.config import ExperimentConfig
 from testbed.kv_transfer.config import TransferConfig
 from testbed.model.config import ModelConfig
+from testbed.schedulers.adaptive_config import AdaptiveConfig
 from testbed.sim.config import HardwareConfig, LinkConfig, ParallelConfig, load_hardware_preset, load_link_preset
 from testbed.workloads.config import WorkloadConfig
 
@@ -46,11 +47,12 @@ class WandbConfig:
 @dataclass
 class RunConfig:
     mode: str = "colocated"        # a name in modes.registry.MODES: colocated | disagg
-    scheduler: str = "sarathi"     # request_level | vllm_v0 | orca | sarathi
+    scheduler: str = "sarathi"     # request_level | vllm_v0 | orca | sarathi | adaptive
     # two budgets because they bound different things: token_budget caps every token of a
     # chunking policy's iteration (decodes included; a prompt is cut to fit), while
     # max_num_batched_tokens caps the whole prompts a whole-prefill policy admits together
-    token_budget: Optional[int] = None   # sarathi: tokens per iteration; None: the hardware's default
+    # None: the hardware's default; "auto": derived from slo.tpot_ms and the cost model (sarathi)
+    token_budget: int | str | None = None   # sarathi / adaptive: tokens per iteration
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192   # whole-prefill schedulers: prompt tokens per iteration
     num_kv_blocks: Any = "auto"    # KV memory per worker, in blocks; auto: testbed/sim/defaults.py
@@ -80,6 +82,7 @@ class RunConfig:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     slo: SLOConfig = field(default_factory=SLOConfig)
+    adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)   # scheduler=adaptive, token_budget=auto
     # the presets conf/config.yaml selects (hardware=NAME, link=NAME)
     # Hydra merges the chosen preset over this default; measured tables only count for
     # the preset named in their profiled_for, so cpu.yaml's never leak into a GPU's
@@ -145,7 +148,9 @@ def validate(cfg: RunConfig) -> None:
         from testbed.kernels.attention import attention_backend_names
         _one_of("attention_backend", cfg.attention_backend, attention_backend_names())
     _one_of("wandb.mode", cfg.wandb.mode, ("offline", "online", "disabled"))
-    for f in ("token_budget", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size",
+    from testbed.schedulers.budget import check_token_budget
+    check_token_budget(cfg.token_budget)
+    for f in ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size",
               "replicas", "prefill_workers", "decode_workers", "torch_threads"):
         if getattr(cfg, f) < 1:
             raise ValueError(f"{f}: must be >= 1, got {getattr(cfg, f)}")
@@ -153,7 +158,8 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError(f"timeout_s: must be > 0, got {cfg.timeout_s}")
     if not 0.0 < cfg.top_p <= 1.0:
         raise ValueError(f"top_p: must be in (0, 1], got {cfg.top_p}")
-    for sub in (cfg.model, cfg.workload, cfg.transfer, cfg.hardware, cfg.link, cfg.parallel, cfg.experiment):
+    for sub in (cfg.model, cfg.workload, cfg.transfer, cfg.hardware, cfg.link, cfg.parallel, cfg.experiment,
+                cfg.adaptive):
         sub.validate()
 
 

@@ -124,5 +124,6 @@ class Engine:
             elif prefill_only and len(req.output_token_ids) == 1:
                 self.scheduler.running.remove(req)     # keeps its blocks for the hand-off
                 out.prefill_completed.append(req)
-        out.iteration = IterationRecord(start, end - start, num_prefill, num_decode, result.kv_bytes_read)
+        out.iteration = IterationRecord(start, end - start, num_prefill, num_decode, result.kv_bytes_read, None,
+                                        batch.token_budget, batch.predicted_s)
         return out

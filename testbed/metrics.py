@@ -116,11 +116,13 @@ class IterationRecord:
     num_decode_tokens: int
     kv_bytes_read: int = 0
     worker: str | None = None
+    token_budget: int | None = None          # the budgeted policy's token budget (decodes + prefill)
+    predicted_s: float | None = None         # the duration the policy's predictor expected
 
     @classmethod
     def from_step(cls, start_s: float, batch: Batch, result: StepResult, worker: str | None = None) -> IterationRecord:
         return cls(start_s, result.duration_s, batch.num_prefill_tokens, batch.num_decode_tokens,
-                   result.kv_bytes_read, worker)
+                   result.kv_bytes_read, worker, batch.token_budget, batch.predicted_s)
 
     @property
     def num_tokens(self) -> int:
@@ -202,7 +204,7 @@ def _kv_transfer_summary(requests: Sequence[RequestRecord]) -> dict | None:
 def _iteration_summary(iterations: Sequence[IterationRecord]) -> dict:
     # one pass: a simulated run leaves ~10^5 records spread over its heap, and
     # each pass over them costs more than the arithmetic
-    durations = []
+    durations, prefill_budgets, errors = [], [], []
     num_prefill = num_decode = kv_bytes = most = 0
     for it in iterations:
         durations.append(it.duration_s)
@@ -210,12 +212,39 @@ def _iteration_summary(iterations: Sequence[IterationRecord]) -> dict:
         num_decode += it.num_decode_tokens
         kv_bytes += it.kv_bytes_read
         most = max(most, it.num_prefill_tokens + it.num_decode_tokens)
-    return {"num_iterations": len(iterations),
-            "duration_ms": latency_stats_ms(durations),
-            "num_prefill_tokens": int(num_prefill),
-            "num_decode_tokens": int(num_decode),
-            "max_tokens_per_iteration": most,
-            "kv_bytes_read": int(kv_bytes)}
+        if it.token_budget is not None and it.num_prefill_tokens:
+            prefill_budgets.append(it.token_budget - it.num_decode_tokens)
+        if it.predicted_s is not None and it.duration_s > 0:
+            errors.append(it.predicted_s / it.duration_s - 1.0)
+    out = {"num_iterations": len(iterations),
+           "duration_ms": latency_stats_ms(durations),
+           "num_prefill_tokens": int(num_prefill),
+           "num_decode_tokens": int(num_decode),
+           "max_tokens_per_iteration": most,
+           "kv_bytes_read": int(kv_bytes)}
+    if prefill_budgets:
+        out["prefill_budget"] = _distribution(prefill_budgets)
+    if errors:
+        out["predictor_error"] = _predictor_error(errors)
+    return out
+
+
+def _distribution(values: Sequence[float]) -> dict:
+    """min, mean, p10/p50/p90 and max of the prefill budgets of iterations that prefilled."""
+    a = np.asarray(values, dtype=np.float64)
+    return {"min": float(a.min()), "mean": float(a.mean()),
+            **{f"p{q}": float(np.percentile(a, q)) for q in (10, 50, 90)}, "max": float(a.max())}
+
+
+def _predictor_error(errors: Sequence[float]) -> dict:
+    """predicted / measured - 1 per iteration: its mean (the bias), and the
+    absolute error's mean and percentiles, overall and over the last half of
+    the run (after the self-correction had time to converge)."""
+    e = np.asarray(errors, dtype=np.float64)
+    late = np.abs(e[len(e) // 2:])
+    return {"num_iterations": len(e), "bias": float(e.mean()), "abs_mean": float(np.abs(e).mean()),
+            **{f"abs_{k}": float(np.percentile(np.abs(e), q)) for k, q in PERCENTILES.items()},
+            "abs_mean_second_half": float(late.mean()), "abs_p50_second_half": float(np.percentile(late, 50))}
 
 
 def summarize(requests: Sequence[RequestRecord], iterations: Sequence[IterationRecord],

@@ -23,7 +23,9 @@ from testbed.kernels.torch_backend import TorchAttentionBackend
 from testbed.model.config import load_model_preset
 from testbed.model_executor import ModelExecutor
 from testbed.request import Request, RequestStatus, SamplingParams
-from testbed.schedulers import SCHEDULERS, SchedulerConfig, make_scheduler
+from testbed.schedulers import SCHEDULERS, SchedulerConfig, SchedulerContext, make_scheduler
+from testbed.sim.config import load_hardware_preset
+from testbed.sim.cost_model import CostModel
 
 BLOCK_SIZE = 16
 LOGIT_TOL = 1e-4      # fp32, 4 layers; observed differences are ~1e-5
@@ -54,9 +56,14 @@ class Harness:
         self.bm = BlockManager(num_blocks, BLOCK_SIZE, enable_prefix_caching)
         cfg = SchedulerConfig(token_budget=token_budget, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens)
-        self.scheduler = make_scheduler(scheduler, cfg, self.bm)
+        clock = WallClock()
+        context = None
+        if SCHEDULERS[scheduler].needs_predictor:     # the cost model of this CPU, as runtime=real builds it
+            predictor = CostModel(load_model_preset("tiny"), load_hardware_preset("cpu"))
+            context = SchedulerContext(clock, 2000.0, 100.0, predictor)
+        self.scheduler = make_scheduler(scheduler, cfg, self.bm, context)
         self.ex = ModelExecutor(load_model_preset("tiny"), num_blocks, BLOCK_SIZE, self.bm.block_table)
-        self.engine = Engine(self.scheduler, self.ex, WallClock())
+        self.engine = Engine(self.scheduler, self.ex, clock)
         self._last_logits: torch.Tensor | None = None
         compute_logits = self.ex.model.compute_logits
 

@@ -16,7 +16,7 @@ from testbed.block_manager import BlockManager
 from testbed.engine import Engine, VirtualClock
 from testbed.executor import Executor
 from testbed.request import Request, RequestStatus
-from testbed.schedulers import SCHEDULERS, SchedulerConfig, make_scheduler
+from testbed.schedulers import SCHEDULERS, SchedulerConfig, SchedulerContext, make_scheduler
 from testbed.schedulers.sarathi import SarathiScheduler
 
 BLOCK_SIZE = 4
@@ -36,6 +36,16 @@ class NullExecutor(Executor):
         return StepResult(sampled=sampled, duration_s=0.001)
 
 
+class PerTokenPredictor:
+    """A step-time predictor for the policies that need one: 10 µs per new token."""
+    def iteration_time_s(self, slices, num_sampled=None) -> float:
+        return 1e-5 * sum(q for q, _ in slices)
+
+
+def context_for(policy: str, clock) -> SchedulerContext | None:
+    return SchedulerContext(clock, 1000.0, 50.0, PerTokenPredictor()) if SCHEDULERS[policy].needs_predictor else None
+
+
 def token_at(request_id: str, position: int) -> int:
     return (sum(map(ord, request_id)) * 31 + position) % 1000
 
@@ -45,7 +55,8 @@ def make_engine(policy: str, token_budget: int = 10, max_num_seqs: int = 8, num_
     bm = BlockManager(num_blocks, BLOCK_SIZE)
     cfg = SchedulerConfig(token_budget=token_budget, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens)
-    return Engine(make_scheduler(policy, cfg, bm), NullExecutor(), VirtualClock())
+    clock = VirtualClock()
+    return Engine(make_scheduler(policy, cfg, bm, context_for(policy, clock)), NullExecutor(), clock)
 
 
 def req(rid: str, prompt_len: int, max_tokens: int = 10, first_token: int = 1) -> Request:
@@ -300,7 +311,8 @@ def test_invariant_check_catches_a_broken_schedule(policy, message):
 def test_the_real_policies_pass_the_same_check():
     for name in SCHEDULERS:
         bm = BlockManager(64, BLOCK_SIZE)
-        s = make_scheduler(name, SchedulerConfig(token_budget=10, max_num_seqs=2, max_num_batched_tokens=100), bm)
+        s = make_scheduler(name, SchedulerConfig(token_budget=10, max_num_seqs=2, max_num_batched_tokens=100), bm,
+                           context_for(name, VirtualClock()))
         s.add(req("a", 6))
         s.add(req("b", 6, first_token=50))
         assert s.schedule()

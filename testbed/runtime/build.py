@@ -12,21 +12,29 @@ from testbed.modes.registry import get_role
 from testbed.request import Request, SamplingParams
 from testbed.runtime.kv_port import KVPort
 from testbed.schedulers import SchedulerConfig, SchedulerContext, make_scheduler, scheduler_class
+from testbed.schedulers.budget import resolve_token_budget
 from testbed.worker import Emit, WorkerService
 
 
 def scheduler_config(cfg: RunConfig) -> SchedulerConfig:
-    return SchedulerConfig(token_budget=cfg.token_budget, max_num_seqs=cfg.max_num_seqs,
-                           max_num_batched_tokens=cfg.max_num_batched_tokens)
+    """`token_budget=auto` becomes its int here (budget.py), once per worker."""
+    token_budget = resolve_token_budget(cfg.token_budget, lambda: predictor(cfg), cfg.slo.tpot_ms,
+                                        cfg.max_num_seqs, cfg.adaptive)
+    return SchedulerConfig(token_budget=token_budget, max_num_seqs=cfg.max_num_seqs,
+                           max_num_batched_tokens=cfg.max_num_batched_tokens, adaptive=cfg.adaptive)
+
+
+def predictor(cfg: RunConfig):
+    """The step-time predictor policies plan with: the cost model of cfg.hardware
+    (a GPU preset on runtime=sim, the `testbed profile` tables on runtime=real)."""
+    from testbed.sim.cost_model import CostModel
+    return CostModel(cfg.model, cfg.hardware, cfg.parallel)
 
 
 def scheduler_context(cfg: RunConfig, clock: Clock) -> SchedulerContext:
     """The one place a policy's context is made, for real and sim alike."""
-    predictor = None
-    if scheduler_class(cfg.scheduler).needs_predictor:
-        from testbed.sim.cost_model import CostModel
-        predictor = CostModel(cfg.model, cfg.hardware, cfg.parallel)
-    return SchedulerContext(clock, cfg.slo.ttft_ms, cfg.slo.tpot_ms, predictor)
+    needs = scheduler_class(cfg.scheduler).needs_predictor
+    return SchedulerContext(clock, cfg.slo.ttft_ms, cfg.slo.tpot_ms, predictor(cfg) if needs else None)
 
 
 def build_engine(cfg: RunConfig, role: str, clock: Clock, executor_factory=None) -> Engine:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from testbed.block_manager import BlockManager
+from testbed.schedulers.adaptive import AdaptiveScheduler
 from testbed.schedulers.base import Scheduler, SchedulerConfig
 from testbed.schedulers.context import SchedulerContext
 from testbed.schedulers.orca import OrcaScheduler
@@ -10,7 +11,8 @@ from testbed.schedulers.sarathi import SarathiScheduler
 from testbed.schedulers.vllm_v0 import VllmV0Scheduler
 
 SCHEDULERS: dict[str, type[Scheduler]] = {
-    cls.name: cls for cls in (RequestLevelScheduler, VllmV0Scheduler, OrcaScheduler, SarathiScheduler)
+    cls.name: cls for cls in (RequestLevelScheduler, VllmV0Scheduler, OrcaScheduler, SarathiScheduler,
+                        AdaptiveScheduler)
 }
 
 

@@ -1,7 +1,9 @@
 """`sarathi`: decode-maximal, stall-free batching (Sarathi-Serve; vLLM V1's
 default). Every running decode first, then prefill chunks (partial prefills
 first, then new requests, FCFS) into the leftover `token_budget`. A long prompt
-therefore never stalls the decodes: it is spread over iterations in chunks."""
+therefore never stalls the decodes: it is spread over iterations in chunks.
+A prompt is scheduled only with at least `min_chunk` tokens (or its
+remainder): 1 here, adaptive's min_budget in its subclass."""
 from __future__ import annotations
 
 from testbed.batch import Batch, ScheduledSlice
@@ -11,13 +13,15 @@ from testbed.schedulers.base import Scheduler
 
 class SarathiScheduler(Scheduler):
     name = "sarathi"
+    min_chunk = 1
 
     def schedule(self) -> Batch:
         # No prefill or decode phase: each running request's num_computed_tokens
         # catches up with its tokens; a decode needs 1, a partial prefill the rest.
         batch = Batch()
         slices = batch.slices
-        budget = token_budget = self.iteration_budget()
+        budget = token_budget = batch.token_budget = self.iteration_budget()
+        min_chunk = self.min_chunk
         prefills = []
         grow, bs = self._grow, self.bm.block_size
         for req in list(self.running):               # decodes first, in running order
@@ -35,11 +39,13 @@ class SarathiScheduler(Scheduler):
                     slices.append(ScheduledSlice(req, n))
                     budget -= n
         for req in prefills:
-            if not budget:
+            if budget < min(min_chunk, req.num_tokens - req.num_computed_tokens):
                 break
             budget -= self._add_slice(req, budget, batch)
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not batch.preempted:
             req = self.waiting[0]
+            if budget < min(min_chunk, req.num_uncomputed_tokens):
+                break
             n = self._try_admit(req, budget)
             if n == 0:
                 break

@@ -1,0 +1,191 @@
+"""`scheduler=adaptive` on the real engine (tiny, this CPU), planning with a
+fresh `testbed profile`:
+
+1. stall: the `stall` workload (two 1,800-token prompts landing among eight
+   decodes) under a p99 TBT SLO; adaptive against sarathi with a too-large
+   budget (misses the SLO) and a too-small one (slow long prompts). Each
+   policy --repeats times, alternated; the spread between repeats is the noise.
+2. self-correction: the stall workload with longer answers (>= 400
+   iterations), adaptive planning with the fresh profile deliberately 2x off
+   (every term of the cost model doubled), and with it as measured (the noise
+   floor). Prediction error |predicted / measured - 1| per iteration; the
+   first crossing is the first window of 20 iterations whose median error is
+   under 15%, the lasting crossing the first from which every window stays
+   under. Plotted to selfcorrect.png.
+
+    python experiments/benchmarks/bench_adaptive_real.py [--out DIR] [--repeats 3] [--quick-profile]
+
+Figures and their reading: experiments/README.md, "adaptive"."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+SLO_TBT_MS = 50.0
+POLICIES = [("adaptive", None), ("sarathi-1024", 1024), ("sarathi-32", 32)]
+WINDOW, THRESHOLD = 20, 0.15
+
+
+def base_config(hardware_path: Path, tbt_ms: float, max_slack_tbt: float):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from testbed.config import register_configs
+    from testbed.model.config import CONF_DIR
+    from testbed.sim.config import load_hardware_preset
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = OmegaConf.to_object(compose("config", ["runtime=real", "model=tiny", "workload=stall", "progress=false",
+                                                     "wandb.mode=disabled", f"slo.tpot_ms={tbt_ms}",
+                                                     "adaptive.min_budget=16", "adaptive.budget_multiple=16",
+                                                     f"adaptive.max_slack_tbt={max_slack_tbt}"]))
+    return dataclasses.replace(cfg, hardware=load_hardware_preset(str(hardware_path)))
+
+
+def run(cfg, out: Path) -> dict:
+    from testbed.run import execute
+    with contextlib.redirect_stdout(io.StringIO()):
+        return execute(cfg, out)
+
+
+def long_prompt_ttft_ms(out: Path, min_len: int) -> float:
+    from testbed.metrics import read_requests
+    ttfts = [r.ttft_s for r in read_requests(out / "requests.jsonl") if r.prompt_len >= min_len]
+    return 1e3 * float(np.mean(ttfts))
+
+
+def stall(cfg, out: Path, repeats: int) -> list[dict]:
+    rows = []
+    for rep in range(repeats):
+        for label, budget in POLICIES:
+            pcfg = dataclasses.replace(cfg, scheduler="adaptive" if budget is None else "sarathi",
+                                       token_budget=budget or cfg.token_budget)
+            d = out / "stall" / f"{label}-{rep}"
+            s = run(pcfg, d)
+            rows.append({"policy": label, "repeat": rep, "tbt_p99_ms": s["tbt_ms"]["p99"],
+                         "tbt_max_ms": s["tbt_ms"]["max"], "ttft_p50_ms": s["ttft_ms"]["p50"],
+                         "long_ttft_ms": long_prompt_ttft_ms(d, min(cfg.workload.inject_prompt_len)),
+                         "prefill_budget_p50": s["iterations"].get("prefill_budget", {}).get("p50")})
+    return rows
+
+
+def doubled(hw):
+    """Every term of the cost model twice as long: a profile 2x off."""
+    return dataclasses.replace(hw, calibration_scale=2 * hw.calibration_scale, overhead_ms=2 * hw.overhead_ms,
+                               overhead_per_seq_ms=2 * hw.overhead_per_seq_ms,
+                               overhead_per_token_ms=2 * hw.overhead_per_token_ms)
+
+
+def errors(out: Path) -> np.ndarray:
+    from testbed.metrics import read_iterations
+    its = read_iterations(out / "iterations.jsonl")
+    return np.array([abs(it.predicted_s / it.duration_s - 1) for it in its if it.predicted_s is not None])
+
+
+def rolling_median(err: np.ndarray) -> np.ndarray:
+    return np.array([np.median(err[i:i + WINDOW]) for i in range(len(err) - WINDOW + 1)])
+
+
+def first_crossing(err: np.ndarray) -> int | None:
+    """The first window start whose median error is under THRESHOLD."""
+    under = np.nonzero(rolling_median(err) < THRESHOLD)[0]
+    return int(under[0]) if len(under) else None
+
+
+def crossing(err: np.ndarray) -> int | None:
+    """The first iteration from which the rolling median of the error stays under THRESHOLD."""
+    med = rolling_median(err)
+    above = np.nonzero(med >= THRESHOLD)[0]
+    if len(above) == 0:
+        return 0
+    return None if above[-1] + 1 >= len(med) else int(above[-1] + 1)
+
+
+def selfcorrect(cfg, out: Path) -> dict:
+    wl = dataclasses.replace(cfg.workload, output_len=400)
+    result = {}
+    for label, hw in (("2x_off", doubled(cfg.hardware)), ("as_profiled", cfg.hardware)):
+        d = out / "selfcorrect" / label
+        run(dataclasses.replace(cfg, scheduler="adaptive", hardware=hw, workload=wl), d)
+        err = errors(d)
+        result[label] = {"num_iterations": len(err), "crossing": crossing(err), "first_crossing": first_crossing(err),
+                         "first_error": float(err[0]), "median_first_20": float(np.median(err[:WINDOW])),
+                         "median_after_200": float(np.median(err[200:])) if len(err) > 200 else None,
+                         "p90_after_200": float(np.percentile(err[200:], 90)) if len(err) > 200 else None,
+                         "errors": err.tolist()}
+    plot(result, out / "selfcorrect.png")
+    return result
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for (label, r), color in zip(result.items(), ("tab:red", "tab:blue")):
+        err = np.array(r["errors"])
+        ax.scatter(np.arange(len(err)), err * 100, s=3, color=color, alpha=0.3)
+        med = rolling_median(err) * 100
+        ax.plot(np.arange(len(med)), med, color=color, label=f"{label}: rolling median ({WINDOW}); first under "
+                f"{THRESHOLD:.0%} at iteration {r['first_crossing']}, stays under from {r['crossing']}")
+    ax.axhline(THRESHOLD * 100, color="black", ls="--", lw=0.8)
+    ax.set_yscale("log")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("|predicted / measured - 1|, %")
+    ax.set_title("adaptive's step-time prediction on the real engine (tiny, this CPU), self-corrected per batch kind",
+                 fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="outputs/bench_adaptive_real")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick-profile", action="store_true", help="testbed profile --quick (seconds)")
+    parser.add_argument("--profile", default=None, help="use this profile YAML instead of measuring a fresh one")
+    parser.add_argument("--slo-tbt-ms", type=float, default=SLO_TBT_MS, help="the p99 TBT SLO (slo.tpot_ms)")
+    parser.add_argument("--max-slack-tbt", type=float, default=1.0, help="adaptive.max_slack_tbt")
+    args = parser.parse_args()
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    profile = Path(args.profile) if args.profile else out / "cpu-fresh.yaml"
+    if not args.profile:
+        from testbed.profiling.profile import profile_main
+        assert profile_main(["--out", str(profile)] + (["--quick"] if args.quick_profile else [])) == 0
+    cfg = base_config(profile, args.slo_tbt_ms, args.max_slack_tbt)
+    rows = stall(cfg, out, args.repeats)
+    sc = selfcorrect(cfg, out)
+    (out / "report.json").write_text(json.dumps({"stall": rows, "selfcorrect": sc}, indent=1))
+    print(f"\nstall workload, real engine (tiny, this CPU), p99 TBT SLO {args.slo_tbt_ms:g} ms, "
+          f"adaptive.max_slack_tbt={args.max_slack_tbt:g}; "
+          f"median [min, max] of {args.repeats} repeats")
+    for label, _ in POLICIES:
+        sel = [r for r in rows if r["policy"] == label]
+
+        def m(key):
+            v = sorted(r[key] for r in sel)
+            return f"{np.median(v):7.1f} [{v[0]:.1f}, {v[-1]:.1f}]"
+        print(f"  {label:<13} TBT p99 {m('tbt_p99_ms')}  max {m('tbt_max_ms')}  TTFT p50 {m('ttft_p50_ms')}  "
+              f"long prompts' TTFT {m('long_ttft_ms')} ms  prefill budget p50 {sel[0]['prefill_budget_p50']}")
+    print(f"\nself-correction (error = |predicted / measured - 1| per iteration, crossing: rolling median of "
+          f"{WINDOW} stays < {THRESHOLD:.0%})")
+    for label, r in sc.items():
+        print(f"  {label:<12} {r['num_iterations']} iterations, first error {r['first_error']:.0%}, median of the "
+              f"first {WINDOW} {r['median_first_20']:.0%}, after 200: median {r['median_after_200']:.1%} "
+              f"p90 {r['p90_after_200']:.1%}; first under at iteration {r['first_crossing']}, "
+              f"stays under from {r['crossing']}")
+    print(f"-> {out}/report.json, {out}/selfcorrect.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""`adaptive`: sarathi's decode-maximal batching with the prefill budget chosen
+every iteration from the running decodes' token deadlines and a step-time
+predictor, instead of one static token budget.
+
+Each iteration (iteration_budget):
+- every running decode runs, as in sarathi; the prefill budget P is the
+  largest multiple of `budget_multiple` in [min_budget, max_budget] for which
+  the predicted iteration (the decodes plus the chunks P would schedule, FCFS)
+  ends before the earliest decode's next token deadline, planned at
+  tbt_headroom of one TBT SLO after its last token. Nothing fits: min_budget,
+  so prompts never starve (each scheduled prompt gains at least min_budget
+  tokens, or its remainder);
+- no running decodes: nobody to protect, P = max_budget;
+- TTFT awareness: when the oldest waiting prompt would miss its TTFT deadline
+  at P, the decodes' banked fluidity slack (TokenDeadlines, at most
+  max_slack_tbt SLOs each) extends the deadline, and P is chosen again.
+
+The predictor is the cost model (SchedulerContext); StepCorrection scales it
+per batch kind by the measured/predicted ratio of finished steps (on_step), so
+a wrong profile converges instead of misleading the budget. Each batch
+carries its budget and corrected prediction into iterations.jsonl."""
+from __future__ import annotations
+
+import math
+
+from testbed.batch import Batch
+from testbed.block_manager import BlockManager
+from testbed.request import Request
+from testbed.schedulers.base import SchedulerConfig
+from testbed.schedulers.budget import largest_fitting
+from testbed.schedulers.context import SchedulerContext
+from testbed.schedulers.deadlines import TokenDeadlines
+from testbed.schedulers.sarathi import SarathiScheduler
+from testbed.schedulers.step_correction import MIXED, StepCorrection, batch_kind
+
+
+class AdaptiveScheduler(SarathiScheduler):
+    name = "adaptive"
+    needs_predictor = True
+
+    def __init__(self, cfg: SchedulerConfig, block_manager: BlockManager, context: SchedulerContext | None = None):
+        super().__init__(cfg, block_manager, context)
+        if context is None or context.predictor is None:
+            raise ValueError("scheduler=adaptive: needs a SchedulerContext with a step-time predictor "
+                             "(testbed/runtime/build.py's scheduler_context builds one)")
+        self.acfg = cfg.adaptive
+        self.acfg.validate()
+        self.min_chunk = self.acfg.min_budget
+        self.predictor = context.predictor
+        self.tbt_s = context.slo_tbt_ms * 1e-3
+        self.ttft_s = context.slo_ttft_ms * 1e-3
+        self.deadlines = TokenDeadlines(self.tbt_s)
+        self.correction = StepCorrection(self.acfg.ewma_alpha)
+        self.prefill_budget = self.acfg.max_budget     # the budget of the batch being planned
+        self._planned: tuple[Batch, str, float] | None = None    # (batch, kind, raw prediction)
+
+    def schedule(self) -> Batch:
+        # sarathi's schedule() (every decode, then chunks FCFS) under iteration_budget()'s budget
+        batch = super().schedule()
+        if batch:
+            pairs = [(s.num_tokens, s.end) for s in batch.slices]
+            raw = self.predictor.iteration_time_s(pairs, sum(s.samples for s in batch.slices))
+            kind = batch_kind(batch.num_prefill_tokens, batch.num_decode_tokens)
+            batch.predicted_s = self.correction.corrected(raw, kind)
+            self._planned = (batch, kind, raw)
+        assert batch.num_prefill_tokens <= self.prefill_budget <= self.acfg.max_budget, "prefill budget exceeded"
+        assert all(s.num_tokens >= min(self.min_chunk, s.request.num_tokens - s.request.num_computed_tokens)
+                   for s in batch.slices if not s.is_decode), "a prompt was scheduled below min_budget"
+        return batch
+
+    def on_step(self, batch: Batch, duration_s: float) -> None:
+        planned = self._planned
+        if planned is not None and planned[0] is batch:
+            self.correction.observe(planned[1], planned[2], duration_s)
+
+    def remove(self, request: Request) -> None:
+        super().remove(request)
+        self.deadlines.forget(request.request_id)
+
+    # -- the budget ------------------------------------------------------------------------
+    def iteration_budget(self) -> int:
+        """The running decodes' tokens plus this iteration's prefill budget."""
+        cfg = self.acfg
+        decodes, prefills, decode_tokens, last_token_s = [], [], 0, math.inf
+        for req in self.running:
+            c = req.num_computed_tokens
+            if c < req.prompt_len:
+                prefills.append(req)
+                continue
+            n = req.num_tokens - c       # 1, or more when a recompute runs into the outputs
+            decode_tokens += n
+            decodes.append((n, c + n))
+            if req.token_times_s:
+                last_token_s = min(last_token_s, req.token_times_s[-1])
+        work = self._prefill_work(prefills)
+        if not decodes or not work or last_token_s == math.inf:
+            self.prefill_budget = cfg.max_budget
+            return decode_tokens + cfg.max_budget
+        now = self.context.clock.now()
+        plan_s = cfg.tbt_headroom * self.tbt_s
+        budget = self._largest(decodes, work, last_token_s + plan_s - now)
+        head = work[0]
+        if cfg.max_slack_tbt and self._misses_ttft(head, budget, plan_s, now):
+            cap = cfg.max_slack_tbt * self.tbt_s
+            slack_due = min(req.token_times_s[-1] + plan_s + min(self.deadlines.slack_s(req), cap)
+                            for req in self.running if req.num_computed_tokens >= req.prompt_len
+                            and req.token_times_s)
+            if slack_due > last_token_s + plan_s:
+                budget = self._largest(decodes, work, slack_due - now)
+        self.prefill_budget = budget
+        return decode_tokens + budget
+
+    def _prefill_work(self, partial: list[Request]) -> list[Request]:
+        """The prompts this iteration may chunk, in sarathi's order (partial
+        prefills, then waiting FCFS within max_num_seqs), until they hold
+        max_budget tokens."""
+        work, tokens = [], 0
+        seats = self.cfg.max_num_seqs - len(self.running)
+        for req in partial:
+            work.append(req)
+            tokens += req.num_tokens - req.num_computed_tokens
+        for req in self.waiting:
+            if tokens >= self.acfg.max_budget or seats <= 0:
+                break
+            work.append(req)
+            tokens += req.num_uncomputed_tokens
+            seats -= 1
+        return work
+
+    def _largest(self, decodes: list[tuple[int, int]], work: list[Request], target_s: float) -> int:
+        """The largest prefill budget whose predicted iteration takes at most target_s."""
+        cfg, predict, correct, min_chunk = self.acfg, self.predictor.iteration_time_s, self.correction, self.min_chunk
+        todo = [(r.num_tokens - r.num_computed_tokens, r.num_computed_tokens) for r in work]
+
+        def fits(budget: int) -> bool:
+            pairs, sampled = list(decodes), len(decodes)
+            for remaining, computed in todo:
+                if budget < min(min_chunk, remaining):
+                    break
+                n = min(remaining, budget)
+                pairs.append((n, computed + n))
+                sampled += n == remaining
+                budget -= n
+                if not budget:
+                    break
+            return correct.corrected(predict(pairs, sampled), MIXED) <= target_s
+        return largest_fitting(fits, cfg.min_budget, cfg.max_budget, cfg.budget_multiple)
+
+    def _misses_ttft(self, head: Request, budget: int, plan_s: float, now: float) -> bool:
+        """Whether `head`, given `budget` tokens per iteration of about plan_s,
+        would sample its first token after its TTFT deadline."""
+        remaining = head.num_tokens - head.num_computed_tokens
+        return now + math.ceil(remaining / budget) * plan_s > head.arrival_s + self.ttft_s

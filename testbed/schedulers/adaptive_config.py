@@ -1,0 +1,44 @@
+"""AdaptiveConfig: the `adaptive:` section of the run config. It bounds the
+per-iteration prefill budget of `scheduler=adaptive`, and the static budget
+`token_budget=auto` derives once for `sarathi` (testbed/schedulers/budget.py).
+Every default lives here; `validate()` raises one line naming the field."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class AdaptiveConfig:
+    min_budget: int = 64           # prefill tokens a scheduled prompt gains per iteration, at least
+    max_budget: int = 8192         # prefill tokens per iteration, at most
+    budget_multiple: int = 64      # budgets are rounded down to a multiple of this (GEMM tiles)
+    # the part of each token's TBT deadline an iteration is planned to use: the rest is
+    # room for the predictor's error and the engine's time between steps
+    tbt_headroom: float = 0.9
+    # banked fluidity slack (in TBT SLOs) one iteration may spend, and only while the
+    # oldest waiting prompt would miss its TTFT deadline at the plain budget
+    max_slack_tbt: float = 1.0
+    ewma_alpha: float = 0.2        # weight of the newest step in the measured/predicted correction
+    # token_budget=auto: the decode batch the static budget must protect
+    auto_num_decodes: int | None = None    # None: max_num_seqs
+    auto_decode_context: int = 2048
+
+    def validate(self) -> None:
+        for f in ("min_budget", "max_budget", "budget_multiple", "auto_decode_context"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"adaptive.{f}: must be >= 1, got {getattr(self, f)}")
+        for f in ("min_budget", "max_budget"):
+            if getattr(self, f) % self.budget_multiple:
+                raise ValueError(f"adaptive.{f}: must be a multiple of adaptive.budget_multiple="
+                                 f"{self.budget_multiple}, got {getattr(self, f)}")
+        if self.max_budget < self.min_budget:
+            raise ValueError(f"adaptive.max_budget: {self.max_budget} is below adaptive.min_budget={self.min_budget}")
+        if not 0.0 < self.tbt_headroom <= 1.0:
+            raise ValueError(f"adaptive.tbt_headroom: must be in (0, 1], got {self.tbt_headroom}")
+        if self.max_slack_tbt < 0:
+            raise ValueError(f"adaptive.max_slack_tbt: must be >= 0, got {self.max_slack_tbt}")
+        if not 0.0 < self.ewma_alpha <= 1.0:
+            raise ValueError(f"adaptive.ewma_alpha: must be in (0, 1], got {self.ewma_alpha}")
+        if self.auto_num_decodes is not None and self.auto_num_decodes < 0:
+            raise ValueError(f"adaptive.auto_num_decodes: must be >= 0 or null (max_num_seqs), "
+                             f"got {self.auto_num_decodes}")
