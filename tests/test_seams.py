@@ -182,3 +182,14 @@ def test_the_simulator_physics_is_torch_free():
         assert "torch" not in top_level_imports(m), f"{m} imports torch"
         tree = ast.parse(files[m].read_text())
         todo += [n.module for n in tree.body if isinstance(n, ast.ImportFrom) and n.module in files]
+
+
+def test_only_the_assembling_modules_read_the_whole_run_config():
+    """Components (schedulers, engine, modes, workloads, transports, kernels,
+    the simulator's physics) take their own config section; only the modules
+    that assemble a run from a RunConfig import it."""
+    assembling = {"testbed.capacity", "testbed.cli", "testbed.run", "testbed.wandb_log", "testbed.experiments",
+                  "testbed.profiling", "testbed.runtime.build", "testbed.runtime.deployment",
+                  "testbed.runtime.real", "testbed.runtime.sim", "testbed.runtime.worker_process"}
+    readers = {m for m, edges in import_graph().items() if "testbed.config" in edges}
+    assert {m for m in readers if not any(m == a or m.startswith(a + ".") for a in assembling)} == set()
