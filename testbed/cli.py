@@ -12,28 +12,11 @@ import sys
 USAGE = __doc__
 
 
-def _unknown_preset(argv: list[str]) -> str | None:
-    """Hydra answers an unknown group choice (`model=nope`) with a dozen lines
-    of search paths; say it in one line, like every other config error."""
-    from testbed.model.config import CONF_DIR
-    for arg in argv:
-        group, sep, value = arg.partition("=")
-        if not sep or not group.isidentifier() or not (CONF_DIR / group).is_dir():
-            continue
-        if any(c in value for c in "()[]$*"):
-            continue  # sweep syntax (choice(...), range(...), globs): Hydra's to judge
-        for choice in value.split(","):
-            if choice and choice != "null" and not (CONF_DIR / group / f"{choice}.yaml").exists():
-                names = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
-                return (f"{group}='{choice}' is not a known preset (conf/{group}/); "
-                        f"choose one of: {', '.join(names) or '(none yet)'}")
-    return None
-
-
 def _hydra_run(argv: list[str]) -> int:
-    unknown = _unknown_preset(argv)
-    if unknown:
-        print(f"error: {unknown}", file=sys.stderr)
+    from testbed.cli_errors import hydra_raises, override_error, refused_override
+    refused = refused_override(argv)
+    if refused:
+        print(f"error: {refused}", file=sys.stderr)
         return 2
     import hydra
     from hydra.core.hydra_config import HydraConfig
@@ -45,8 +28,11 @@ def _hydra_run(argv: list[str]) -> int:
 
     register_configs()
 
+    started = []
+
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
     def task(dcfg: DictConfig):
+        started.append(True)
         hc = HydraConfig.get()
         multirun = hc.mode.name == "MULTIRUN"
         out_dir = hc.runtime.output_dir
@@ -69,7 +55,15 @@ def _hydra_run(argv: list[str]) -> int:
             return None
 
     sys.argv = [sys.argv[0]] + argv
-    task()
+    with hydra_raises():
+        try:
+            task()
+        except Exception as e:       # a bad override, in one line; anything else keeps its traceback
+            message = override_error(e, task_started=bool(started))
+            if message is None:
+                raise
+            print(f"error: {message}", file=sys.stderr)
+            return 2
     return 0
 
 
