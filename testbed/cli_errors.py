@@ -4,11 +4,12 @@ Hydra answers a bad override (`token_budget=abc`, `nope=3`, `model=nope`)
 with several lines: its own message, OmegaConf's, the key, the object type,
 the config search path, a hint about HYDRA_FULL_ERROR. Every other config
 error of this testbed is one line that names the field and says what would be
-right, so cli.py asks this module first (`refused_override`, checks Hydra would
-pass or answer at length) and runs Hydra under `hydra_raises()`, which makes
-Hydra raise instead of printing; `override_error` turns what it raised into
-that one line. Values Hydra accepts but the testbed does not (`token_budget=-5`)
-are judged later by `testbed.config.validate`, also in one line.
+right. So cli.py first asks `refused_override` (unknown presets, and `+KEY`
+for a key the schema lacks, which Hydra would take silently), then runs Hydra
+under `hydra_raises()`, which makes Hydra raise instead of printing, and
+`override_error` turns what it raised into that one line. Values Hydra accepts
+but the testbed does not (`token_budget=-5`) are judged later by
+`testbed.config.validate`, also in one line.
 """
 from __future__ import annotations
 

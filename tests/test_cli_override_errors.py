@@ -163,7 +163,8 @@ def test_every_bad_override_is_one_line_naming_the_field_and_exit_2_many(case):
     ("transfer=5", "error: transfer is a group of fields (TransferConfig), not one value; set a field of it, "
                    "e.g. transfer.transport=zmq"),
     ("token_budgt=512", "error: token_budgt: no such field in the run config; did you mean token_budget?"),
-    ("workload.rat=2", "error: workload.rat: no such field in workload (WorkloadConfig); did you mean workload.rate?"),
+    ("workload.rat=2", "error: workload.rat: no such field in workload (WorkloadConfig); "
+                       "did you mean workload.rate?"),
     ("+foo=1", "error: foo: no such field in the run config"),
     ("token_budget=[1", "error: cannot read the override 'token_budget=[1'"),
     ("hydra/launcher=nope", "error: hydra/launcher='nope' is not a known preset; choose one of: basic"),
