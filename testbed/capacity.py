@@ -142,20 +142,17 @@ def capacity_main(argv: list[str]) -> int:
     bad = [o for o in overrides if o.startswith("-")]
     if bad:
         parser.error(f"unknown option(s) {bad}; Hydra overrides look like key=value")
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from testbed.cli import _unknown_preset
-    unknown = _unknown_preset(overrides)
-    if unknown:
-        print(f"error: {unknown}", file=sys.stderr)
+    from testbed.cli_errors import override_error, refused_override
+    refused = refused_override(overrides)
+    if refused:
+        print(f"error: {refused}", file=sys.stderr)
         return 2
     register_configs()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
             cfg: RunConfig = OmegaConf.to_object(compose("config", overrides))
-    except (HydraException, OmegaConfBaseException) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except Exception as e:          # composing is all Hydra's: whatever it raises is a bad override
+        print(f"error: {override_error(e, task_started=False)}", file=sys.stderr)
         return 2
     try:
         out = args.out or f"outputs/capacity/{time.strftime('%Y-%m-%d/%H-%M-%S')}-{cfg.mode}-{cfg.scheduler}"
