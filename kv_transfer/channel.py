@@ -22,6 +22,7 @@ import zmq
 
 from testbed.kv_transfer.base import Ack, KVSender, TransferError
 from testbed.kv_transfer.config import TransferConfig
+from testbed.wire_text import shown
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class ChannelServer:
             self.sock.send_multipart([_name_bytes(origin), msg], zmq.NOBLOCK)
             return True
         except zmq.ZMQError as e:                       # EHOSTUNREACH: the sender is gone
-            log.warning("ack for %s to %s not delivered: %s", request_id, origin, e)
+            log.warning("ack for %s to %s not delivered: %s", shown(request_id), shown(origin), e)
             return False
 
     def close(self) -> None:
@@ -151,7 +152,7 @@ class ChannelClient:
                 raise TypeError(f"field types {m}")
             return ack
         except Exception as e:    # a malformed ack is the peer's bug; keep serving the others
-            log.warning("sender %s: dropped a malformed ack from %s: %s", self.name, peer, e)
+            log.warning("sender %s: dropped a malformed ack from %s: %s", self.name, peer, shown(str(e), 200))
             return None
 
     def close(self) -> None:

@@ -18,6 +18,8 @@ import msgpack
 import torch
 import xxhash
 
+from testbed.wire_text import shown
+
 HEADER_VERSION = 1
 
 # dtype names on the wire -> torch dtypes (a whitelist: the name comes off the network)
@@ -112,8 +114,9 @@ class KVPayload:
 
     def check_checksum(self, digest: int) -> None:
         if digest != self.checksum:
-            raise PayloadError(f"request {self.request_id}: checksum mismatch (got {digest:#018x}, header says "
-                               f"{self.checksum:#018x}): the KV was corrupted in transit", self.request_id)
+            raise PayloadError(f"request {shown(self.request_id)}: checksum mismatch (got {digest:#018x}, "
+                               f"header says {self.checksum:#018x}): the KV was corrupted in transit",
+                               self.request_id)
 
     def encode_header(self) -> bytes:
         return msgpack.packb({
@@ -134,31 +137,32 @@ def decode_header(raw: bytes | memoryview, max_header_bytes: int, max_message_by
     try:
         h = msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except Exception as e:  # msgpack raises several unrelated types on garbage
-        raise PayloadError(f"header is not valid msgpack ({type(e).__name__}: {e})") from None
+        raise PayloadError(f"header is not valid msgpack ({type(e).__name__}: {shown(str(e), 120)})") from None
     if not isinstance(h, dict):
         raise PayloadError(f"header is a {type(h).__name__}, expected a map")
     rid = h.get("request_id")
     if not isinstance(rid, str):
         raise PayloadError("header has no string request_id")
+    name = shown(rid)                        # the peer's text: safe to print
 
     def want(key: str, kind: type | tuple[type, ...]):
         value = h.get(key)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise PayloadError(f"request {rid}: header field '{key}' is {value!r}, expected "
+            raise PayloadError(f"request {name}: header field '{key}' is {shown(repr(value))}, expected "
                                f"{getattr(kind, '__name__', kind)}", rid)
         return value
 
     if want("v", int) != HEADER_VERSION:
-        raise PayloadError(f"request {rid}: header version {h['v']} != {HEADER_VERSION}", rid)
+        raise PayloadError(f"request {name}: header version {h['v']} != {HEADER_VERSION}", rid)
     dtype = want("dtype", str)
     if dtype not in DTYPES:
-        raise PayloadError(f"request {rid}: dtype '{dtype}' is not one of {sorted(DTYPES)}", rid)
+        raise PayloadError(f"request {name}: dtype {shown(repr(dtype))} is not one of {sorted(DTYPES)}", rid)
     shape = want("shape", list)
     block_ids = want("block_ids", list)
     if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise PayloadError(f"request {rid}: shape {shape} must be non-negative integers", rid)
+        raise PayloadError(f"request {name}: shape {shown(str(shape))} must be non-negative integers", rid)
     if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in block_ids):
-        raise PayloadError(f"request {rid}: block_ids must be non-negative integers", rid)
+        raise PayloadError(f"request {name}: block_ids must be non-negative integers", rid)
     p = KVPayload(
         request_id=rid, layer_start=want("layer_start", int), layer_end=want("layer_end", int),
         block_ids=block_ids, num_tokens=want("num_tokens", int), dtype=dtype, shape=tuple(shape),
@@ -166,13 +170,14 @@ def decode_header(raw: bytes | memoryview, max_header_bytes: int, max_message_by
         last=want("last", bool), meta=want("meta", dict))
     if (len(p.shape) != 6 or p.shape[0] != p.layer_end - p.layer_start or p.shape[1] != 2
             or p.shape[2] != len(p.block_ids) or p.layer_start < 0):
-        raise PayloadError(f"request {rid}: shape {shape} does not match layers [{p.layer_start}, "
-                           f"{p.layer_end}) x (k, v) x {len(p.block_ids)} blocks", rid)
+        raise PayloadError(f"request {name}: shape {shown(str(shape))} does not match layers "
+                           f"[{p.layer_start}, {p.layer_end}) x (k, v) x {len(p.block_ids)} blocks", rid)
     if p.nbytes == 0:
-        raise PayloadError(f"request {rid}: shape {shape} holds no data", rid)
+        raise PayloadError(f"request {name}: shape {shown(str(shape))} holds no data", rid)
     if want("nbytes", int) != p.nbytes:
-        raise PayloadError(f"request {rid}: nbytes={h['nbytes']} does not match shape {shape} of {dtype}", rid)
+        raise PayloadError(f"request {name}: nbytes={h['nbytes']} does not match shape {shown(str(shape))} "
+                           f"of {dtype}", rid)
     if p.nbytes > max_message_bytes:
-        raise PayloadError(f"request {rid}: payload of {p.nbytes} bytes exceeds max_message_bytes="
+        raise PayloadError(f"request {name}: payload of {p.nbytes} bytes exceeds max_message_bytes="
                            f"{max_message_bytes}", rid)
     return p

@@ -10,6 +10,8 @@ interleave, so each sender has at most one payload open.
 Whatever a peer sends, poll() does not raise: a bad message becomes a payload
 with `error` (or, when it does not even name a request, is logged and counted
 in num_rejected); a payload whose data stops coming fails after timeout_s.
+The sender's name and request ids are the peer's own bytes: logs and errors
+show them through wire_text.shown (hex when not printable text).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from testbed.kv_transfer.buffers import ReceiveBuffers
 from testbed.kv_transfer.channel import HEADER, ChannelServer
 from testbed.kv_transfer.config import TransferConfig
 from testbed.kv_transfer.payload import DTYPES, KVPayload, PayloadError, decode_header
+from testbed.wire_text import shown
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +86,7 @@ class ChannelReceiver(KVReceiver):
         try:
             if kind == HEADER:
                 return self._decode_header(origin, self._server.sock.recv(copy=False))
-            self._reject(origin, f"a message of unknown kind {kind[:8]!r}")
+            self._reject(origin, f"a message of unknown kind {shown(kind[:16])}")
             return []
         finally:
             self._server.drain()
@@ -95,7 +98,7 @@ class ChannelReceiver(KVReceiver):
             if e.request_id is None:
                 self._reject(origin, str(e))
                 return []
-            log.warning("receiver %s: failed a payload from %s: %s", self.address, origin, e)
+            log.warning("receiver %s: failed a payload from %s: %s", self.address, shown(origin), e)
             return [KVPayload.failed_header(e.request_id, origin, str(e))]
         p.origin = origin
         return self._on_header(origin, p)
@@ -105,7 +108,7 @@ class ChannelReceiver(KVReceiver):
         try:
             p.check_checksum(digest)
         except PayloadError as e:
-            return self._drop(p, buf, str(e).removeprefix(f"request {p.request_id}: "))
+            return self._drop(p, buf, str(e).removeprefix(f"request {shown(p.request_id)}: "))
         p.data = buf.view(DTYPES[p.dtype]).view(p.shape)
         self._returned.append(buf)
         return p
@@ -113,12 +116,13 @@ class ChannelReceiver(KVReceiver):
     def _drop(self, p: KVPayload, buf: torch.Tensor, why: str) -> KVPayload:
         """p failed; its buffer goes back to the pool."""
         self._buffers.release(buf)
-        log.warning("receiver %s: failed %s from %s: %s", self.address, p.request_id, p.origin, why)
-        return p.failed(f"request {p.request_id}: {why}")
+        log.warning("receiver %s: failed %s from %s: %s", self.address, shown(p.request_id), shown(p.origin),
+                    why)
+        return p.failed(f"request {shown(p.request_id)}: {why}")
 
     def _reject(self, origin: str, why: str) -> None:
         self.num_rejected += 1
-        log.warning("receiver %s: dropped a message from %s: %s", self.address, origin, why)
+        log.warning("receiver %s: dropped a message from %s: %s", self.address, shown(origin), why)
 
     def ack(self, origin: str, request_id: str, ok: bool = True, reason: str = "") -> bool:
         return self._server.send_ack(origin, request_id, ok, reason)

@@ -83,7 +83,7 @@ def find_capacity(cfg: RunConfig, out_dir: str | Path, rel_tol: float = 0.05, ma
     out.mkdir(parents=True, exist_ok=True)
     slo_ttft = cfg.slo.ttft_ms
     slo_tbt = getattr(cfg.slo, "tbt_ms", None) or cfg.slo.tpot_ms
-    result = CapacityResult(None, None, slo_ttft, slo_tbt, cfg.runtime.name)
+    result = CapacityResult(None, None, slo_ttft, slo_tbt, cfg.runtime)
 
     def probe(rate: float) -> bool:
         run_cfg = dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, rate=rate), progress=False)
@@ -142,20 +142,17 @@ def capacity_main(argv: list[str]) -> int:
     bad = [o for o in overrides if o.startswith("-")]
     if bad:
         parser.error(f"unknown option(s) {bad}; Hydra overrides look like key=value")
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from testbed.overrides import unknown_preset
-    unknown = unknown_preset(overrides)
-    if unknown:
-        print(f"error: {unknown}", file=sys.stderr)
+    from testbed.cli_errors import override_error, refused_override
+    refused = refused_override(overrides)
+    if refused:
+        print(f"error: {refused}", file=sys.stderr)
         return 2
     register_configs()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
             cfg: RunConfig = OmegaConf.to_object(compose("config", overrides))
-    except (HydraException, OmegaConfBaseException) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except Exception as e:          # composing is all Hydra's: whatever it raises is a bad override
+        print(f"error: {override_error(e, task_started=False)}", file=sys.stderr)
         return 2
     try:
         out = args.out or f"outputs/capacity/{time.strftime('%Y-%m-%d/%H-%M-%S')}-{cfg.mode}-{cfg.scheduler}"
@@ -169,5 +166,5 @@ def capacity_main(argv: list[str]) -> int:
     else:
         above = "none failed" if result.first_failing_rate is None else f"{result.first_failing_rate:.4g} failed"
         print(f"capacity: {result.rate:.4g} req/s ({above}; SLOs p99 TTFT <= {result.slo_ttft_ms} ms, "
-              f"p99 TBT <= {result.slo_tbt_ms} ms; {cfg.runtime.name}) -> {out}/capacity.json")
+              f"p99 TBT <= {result.slo_tbt_ms} ms; {cfg.runtime}) -> {out}/capacity.json")
     return 0

@@ -13,10 +13,10 @@ USAGE = __doc__
 
 
 def _hydra_run(argv: list[str]) -> int:
-    from testbed.overrides import unknown_preset
-    unknown = unknown_preset(argv)
-    if unknown:
-        print(f"error: {unknown}", file=sys.stderr)
+    from testbed.cli_errors import hydra_raises, override_error, refused_override
+    refused = refused_override(argv)
+    if refused:
+        print(f"error: {refused}", file=sys.stderr)
         return 2
     import hydra
     from hydra.core.hydra_config import HydraConfig
@@ -28,8 +28,11 @@ def _hydra_run(argv: list[str]) -> int:
 
     register_configs()
 
+    started = []
+
     @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
     def task(dcfg: DictConfig):
+        started.append(True)
         hc = HydraConfig.get()
         multirun = hc.mode.name == "MULTIRUN"
         out_dir = hc.runtime.output_dir
@@ -52,7 +55,15 @@ def _hydra_run(argv: list[str]) -> int:
             return None
 
     sys.argv = [sys.argv[0]] + argv
-    task()
+    with hydra_raises():
+        try:
+            task()
+        except Exception as e:       # a bad override, in one line; anything else keeps its traceback
+            message = override_error(e, task_started=bool(started))
+            if message is None:
+                raise
+            print(f"error: {message}", file=sys.stderr)
+            return 2
     return 0
 
 
@@ -68,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         from testbed.report import report_main
         return report_main(rest)
     if cmd == "profile":
-        from testbed.profiling.profile import profile_main
+        from testbed.sim.profile import profile_main
         return profile_main(rest)
     if cmd == "capacity":
         from testbed.capacity import capacity_main

@@ -16,7 +16,7 @@ from testbed.workloads.lengths import LognormalLengths, UniformLengths, ZipfLeng
 from testbed.workloads.readers import AzureReader
 
 VOCAB = 4096
-AZURE_TRACE = REPO_ROOT.parent / "shared" / "data" / "AzureLLMInferenceTrace_code.csv"
+AZURE_TRACE = REPO_ROOT / "conf" / "workload" / "traces" / "AzureLLMInferenceTrace_code.csv"
 
 
 def write(path: Path, text: str) -> Path:

@@ -3,7 +3,11 @@ maybe exact tokens or shared-block ids), in file order.
 
 build.py picks a reader by `workload.trace_format` from READERS. Every reader is
 strict: a line it cannot read raises ValueError naming `file:line` and what is
-wrong; no row is ever skipped. Blank lines are not rows.
+wrong; no row is ever skipped. Blank lines are not rows. Lines are read with a
+bounded buffer (testbed/text_lines.py), so a binary file or one endless line is
+refused without reading it whole. A length above MAX_TOKENS is refused, and the
+production traces (azure, mooncake) must be in time order: their first N rows
+are what `max_requests` keeps, so a file out of order was damaged on the way.
 """
 from __future__ import annotations
 
@@ -15,7 +19,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from testbed.jsonl import jsonl_objects
+from testbed.text_lines import MAX_LINE_BYTES, text_lines
 from testbed.workloads.config import WorkloadConfig
+
+# The most tokens one request's prompt or output may hold: 16M, far past any
+# context this testbed models (1M), and small enough that a corrupted count
+# (10**30, a byte offset) is caught here rather than deep inside a run.
+MAX_TOKENS = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -43,25 +53,64 @@ def _count(value, what: str, where: str) -> int:
     if number < 1:
         raise ValueError(f"{where}: {what}={value!r} must be >= 1 (a request needs a prompt token "
                          "and an output token)")
+    if number > MAX_TOKENS:
+        raise ValueError(f"{where}: {what}={value!r} is above {MAX_TOKENS:,} tokens, more than any request "
+                         "holds; is the column a token count?")
     return int(number)
 
 
-def _csv_rows(path: Path, columns: tuple[str, ...], limit: int | None):
+def _csv_rows(path: Path, columns: tuple[str, ...], limit: int | None, max_line_bytes: int):
     """(line number, row dict) for each data row of a CSV with these columns."""
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        missing = [c for c in columns if c not in (reader.fieldnames or [])]
+    lines = text_lines(path, max_line_bytes)
+    line_no = 0
+
+    def numbered():
+        nonlocal line_no
+        for line_no, text in lines:
+            yield text
+    reader = csv.reader(numbered(), strict=True)
+    previous = 0                             # the line the last record ended on
+    unclosed = "a quoted field runs on past the end of its line; close its quote"
+    try:
+        header = next(reader, None)
+        if header is None:
+            raise ValueError(f"{_where(path, 1)}: the file is empty; expected a header line "
+                             f"{','.join(columns)}")
+        missing = [c for c in columns if c not in header]
         if missing:
-            raise ValueError(f"{_where(path, 1)}: header {reader.fieldnames} lacks column(s) {missing}; "
+            raise ValueError(f"{_where(path, line_no)}: header {header} lacks column(s) {missing}; "
                              f"expected {','.join(columns)}")
-        for n, row in enumerate(reader):
+        n, previous = 0, line_no
+        for fields in reader:
+            if line_no > previous + 1:       # token counts and times never hold a line break
+                raise ValueError(f"{_where(path, previous + 1)}: {unclosed}")
+            previous = line_no
+            if not fields:
+                continue                     # a blank line
             if limit is not None and n >= limit:
                 return
-            where = _where(path, reader.line_num)
-            if None in row or any(row[c] is None for c in columns):
-                raise ValueError(f"{where}: expected {len(reader.fieldnames)} fields "
-                                 f"({','.join(reader.fieldnames)}), got a different number")
-            yield reader.line_num, row
+            if len(fields) != len(header):
+                raise ValueError(f"{_where(path, line_no)}: expected {len(header)} fields "
+                                 f"({','.join(header)}), got {len(fields)}")
+            n += 1
+            yield line_no, dict(zip(header, fields))
+    except csv.Error as e:                   # a stray quote, a field over csv's size limit
+        why = unclosed if line_no > previous + 1 or "end of data" in str(e) else f"not a CSV line ({e})"
+        raise ValueError(f"{_where(path, previous + 1)}: {why}") from None
+
+
+def _in_time_order(path: Path, rows: list[TraceRow], column: str, distinct: bool) -> list[TraceRow]:
+    """`rows`, after checking that their arrival times never go backwards (nor
+    repeat, when `distinct`: a trace whose clock ticks in 100 ns does not log
+    two requests at one instant; a repeat is a duplicated row)."""
+    for prev, row in zip(rows, rows[1:]):
+        if row.arrival_s < prev.arrival_s:
+            raise ValueError(f"{_where(path, row.line)}: {column} is {prev.arrival_s - row.arrival_s:.6g} s "
+                             f"before line {prev.line}'s; the trace must be in time order (sort it by {column})")
+        if distinct and row.arrival_s == prev.arrival_s:
+            raise ValueError(f"{_where(path, row.line)}: {column} repeats line {prev.line}'s: a duplicated "
+                             "row; remove it")
+    return rows
 
 
 # The layout the Azure traces use: datetime.fromisoformat reads it ~20x faster
@@ -88,14 +137,14 @@ class AzureReader:
     """Azure LLM inference trace CSV: TIMESTAMP,ContextTokens,GeneratedTokens."""
     columns = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 
-    def read(self, path: Path, limit: int | None = None) -> list[TraceRow]:
+    def read(self, path: Path, limit: int | None = None, max_line_bytes: int = MAX_LINE_BYTES) -> list[TraceRow]:
         rows = []
-        for line, row in _csv_rows(path, self.columns, limit):
+        for line, row in _csv_rows(path, self.columns, limit, max_line_bytes):
             where = _where(path, line)
             rows.append(TraceRow(line, _count(row["ContextTokens"], "ContextTokens", where),
                                  _count(row["GeneratedTokens"], "GeneratedTokens", where),
                                  arrival_s=_parse_azure_time(row["TIMESTAMP"], where)))
-        return rows
+        return _in_time_order(path, rows, "TIMESTAMP", distinct=True)
 
 
 class SarathiCsvReader:
@@ -103,10 +152,10 @@ class SarathiCsvReader:
     arXiv-summarization statistics); no timestamps."""
     columns = ("num_prefill_tokens", "num_decode_tokens")
 
-    def read(self, path: Path, limit: int | None = None) -> list[TraceRow]:
+    def read(self, path: Path, limit: int | None = None, max_line_bytes: int = MAX_LINE_BYTES) -> list[TraceRow]:
         return [TraceRow(line, _count(row["num_prefill_tokens"], "num_prefill_tokens", _where(path, line)),
                          _count(row["num_decode_tokens"], "num_decode_tokens", _where(path, line)))
-                for line, row in _csv_rows(path, self.columns, limit)]
+                for line, row in _csv_rows(path, self.columns, limit, max_line_bytes)]
 
 
 class MooncakeReader:
@@ -117,9 +166,9 @@ class MooncakeReader:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
 
-    def read(self, path: Path, limit: int | None = None) -> list[TraceRow]:
+    def read(self, path: Path, limit: int | None = None, max_line_bytes: int = MAX_LINE_BYTES) -> list[TraceRow]:
         rows = []
-        for line, obj in jsonl_objects(path, limit):
+        for line, obj in jsonl_objects(path, limit, max_line_bytes):
             where = _where(path, line)
             missing = [k for k in self.keys if k not in obj]
             if missing:
@@ -139,7 +188,8 @@ class MooncakeReader:
                                  "check workload.hash_block_size")
             rows.append(TraceRow(line, prompt_len, _count(obj["output_length"], "output_length", where),
                                  arrival_s=ts / 1000.0, hash_ids=tuple(hash_ids)))
-        return rows
+        # Mooncake logs milliseconds: requests arriving in the same one are common
+        return _in_time_order(path, rows, "timestamp", distinct=False)
 
 
 class JsonlReader:
@@ -150,9 +200,9 @@ class JsonlReader:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
 
-    def read(self, path: Path, limit: int | None = None) -> list[TraceRow]:
-        rows = []
-        for line, obj in jsonl_objects(path, limit):
+    def read(self, path: Path, limit: int | None = None, max_line_bytes: int = MAX_LINE_BYTES) -> list[TraceRow]:
+        rows = []       # in any order: build.py sorts by arrival_s; a burst shares one time
+        for line, obj in jsonl_objects(path, limit, max_line_bytes):
             where = _where(path, line)
             unknown = sorted(set(obj) - set(self.keys))
             if unknown:
@@ -202,7 +252,12 @@ def read_trace(cfg: WorkloadConfig, vocab_size: int) -> list[TraceRow]:
     path = cfg.resolved_trace_path()
     if not path.is_file():
         raise ValueError(f"workload.trace_path: {path} does not exist")
-    rows = READERS[cfg.trace_format](cfg, vocab_size).read(path, cfg.max_requests)
+    try:
+        rows = READERS[cfg.trace_format](cfg, vocab_size).read(path, cfg.max_requests)
+    except OSError as e:
+        raise ValueError(f"workload.trace_path: cannot read {path} ({e.strerror or e}); check the file's "
+                         "permissions") from None
     if not rows:
-        raise ValueError(f"workload.trace_path: {path} holds no requests")
+        raise ValueError(f"workload.trace_path: {path} holds no requests (no line after the header); "
+                         "give a trace with at least one request")
     return rows
