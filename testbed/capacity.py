@@ -83,7 +83,7 @@ def find_capacity(cfg: RunConfig, out_dir: str | Path, rel_tol: float = 0.05, ma
     out.mkdir(parents=True, exist_ok=True)
     slo_ttft = cfg.slo.ttft_ms
     slo_tbt = getattr(cfg.slo, "tbt_ms", None) or cfg.slo.tpot_ms
-    result = CapacityResult(None, None, slo_ttft, slo_tbt, cfg.runtime)
+    result = CapacityResult(None, None, slo_ttft, slo_tbt, cfg.runtime.name)
 
     def probe(rate: float) -> bool:
         run_cfg = dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, rate=rate), progress=False)
@@ -166,5 +166,5 @@ def capacity_main(argv: list[str]) -> int:
     else:
         above = "none failed" if result.first_failing_rate is None else f"{result.first_failing_rate:.4g} failed"
         print(f"capacity: {result.rate:.4g} req/s ({above}; SLOs p99 TTFT <= {result.slo_ttft_ms} ms, "
-              f"p99 TBT <= {result.slo_tbt_ms} ms; {cfg.runtime}) -> {out}/capacity.json")
+              f"p99 TBT <= {result.slo_tbt_ms} ms; {cfg.runtime.name}) -> {out}/capacity.json")
     return 0

@@ -154,7 +154,7 @@ def test_every_bad_override_is_one_line_naming_the_field_and_exit_2_many(case):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("token_budget=abc", "error: token_budget='abc' is not a whole number; write it as e.g. token_budget=256"),
+    ("token_budget=abc", "error: token_budget: must be an integer >= 1 or 'auto', got 'abc'"),
     ("enable_prefix_caching=maybe", "error: enable_prefix_caching='maybe' is not true or false; write it as "
                                     "e.g. enable_prefix_caching=true"),
     ("workload.max_requests=1.5", "error: workload.max_requests=1.5 is not a whole number or null"),
