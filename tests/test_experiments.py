@@ -223,13 +223,14 @@ def test_a_sweep_records_its_failed_point_and_the_report_lists_it(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     good, bad = sorted(p for p in sweep.iterdir() if p.is_dir())
     assert json.loads((good / "summary.json").read_text())["token_budget"] == 64
-    assert json.loads((bad / "failed.json").read_text())["error"] == "ValueError: token_budget: must be >= 1, got 0"
+    why = "token_budget: must be an integer >= 1 or 'auto', got 0"
+    assert json.loads((bad / "failed.json").read_text())["error"] == f"ValueError: {why}"
 
     proc = _cli("report", str(sweep), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert f"failed: {bad}: ValueError: token_budget: must be >= 1, got 0" in proc.stdout
+    assert f"failed: {bad}: ValueError: {why}" in proc.stdout
     page = (sweep / "report.html").read_text()
-    assert "<h2>Failed points</h2>" in page and "token_budget: must be &gt;= 1, got 0" in page
+    assert "<h2>Failed points</h2>" in page and "token_budget: must be an integer &gt;= 1 or &#x27;auto&#x27;, got 0" in page
     assert page.count("data:image/png;base64,") == 1                 # the good point's TBT plot
     header = page.split("<h2>Runs side by side</h2>")[1].split("</tr>")[0]
     assert "<th>runtime=sim token_budget=64 workload.num_requests=4 wandb.mode=disabled</th>" in header

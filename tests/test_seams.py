@@ -188,7 +188,7 @@ def test_only_the_assembling_modules_read_the_whole_run_config():
     """Components (schedulers, engine, modes, workloads, transports, kernels,
     the simulator's physics) take their own config section; only the modules
     that assemble a run from a RunConfig import it."""
-    assembling = {"testbed.capacity", "testbed.cli", "testbed.run", "testbed.wandb_log", "testbed.experiments",
+    assembling = {"testbed.capacity", "testbed.cli", "testbed.cli_errors", "testbed.run", "testbed.wandb_log", "testbed.experiments",
                   "testbed.profiling", "testbed.runtime.build", "testbed.runtime.deployment",
                   "testbed.runtime.real", "testbed.runtime.sim", "testbed.runtime.worker_process"}
     readers = {m for m, edges in import_graph().items() if "testbed.config" in edges}
