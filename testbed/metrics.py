@@ -262,6 +262,8 @@ def summarize(requests: Sequence[RequestRecord], iterations: Sequence[IterationR
         "num_finished": len(done),
         "num_failed": sum(r.status == "failed" for r in requests),
         "num_aborted": sum(r.status == "aborted" for r in requests),
+        # refused at arrival (mode=kvstore's early rejection): never finished, so goodput misses them
+        "num_rejected": sum(r.status == "rejected" for r in requests),
         "num_preemptions": int(sum(r.num_preemptions for r in requests)),
         "num_single_token": sum(r.num_output_tokens == 1 for r in done),
         "duration_s": duration,
