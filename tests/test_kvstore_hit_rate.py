@@ -135,7 +135,7 @@ def test_bounded_store_hit_rate_equals_an_offline_lru_replay(tmp_path):
 def test_multiturn_workload_reuse_is_what_it_was_asked(tmp_path):
     import numpy as np
     cfg = WorkloadConfig(num_requests=300, conversation_turns=4, reuse_fraction=0.6, rate=2.0,
-                         prompt_dist="fixed", prompt_len=1000, prompt_max=100_000, hash_block_size=16,
+                         prompt_dist="fixed", prompt_len=1000, hash_block_size=16,
                          think_time_s=20.0)
     rows = multiturn_rows(cfg, [np.random.default_rng([0, s]) for s in range(3)])
     assert len(rows) == 300
@@ -151,7 +151,7 @@ def test_multiturn_workload_reuse_is_what_it_was_asked(tmp_path):
 
 def test_multiturn_sim_hit_rate_equals_its_block_reuse(tmp_path):
     wl = {"name": "multiturn", "num_requests": 60, "conversation_turns": 4, "reuse_fraction": 0.6, "rate": 1.0,
-          "prompt_dist": "uniform", "prompt_min": 64, "prompt_max": 4096, "output_dist": "uniform",
+          "prompt_dist": "uniform", "prompt_min": 64, "prompt_max": 1024, "output_dist": "uniform",
           "output_min": 2, "output_max": 8, "hash_block_size": 16, "think_time_s": 5.0}
     cfg = from_dict({"mode": "kvstore", "runtime": {"name": "sim"}, "wandb": {"mode": "disabled"},
                      "progress": False, "prefill_workers": 2, "decode_workers": 2, "workload": wl,

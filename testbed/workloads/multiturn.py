@@ -8,11 +8,12 @@ length come from the configured length distributions. Each later turn's
 prompt is the previous prompt, plus its answer, plus new user text, so its
 reused fraction is the previous prompt's share of it: the answer and the text
 together are `(1 - reuse_fraction) / reuse_fraction` of the previous prompt.
-A turn arrives an exponential think time (mean `think_time_s`, counted from
-the previous turn's arrival, answer included) after the previous one. A
-conversation ends after `conversation_turns` turns, or before a turn that
-would pass `prompt_max`. The workload is the first `num_requests` turns to
-arrive.
+A turn arrives a think time after the previous one (uniform in 0.5-1.5 x
+`think_time_s`, counted from the previous turn's arrival, answer included:
+never next to nothing, so a turn rarely arrives before its previous prompt
+was prefilled). A conversation ends after `conversation_turns` turns, or
+before a turn that would pass `max_prompt_len` (when set). The workload is
+the first `num_requests` turns to arrive.
 
 Prompts are Mooncake-style block ids (`hash_block_size` tokens each; equal
 ids, equal tokens): a turn's ids are the previous turn's plus fresh ones, so
@@ -51,10 +52,10 @@ def multiturn_rows(cfg: WorkloadConfig, rngs: list[np.random.Generator]) -> list
         for turn in range(cfg.conversation_turns):
             if turn:
                 length = length + max(1, round(length * grow))
-                if length > cfg.prompt_max:
+                if cfg.max_prompt_len is not None and length > cfg.max_prompt_len:
                     break
                 ids += [next(next_id) for _ in range(-(-length // bs) - len(ids))]
-                t += float(arrival_rng.exponential(cfg.think_time_s))
+                t += float(arrival_rng.uniform(0.5, 1.5)) * cfg.think_time_s
             output = int(make_lengths(cfg, "output").sample(output_rng, 1)[0])
             rows.append(TraceRow(len(rows) + 1, int(length), output, arrival_s=t, hash_ids=tuple(ids)))
     rows.sort(key=lambda r: r.arrival_s)
