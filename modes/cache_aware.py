@@ -95,13 +95,17 @@ class TTFTEstimator:
         self.ctx = context
 
     def prefill_s(self, num_tokens: int, context_len: int) -> float:
+        """The last `num_tokens` of a `context_len`-token prompt, in chunks of
+        the token budget (each priced at its own context)."""
         if num_tokens <= 0:
             return 0.0
-        # chunks of the token budget, the last ending at context_len; priced as full chunks
-        budget = self.ctx.token_budget
-        chunks = -(-num_tokens // budget)
-        first = min(num_tokens, budget)
-        return chunks * self.ctx.predictor.iteration_time_s([(first, context_len)])
+        budget, predict = self.ctx.token_budget, self.ctx.predictor.iteration_time_s
+        total, done = 0.0, context_len - num_tokens
+        while done < context_len:
+            n = min(budget, context_len - done)
+            done += n
+            total += predict([(n, done)])
+        return total
 
     def estimate_s(self, request: Request, worker_id: str, pool: PoolView, store_tokens: int) -> float:
         local = pool.cached_prefix_tokens(worker_id, request)
