@@ -20,8 +20,8 @@ GPU = ["model=llama3-8b", "hardware=h100-sxm", "link=rdma-400", "runtime=sim", "
        "decode_workers=2", "token_budget=2048", "slo.ttft_ms=2000", "slo.tpot_ms=100",
        "num_kv_blocks=28000",   # ~450K tokens: what an 80 GB H100 holds beside llama3-8b's 16 GB
        "kvstore.capacity_bytes=1099511627776"]   # 1 TiB of DRAM in the store node (8M tokens of llama3-8b)
-# ~60% of prompt tokens reused: 6 turns, each 75% its previous prompt; first turns ~2K tokens
-CHAT = ["workload.conversation_turns=6", "workload.reuse_fraction=0.75", "workload.think_time_s=20",
+# 60% of prompt tokens reusable: 300 conversations of 4 turns, each 70% its previous prompt; first turns ~2K
+CHAT = ["workload.conversation_turns=4", "workload.reuse_fraction=0.7", "workload.think_time_s=20",
         "workload=chat", "workload.num_requests=1200", "workload.prompt_dist=lognormal", "workload.prompt_len=2000",
         "workload.prompt_min=256", "workload.prompt_max=8192", "workload.output_len=128",
         "workload.output_min=16", "workload.output_max=512", "workload.hash_block_size=16",

@@ -13,7 +13,8 @@ A turn arrives a think time after the previous one (uniform in 0.5-1.5 x
 never next to nothing, so a turn rarely arrives before its previous prompt
 was prefilled). A conversation ends after `conversation_turns` turns, or
 before a turn that would pass `max_prompt_len` (when set). The workload is
-the first `num_requests` turns to arrive.
+every turn of ceil(num_requests / conversation_turns) conversations (fewer
+requests when max_prompt_len ends some early), the same at any rate.
 
 Prompts are Mooncake-style block ids (`hash_block_size` tokens each; equal
 ids, equal tokens): a turn's ids are the previous turn's plus fresh ones, so
@@ -35,12 +36,11 @@ from testbed.workloads.readers import TraceRow
 
 
 def multiturn_rows(cfg: WorkloadConfig, rngs: list[np.random.Generator]) -> list[TraceRow]:
-    """`num_requests` turns as trace rows (arrival_s, lengths, hash_ids), in arrival order."""
+    """The conversations' turns as trace rows (arrival_s, lengths, hash_ids), in arrival order."""
     n = cfg.num_requests if cfg.max_requests is None else min(cfg.num_requests, cfg.max_requests)
     arrival_rng, prompt_rng, output_rng = rngs
-    # as many conversations as requests, cut to the first n turns to arrive: the run is a window of
-    # time in which conversations start at the arrival rate, those near its end not yet over
-    num_conversations = n
+    # whole conversations, whatever the rate: a faster rate packs the same requests closer
+    num_conversations = -(-n // cfg.conversation_turns)
     starts = make_arrivals(cfg).times(arrival_rng, num_conversations)
     first_lens = make_lengths(cfg, "prompt").sample(prompt_rng, num_conversations)
     bs, grow = cfg.hash_block_size, (1.0 - cfg.reuse_fraction) / cfg.reuse_fraction
@@ -59,7 +59,7 @@ def multiturn_rows(cfg: WorkloadConfig, rngs: list[np.random.Generator]) -> list
             output = int(make_lengths(cfg, "output").sample(output_rng, 1)[0])
             rows.append(TraceRow(len(rows) + 1, int(length), output, arrival_s=t, hash_ids=tuple(ids)))
     rows.sort(key=lambda r: r.arrival_s)
-    return rows[:n]
+    return rows
 
 
 def block_reuse(rows: list[TraceRow], block_size: int) -> float:
