@@ -162,10 +162,9 @@ def test_multiturn_sim_hit_rate_equals_its_block_reuse(tmp_path):
 
 
 def test_real_unbounded_store_hit_rate_equals_the_reuse_in_the_hash_ids(tmp_path):
-    """The same kind of trace, shortened, on real processes (1P1D over zmq,
-    round robin is moot with one prefill worker: the second request of a
-    prefix hits the worker's own cache, the store is read after a restart of
-    nothing; so two prefill workers alternate and the store serves across)."""
+    """The same kind of trace, shortened, on real processes (2P1D over zmq;
+    round robin alternates the prefill workers, so the store serves what the
+    other one computed), and on the simulator."""
     rows = prefix_tree_trace(tmp_path / "t.jsonl", 14, BLOCK, seed=3, gap_ms=400, max_blocks=6)
     expected = reuse_from_hash_ids(rows, BLOCK)
     cfg = trace_config(tmp_path / "t.jsonl", runtime={"name": "real"}, decode_workers=1, timeout_s=120,
@@ -177,3 +176,10 @@ def test_real_unbounded_store_hit_rate_equals_the_reuse_in_the_hash_ids(tmp_path
     assert pc["store_hits"] > 0
     ks = summary["kv_store"]
     assert ks["bytes_from_store"] == pc["store_hits"] * cfg.model.kv_bytes_per_token
+    # the simulator, on the same workload, reuses the very same tokens from the same places
+    sim = execute(trace_config(tmp_path / "t.jsonl", decode_workers=1, kvstore={"prefill_router": "round_robin"}),
+                  tmp_path / "sim")
+    assert {k: sim["prefix_cache"][k] for k in ("local_hits", "store_hits")} == \
+        {k: pc[k] for k in ("local_hits", "store_hits")}
+    assert {k: sim["kv_store"][k] for k in ("hits", "misses", "blocks_stored", "evictions")} == \
+        {k: ks[k] for k in ("hits", "misses", "blocks_stored", "evictions")}

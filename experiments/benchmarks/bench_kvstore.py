@@ -78,7 +78,7 @@ def sim(args) -> None:
     out = Path(args.out)
     rate = [f"workload.rate={args.rate}"]
     print(f"multi-turn chat, {reuse_of(GPU + CHAT + rate):.1%} of prompt tokens reusable (hash ids), "
-          f"rate {args.rate} req/s, llama3-8b h100-sxm 2P2D rdma-400")
+          f"{args.rate} conversations/s, llama3-8b h100-sxm 2P2D rdma-400")
     disagg = run(GPU + CHAT + rate + ["mode=disagg"], out / "disagg")
     kv = run(GPU + CHAT + rate + ["mode=kvstore"], out / "kvstore")
     table([row("disagg", disagg), row("kvstore", kv)])
