@@ -63,7 +63,7 @@ class StoreClient:
                 log.warning("%s: dropped a reply: %s", self.name, e)
                 continue
             if reply["id"] != rid:
-                continue                 # a reply to a call that timed out earlier
+                continue                 # a reply to a put_nowait, or to a call that timed out earlier
             if reply.get("ok") is not True:
                 raise StoreDown(f"the KV store refused {header['op']}: {str(reply.get('error'))[:200]}")
             return reply, parts[1:]
@@ -108,9 +108,29 @@ class StoreClient:
         """Store blocks (bytes-like, one per key); returns (stored, refused)."""
         if not keys:
             return 0, 0
-        meta = [[k, wire.block_checksum(b), memoryview(b).nbytes] for k, b in zip(keys, blocks)]
-        reply, _ = self._call({"op": "put", "blocks": meta}, list(blocks))
+        reply, _ = self._call(self._put_header(keys, blocks), list(blocks))
         return wire.reply_int(reply, "stored"), wire.reply_int(reply, "rejected") + wire.reply_int(reply, "corrupt")
+
+    def put_nowait(self, keys: list[int], blocks: list) -> bool:
+        """Send a put and return at once (its reply is skipped by the next
+        call): publishing is off the request's path, and the store keeps a
+        connection's messages in order, so this worker's own later lookups
+        see it. False when the store is known down or its queue is full."""
+        if not keys:
+            return True
+        try:
+            sock = self._socket()
+            header = self._put_header(keys, blocks)
+            header["id"] = next(self._ids)
+            sock.send_multipart([wire.encode(header), *blocks], copy=False, flags=zmq.NOBLOCK)
+        except (StoreDown, zmq.Again):
+            return False
+        return True
+
+    @staticmethod
+    def _put_header(keys: list[int], blocks: list) -> dict:
+        meta = [[k, wire.block_checksum(b), memoryview(b).nbytes] for k, b in zip(keys, blocks)]
+        return {"op": "put", "blocks": meta}
 
     def stats(self) -> dict:
         reply, _ = self._call({"op": "stats"})

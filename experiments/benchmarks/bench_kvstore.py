@@ -5,7 +5,7 @@ Prints tables; never part of the test run.
     python experiments/benchmarks/bench_kvstore.py sim       # llama3-8b, h100-sxm, 2P2D, rdma-400
     python experiments/benchmarks/bench_kvstore.py capacity  # the same, highest rate within the SLOs, per GPU
     python experiments/benchmarks/bench_kvstore.py routers   # cache_aware vs round_robin vs least_prompt_tokens
-    python experiments/benchmarks/bench_kvstore.py real      # tiny on this CPU, real processes, 1P1D
+    python experiments/benchmarks/bench_kvstore.py real      # tiny on this CPU, real processes, 1P1D and 2P1D
 """
 from __future__ import annotations
 
@@ -109,12 +109,18 @@ def routers(args) -> None:
 
 
 def real(args) -> None:
+    """Disagg's prefill workers have prefix caches of their own: with one, the
+    store adds no reuse (only its cost); with two, it serves what the other computed."""
     out = Path(args.out)
-    print(f"tiny on this CPU, real processes, 1P1D, multi-turn chat, {reuse_of(REAL):.1%} reusable")
-    disagg = run(REAL + ["mode=disagg"], out / "disagg")
-    kv = run(REAL + ["mode=kvstore"], out / "kvstore")
-    table([row("disagg", disagg), row("kvstore", kv)])
-    print(f"TTFT p50: disagg / kvstore = {disagg['ttft_ms']['p50'] / kv['ttft_ms']['p50']:.2f}x")
+    print(f"tiny on this CPU, real processes, multi-turn chat, {reuse_of(REAL):.1%} reusable")
+    rows = []
+    for pd in ("1", "2"):
+        layout = [f"prefill_workers={pd}", "decode_workers=1"]
+        disagg = run(REAL + layout + ["mode=disagg"], out / f"disagg-{pd}P1D")
+        kv = run(REAL + layout + ["mode=kvstore"], out / f"kvstore-{pd}P1D")
+        rows += [row(f"disagg {pd}P1D", disagg), row(f"kvstore {pd}P1D", kv)]
+        print(f"{pd}P1D TTFT p50: disagg / kvstore = {disagg['ttft_ms']['p50'] / kv['ttft_ms']['p50']:.2f}x")
+    table(rows)
 
 
 def main() -> int:
