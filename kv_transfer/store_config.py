@@ -12,6 +12,11 @@ GiB = 1 << 30
 @dataclass
 class KVStoreConfig:
     capacity_bytes: int | None = 64 * GiB   # DRAM tier; null: unbounded
+    # a second tier for what DRAM evicts: a directory of block files (runtime=real), modeled on
+    # runtime=sim at disk_gb_per_s; off while disk_capacity_bytes is 0
+    disk_capacity_bytes: int = 0
+    disk_path: str | None = None
+    disk_gb_per_s: float = 5.0              # an NVMe drive's read rate (sim)
     # the prefill pool's router under mode=kvstore (disagg's is `prefill_router`)
     prefill_router: str = "cache_aware"
     # Mooncake's early rejection: refuse a request at arrival when its predicted TTFT would
@@ -27,6 +32,12 @@ class KVStoreConfig:
             return ValueError(f"kvstore.{field}: {why}")
         if self.capacity_bytes is not None and self.capacity_bytes < 0:
             raise bad("capacity_bytes", f"must be >= 0 or null (unbounded), got {self.capacity_bytes}")
+        if self.disk_capacity_bytes < 0:
+            raise bad("disk_capacity_bytes", f"must be >= 0 (0: no disk tier), got {self.disk_capacity_bytes}")
+        if self.disk_capacity_bytes and self.disk_path is None:
+            raise bad("disk_path", "the disk tier (disk_capacity_bytes > 0) needs a directory for its files")
+        if not self.disk_gb_per_s > 0:
+            raise bad("disk_gb_per_s", f"must be > 0, got {self.disk_gb_per_s}")
         if not self.timeout_s > 0:
             raise bad("timeout_s", f"must be > 0, got {self.timeout_s}")
         if not self.retry_s >= 0:

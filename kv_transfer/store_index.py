@@ -12,12 +12,17 @@ block is pinned while a transfer reads it and is never evicted then. A put
 that cannot make room (the block is larger than the store, or everything left
 is pinned) is refused and counted: a full store degrades to no caching, never
 to an error.
+
+An optional second tier (`disk_capacity_bytes` > 0, a directory on disk in the
+real store: DiskTier) takes the blocks DRAM evicts, LRU as well; a block read
+from it moves back to DRAM. A block leaves the store (an eviction) only when
+the last tier drops it.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 
 @dataclass
@@ -36,7 +41,9 @@ class StoreCounters:
     blocks_refreshed: int = 0     # put again while present: only its recency changes
     puts_rejected: int = 0        # blocks refused for want of room (full of pinned blocks, or too large)
     puts_corrupt: int = 0         # blocks whose bytes did not match their checksum
-    evictions: int = 0
+    evictions: int = 0            # blocks dropped from the store (from its last tier)
+    demotions: int = 0            # blocks moved from DRAM to the disk tier
+    disk_hits: int = 0            # blocks served from the disk tier (and moved back to DRAM)
     bytes_to_store: int = 0
     bytes_from_store: int = 0
 
@@ -44,15 +51,28 @@ class StoreCounters:
         return asdict(self)
 
 
+class SecondTier(Protocol):
+    """Where the disk tier's bytes live (the simulator keeps none)."""
+
+    def write(self, key: int, value: Any) -> None: ...
+
+    def read(self, key: int) -> Any | None:
+        """The value written under key, or None when it cannot be read back intact."""
+
+    def remove(self, key: int) -> None: ...
+
+
 class StoreIndex:
     """`capacity_bytes=None`: unbounded. Values are opaque (bytes in the real
     store, None in the simulator)."""
 
-    def __init__(self, capacity_bytes: int | None):
+    def __init__(self, capacity_bytes: int | None, disk_capacity_bytes: int = 0, disk: SecondTier | None = None):
         if capacity_bytes is not None and capacity_bytes < 0:
             raise ValueError(f"kvstore.capacity_bytes: must be >= 0 or null (unbounded), got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
+        self.disk_capacity_bytes, self.disk_used_bytes, self._disk_tier = disk_capacity_bytes, 0, disk
+        self._disk: OrderedDict[int, int] = OrderedDict()        # key -> nbytes, least recently used first
         # key -> (nbytes, value), least recently used first
         self._blocks: OrderedDict[int, tuple[int, Any]] = OrderedDict()
         self._pins: dict[int, int] = {}
@@ -62,13 +82,21 @@ class StoreIndex:
         return len(self._blocks)
 
     def __contains__(self, key: int) -> bool:
-        return key in self._blocks
+        return key in self._blocks or key in self._disk
+
+    @property
+    def num_disk_blocks(self) -> int:
+        return len(self._disk)
+
+    def num_on_disk(self, keys: list[int]) -> int:
+        """How many of these keys only the disk tier holds (a read costs more)."""
+        return sum(k in self._disk for k in keys)
 
     def lookup(self, keys: list[int]) -> int:
         """How many of `keys`, from the first, are stored (the cached prefix)."""
         n = 0
         for key in keys:
-            if key not in self._blocks:
+            if key not in self._blocks and key not in self._disk:
                 break
             n += 1
         c = self.counters
@@ -85,8 +113,11 @@ class StoreIndex:
         for key in keys:
             entry = self._blocks.get(key)
             if entry is None:
-                break
-            self._blocks.move_to_end(key)
+                entry = self._from_disk(key)
+                if entry is None:
+                    break
+            else:
+                self._blocks.move_to_end(key)
             out.append((key, *entry))
         c = self.counters
         c.gets += 1
@@ -136,9 +167,49 @@ class StoreIndex:
         return True
 
     def _evict(self, key: int) -> None:
-        size, _ = self._blocks.pop(key)
+        size, value = self._blocks.pop(key)
         self.used_bytes -= size
-        self.counters.evictions += 1
+        if not self._to_disk(key, size, value):
+            self.counters.evictions += 1
+
+    # -- the disk tier ---------------------------------------------------------------
+    def _to_disk(self, key: int, size: int, value: Any) -> bool:
+        cap = self.disk_capacity_bytes
+        if size > cap:
+            return False
+        while self.disk_used_bytes + size > cap:
+            old, old_size = self._disk.popitem(last=False)
+            self.disk_used_bytes -= old_size
+            if self._disk_tier is not None:
+                self._disk_tier.remove(old)
+            self.counters.evictions += 1
+        if self._disk_tier is not None:
+            self._disk_tier.write(key, value)
+        self._disk[key] = size
+        self.disk_used_bytes += size
+        self.counters.demotions += 1
+        return True
+
+    def _from_disk(self, key: int) -> tuple[int, Any] | None:
+        """A disk block read back and moved to DRAM (where room can be made)."""
+        size = self._disk.get(key)
+        if size is None:
+            return None
+        value = self._disk_tier.read(key) if self._disk_tier is not None else None
+        del self._disk[key]
+        self.disk_used_bytes -= size
+        if self._disk_tier is not None:
+            self._disk_tier.remove(key)
+            if value is None:                  # unreadable: gone, recomputed by whoever wanted it
+                self.counters.evictions += 1
+                return None
+        self.counters.disk_hits += 1
+        if self._make_room(size):
+            self._blocks[key] = (size, value)
+            self.used_bytes += size
+        else:
+            self.counters.evictions += 1       # served, but DRAM is all pinned: it leaves the store
+        return size, value
 
     def pin(self, keys: list[int]) -> None:
         for key in keys:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import signal
+from pathlib import Path
 
 import zmq
 
@@ -24,12 +25,40 @@ from testbed.kv_transfer.store_index import StoreIndex
 log = logging.getLogger(__name__)
 
 
+class DiskTier:
+    """The store's second tier: one file per block in `path` (8 bytes of
+    checksum, then the block), verified when read back."""
+
+    def __init__(self, path: str):
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    def _file(self, key: int) -> Path:
+        return self.path / f"{key:016x}.kv"
+
+    def write(self, key: int, value) -> None:
+        checksum, block = value
+        self._file(key).write_bytes(checksum.to_bytes(8, "little") + block)
+
+    def read(self, key: int):
+        try:
+            raw = self._file(key).read_bytes()
+        except OSError:
+            return None
+        checksum, block = int.from_bytes(raw[:8], "little"), raw[8:]
+        return (checksum, block) if wire.block_checksum(block) == checksum else None
+
+    def remove(self, key: int) -> None:
+        self._file(key).unlink(missing_ok=True)
+
+
 class StoreServer:
     """The client-facing side: a bound ROUTER and the index behind it."""
 
     def __init__(self, cfg: KVStoreConfig, host: str, ctx: zmq.Context):
         self.cfg = cfg
-        self.index = StoreIndex(cfg.capacity_bytes)
+        disk = DiskTier(cfg.disk_path) if cfg.disk_capacity_bytes else None
+        self.index = StoreIndex(cfg.capacity_bytes, cfg.disk_capacity_bytes, disk)
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         port = self.sock.bind_to_random_port(f"tcp://{host}")

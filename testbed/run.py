@@ -98,8 +98,8 @@ def print_summary(summary: dict, out: Path) -> None:
                                               f"store {pc['store_hit_rate']:.3f})"))
     if summary.get("kv_store"):
         ks = summary["kv_store"]
-        rows.append(("kv_store", f"hits {ks['hits']}  misses {ks['misses']}  evictions {ks['evictions']}  "
-                                 f"to {ks['bytes_to_store'] / 2**20:.1f} MiB  from {ks['bytes_from_store'] / 2**20:.1f} MiB"))
+        moved = f"to {ks['bytes_to_store'] / 2**20:.1f} MiB  from {ks['bytes_from_store'] / 2**20:.1f} MiB"
+        rows.append(("kv_store", f"hits {ks['hits']}  misses {ks['misses']}  evictions {ks['evictions']}  {moved}"))
     if summary.get("kv_transfer"):
         kt = summary["kv_transfer"]
         rows.append(("kv_transfer", f"{kt.get('bytes', 0) / 2**20:.1f} MiB  {kt.get('achieved_gb_per_s') or 0:.2f} GB/s, exposed p50 {kt['exposed_ms']['p50']:.1f} ms"))

@@ -99,3 +99,14 @@ def test_full_store_degrades_to_no_caching(colocated, tmp_path):
     assert_no_leaks(summary)
     ks = summary["kv_store"]
     assert ks["puts_rejected"] > 0 and ks["blocks_stored"] == 0 and summary["prefix_cache"]["store_hits"] == 0
+
+
+def test_disk_tier_serves_what_dram_evicted(colocated, tmp_path):
+    block = 2048 * 16          # tiny: 2 KiB of KV per token, 16-token blocks
+    summary = execute(config(prefill_workers=2, decode_workers=1,
+                             kvstore={"capacity_bytes": 8 * block, "disk_capacity_bytes": 10_000 * block,
+                                      "disk_path": str(tmp_path / "disk")}), tmp_path / "run")
+    assert tokens_of(tmp_path / "run") == colocated
+    assert_no_leaks(summary)
+    ks = summary["kv_store"]
+    assert ks["demotions"] > 0 and ks["disk_hits"] > 0 and ks["evictions"] == 0

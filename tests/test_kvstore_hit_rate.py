@@ -183,3 +183,18 @@ def test_real_unbounded_store_hit_rate_equals_the_reuse_in_the_hash_ids(tmp_path
         {k: pc[k] for k in ("local_hits", "store_hits")}
     assert {k: sim["kv_store"][k] for k in ("hits", "misses", "blocks_stored", "evictions")} == \
         {k: ks[k] for k in ("hits", "misses", "blocks_stored", "evictions")}
+
+
+def test_a_disk_tier_keeps_what_a_small_dram_tier_evicts(tmp_path):
+    prefix_tree_trace(tmp_path / "t.jsonl", 80, BLOCK, seed=5, gap_ms=500)
+    rates = {}
+    for name, dram, disk in (("unbounded", None, 0), ("dram", 12, 0), ("dram+disk", 12, 10_000)):
+        cfg = trace_config(tmp_path / "t.jsonl", prefill_workers=1, enable_prefix_caching=False)
+        block_bytes = cfg.model.kv_bytes_per_token * cfg.block_size
+        cfg.kvstore.capacity_bytes = None if dram is None else dram * block_bytes
+        cfg.kvstore.disk_capacity_bytes, cfg.kvstore.disk_path = disk * block_bytes, str(tmp_path / "unused")
+        summary = execute(cfg, tmp_path / name)
+        rates[name] = summary["prefix_cache"]["store_hit_rate"]
+        if disk:
+            assert summary["kv_store"]["disk_hits"] > 0 and summary["kv_store"]["evictions"] == 0
+    assert rates["dram"] < rates["dram+disk"] == rates["unbounded"]

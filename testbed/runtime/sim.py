@@ -122,8 +122,9 @@ class SimRuntime:
         self.outbox: dict[str, list[Event]] = {}
         self.store = None
         if self.mode.needs_store:      # one modeled store node on the same network as the KV links
-            self.store = SimStoreNode(cfg.kvstore.capacity_bytes, cfg.model.kv_bytes_per_token * cfg.block_size,
-                                      cfg.link)
+            kv = cfg.kvstore
+            self.store = SimStoreNode(kv.capacity_bytes, cfg.model.kv_bytes_per_token * cfg.block_size, cfg.link,
+                                      kv.disk_capacity_bytes, kv.disk_gb_per_s)
         for index, w in enumerate(self.workers):
             jitter = (StepJitter(cfg.hardware.step_jitter_ms, stream_key(cfg.seed, _JITTER_STREAM, index))
                       if cfg.hardware.step_jitter_ms else None)

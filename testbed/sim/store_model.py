@@ -7,7 +7,8 @@ reading at once delay each other as they would on one real NIC.
 
 A fetch costs a lookup round trip (two latencies and messages), then the
 blocks' bytes over the egress; the blocks stay pinned until they have
-arrived, and the worker hears of them then (the runtime wakes it)."""
+arrived, and the worker hears of them then (the runtime wakes it). Blocks
+only the disk tier holds are read from it first, at kvstore.disk_gb_per_s."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -22,9 +23,11 @@ if TYPE_CHECKING:
 
 
 class SimStoreNode:
-    def __init__(self, capacity_bytes: int | None, block_bytes: int, link: LinkConfig):
-        self.index = StoreIndex(capacity_bytes)
+    def __init__(self, capacity_bytes: int | None, block_bytes: int, link: LinkConfig,
+                 disk_capacity_bytes: int = 0, disk_gb_per_s: float = 5.0):
+        self.index = StoreIndex(capacity_bytes, disk_capacity_bytes)
         self.block_bytes = block_bytes
+        self.disk_s_per_byte = 1.0 / (disk_gb_per_s * 1e9)
         self.egress, self.ingress = LinkModel(link), LinkModel(link)
 
     def stats(self) -> dict:
@@ -45,9 +48,10 @@ class SimStorePort(StorePort):
             on_done(Fetched(request_id, 0, [], lookup_s))
             return
         read = keys[:found]
+        disk_s = node.index.num_on_disk(read) * node.block_bytes * node.disk_s_per_byte
         node.index.get(read)                  # counted and refreshed as the real store's get
         node.index.pin(read)
-        _, arrive = node.egress.reserve(now + lookup_s, found * node.block_bytes)
+        _, arrive = node.egress.reserve(now + lookup_s + disk_s, found * node.block_bytes)
         self._pending.add(request_id)
         self.runtime.at(arrive, self._arrived, (request_id, read, on_done, arrive - now))
 
