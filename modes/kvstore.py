@@ -42,8 +42,10 @@ class KVStoreController(DisaggController):
         if why is not None:
             self.num_rejected += 1
             self._resolve(req.request_id, "rejected", why, now)
-            return
-        super().route(req, now)
+        else:
+            super().route(req, now)
+        if req.request_id not in self.handoffs:      # refused or failed at once: its keys are not needed
+            self.pool.forget(req.request_id)
 
     def _rejection(self, req: Request) -> str | None:
         prefill, decode = self.alive(self.prefill), self.alive(self.decode)
