@@ -332,7 +332,15 @@ def _read_jsonl(path: str | Path, cls: type) -> list:
 
 
 def read_requests(path: str | Path) -> list[RequestRecord]:
-    return _read_jsonl(path, RequestRecord)
+    """A mode may record more per request (a RequestRecord subclass, e.g.
+    mode=kvstore's): the file's first row says which class reads it."""
+    import testbed.prefix_metrics  # noqa: F401  (registers KVStoreRequestRecord as a subclass)
+    first = next(iter(jsonl_objects(path)), None)
+    cls = RequestRecord
+    if first is not None:
+        keys = set(first[1])
+        cls = next((sub for sub in RequestRecord.__subclasses__() if {f.name for f in fields(sub)} == keys), cls)
+    return _read_jsonl(path, cls)
 
 
 def read_iterations(path: str | Path) -> list[IterationRecord]:
