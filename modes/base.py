@@ -30,6 +30,8 @@ class WorkerInfo:
 
 
 class ModeController(ABC):
+    record_cls: type[RequestRecord] = RequestRecord     # a mode may record more per request
+
     def __init__(self, workers: list[WorkerInfo], send: Send, copy_prompts: bool = True):
         self.workers = {w.worker_id: w for w in workers}
         self.send = send
@@ -50,7 +52,7 @@ class ModeController(ABC):
 
     # -- called by the runtime -------------------------------------------------
     def on_arrival(self, req: Request, now: float) -> None:
-        self.records[req.request_id] = RequestRecord(
+        self.records[req.request_id] = self.record_cls(
             request_id=req.request_id, status="waiting", prompt_len=req.prompt_len, output_token_ids=[],
             arrival_s=req.arrival_s, first_scheduled_s=None, first_token_s=None, token_times_s=[],
             finish_s=None, num_preemptions=0, error=None)

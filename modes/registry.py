@@ -14,13 +14,17 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Callable, ClassVar
 
+from testbed.kv_transfer.store_config import KVStoreConfig
 from testbed.modes.base import ModeController, Send, WorkerInfo
+from testbed.modes.cache_aware import PrefixPool, TTFTEstimator
 from testbed.modes.colocated import ColocatedController
 from testbed.modes.disagg import DisaggController
 from testbed.modes.disagg_roles import DecodeWorker, PrefillWorker
-from testbed.modes.routers import make_router
+from testbed.modes.kvstore import KVStoreController
+from testbed.modes.kvstore_roles import KVStorePrefillWorker
+from testbed.modes.routers import RouterContext, make_router
 from testbed.worker import WorkerService
 
 
@@ -35,11 +39,17 @@ class ModeSettings:
     decode_router: str
     num_kv_blocks: int
     block_size: int
+    # mode=kvstore
+    kvstore: KVStoreConfig | None = None
+    slo_ttft_ms: float | None = None
+    kv_bytes_per_token: int = 0
+    router_context: Callable[[], RouterContext] | None = None    # built only for a router that needs it
 
 
 class Mode(ABC):
     name: ClassVar[str]
     needs_kv_port: ClassVar[bool] = False     # its workers move KV between them
+    needs_store: ClassVar[bool] = False       # a KV store service runs beside its workers
 
     def __init__(self, settings: ModeSettings):
         self.settings = settings
@@ -84,6 +94,27 @@ class DisaggMode(Mode):
                                 make_router(s.decode_router, "decode_router"), copy_prompts)
 
 
+class KVStoreMode(DisaggMode):
+    name = "kvstore"
+    needs_store = True
+
+    def layout(self):
+        return [(w, "kvstore_prefill" if role == "prefill" else role) for w, role in super().layout()]
+
+    def controller(self, workers, send, copy_prompts):
+        s = self.settings
+        kv = s.kvstore or KVStoreConfig()
+        prefill = [w for w in workers if w.role == "kvstore_prefill"]
+        decode = [w for w in workers if w.role == "decode"]
+        pool = PrefixPool({w.worker_id: w.num_blocks for w in workers}, s.block_size, kv.capacity_bytes,
+                          s.kv_bytes_per_token * s.block_size)
+        estimator = TTFTEstimator(s.router_context()) if kv.early_rejection else None
+        return KVStoreController(prefill, decode, send,
+                                 make_router(kv.prefill_router, "kvstore.prefill_router", s.router_context),
+                                 make_router(s.decode_router, "decode_router"), pool, estimator, s.slo_ttft_ms,
+                                 copy_prompts)
+
+
 MODES: dict[str, type[Mode]] = {}
 ROLES: dict[str, type[WorkerService]] = {}
 
@@ -98,9 +129,9 @@ def register_role(cls: type[WorkerService]) -> type[WorkerService]:
     return cls
 
 
-for _mode in (ColocatedMode, DisaggMode):
+for _mode in (ColocatedMode, DisaggMode, KVStoreMode):
     register_mode(_mode)
-for _role in (WorkerService, PrefillWorker, DecodeWorker):
+for _role in (WorkerService, PrefillWorker, DecodeWorker, KVStorePrefillWorker):
     register_role(_role)
 
 

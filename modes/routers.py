@@ -1,18 +1,33 @@
 """Routers: which worker of a pool serves a request, as classes chosen by name
 (`router=`, `prefill_router=`, `decode_router=`). A router sees the live
 candidates and a read-only view of the pool (modes/pool.py), never the
-controller. Ties go by worker id, so a seeded run routes the same way twice."""
+controller. Ties go by worker id, so a seeded run routes the same way twice.
+A router that estimates times (`needs_context`) is built with a RouterContext."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import Callable, ClassVar
 
 from testbed.modes.pool import PoolView
 from testbed.request import Request
+from testbed.schedulers.context import StepTimePredictor
+
+
+@dataclass(frozen=True)
+class RouterContext:
+    """What an estimating router reads beyond the pool: the cost model's
+    step-time predictor, how long n bytes take from the KV store, and the KV
+    bytes of one token."""
+    predictor: StepTimePredictor
+    store_transfer_s: Callable[[float], float]
+    kv_bytes_per_token: int
+    token_budget: int                      # a prefill worker's tokens per iteration (its chunk)
 
 
 class Router(ABC):
     name: ClassVar[str]
+    needs_context: ClassVar[bool] = False
 
     @abstractmethod
     def pick(self, request: Request, candidates: list[str], pool: PoolView) -> str:
@@ -64,7 +79,14 @@ for _cls in (RoundRobin, LeastOutstanding, MostFreeBlocks, LeastPromptTokens):
     register_router(_cls)
 
 
-def make_router(name: str, field_name: str = "router") -> Router:
+def make_router(name: str, field_name: str = "router",
+                context: Callable[[], RouterContext] | None = None) -> Router:
+    """`context` builds the RouterContext of a router that needs one."""
     if name not in ROUTERS:
         raise ValueError(f"{field_name}='{name}' is not known; choose one of: {', '.join(sorted(ROUTERS))}")
-    return ROUTERS[name]()
+    cls = ROUTERS[name]
+    if not cls.needs_context:
+        return cls()
+    if context is None:
+        raise ValueError(f"{field_name}='{name}' estimates TTFT and is only for mode=kvstore's prefill pool")
+    return cls(context())

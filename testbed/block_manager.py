@@ -61,6 +61,19 @@ def token_bytes(token_ids: Sequence[int]) -> bytes:
     return np.asarray(token_ids, dtype="<i8").tobytes()
 
 
+def prefix_block_keys(request: Request, block_size: int, num_blocks: int) -> list[int]:
+    """The chained keys of the request's first `num_blocks` full blocks: the
+    hashes `commit` registers them under, so a KV store shared by workers
+    (modes/kvstore.py) names a block exactly as every block manager does."""
+    data = token_bytes(request.token_array(0, num_blocks * block_size))
+    nbytes, keys, h = 8 * block_size, [], ROOT_HASH
+    digest = xxhash.xxh3_64_intdigest
+    for off in range(0, num_blocks * nbytes, nbytes):
+        h = digest(data[off:off + nbytes], h)
+        keys.append(h)
+    return keys
+
+
 class ChainEnd(NamedTuple):
     """Where a request's hash chain stands: its first `num_blocks` full blocks
     are committed, the last of them with this hash and prefix serial."""

@@ -13,6 +13,7 @@ from hydra.core.config_store import ConfigStore
 
 from testbed.experiments.config import ExperimentConfig
 from testbed.kv_transfer.config import TransferConfig
+from testbed.kv_transfer.store_config import KVStoreConfig
 from testbed.model.config import ModelConfig
 from testbed.schedulers.adaptive_config import AdaptiveConfig
 from testbed.sim.config import HardwareConfig, LinkConfig, ParallelConfig, load_hardware_preset, load_link_preset
@@ -46,7 +47,7 @@ class WandbConfig:
 
 @dataclass
 class RunConfig:
-    mode: str = "colocated"        # a name in modes.registry.MODES: colocated | disagg
+    mode: str = "colocated"        # a name in modes.registry.MODES: colocated | disagg | kvstore
     scheduler: str = "sarathi"     # request_level | vllm_v0 | orca | sarathi | adaptive
     # two budgets because they bound different things: token_budget caps every token of a
     # chunking policy's iteration (decodes included; a prompt is cut to fit), while
@@ -81,6 +82,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    kvstore: KVStoreConfig = field(default_factory=KVStoreConfig)
     slo: SLOConfig = field(default_factory=SLOConfig)
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)   # scheduler=adaptive, token_budget=auto
     # the presets conf/config.yaml selects (hardware=NAME, link=NAME)
@@ -142,6 +144,7 @@ def validate(cfg: RunConfig) -> None:
     _one_of("scheduler", cfg.scheduler, SCHEDULERS)
     for f in ("router", "prefill_router", "decode_router"):
         _one_of(f, getattr(cfg, f), ROUTERS)
+    _one_of("kvstore.prefill_router", cfg.kvstore.prefill_router, ROUTERS)
     if not cfg.runtime.host:
         raise ValueError(f"runtime.host: must name an address to bind, e.g. {RuntimeConfig.host}")
     if cfg.runtime.name == "real":      # (the registry imports torch; the simulator never needs it)
@@ -158,8 +161,8 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError(f"timeout_s: must be > 0, got {cfg.timeout_s}")
     if not 0.0 < cfg.top_p <= 1.0:
         raise ValueError(f"top_p: must be in (0, 1], got {cfg.top_p}")
-    for sub in (cfg.model, cfg.workload, cfg.transfer, cfg.hardware, cfg.link, cfg.parallel, cfg.experiment,
-                cfg.adaptive):
+    for sub in (cfg.model, cfg.workload, cfg.transfer, cfg.kvstore, cfg.hardware, cfg.link, cfg.parallel,
+                cfg.experiment, cfg.adaptive):
         sub.validate()
 
 

@@ -291,6 +291,8 @@ def summarize(requests: Sequence[RequestRecord], iterations: Sequence[IterationR
         "num_finished": len(done),
         "num_failed": sum(r.status == "failed" for r in requests),
         "num_aborted": sum(r.status == "aborted" for r in requests),
+        # refused at arrival (mode=kvstore's early rejection): never finished, so goodput misses them
+        "num_rejected": sum(r.status == "rejected" for r in requests),
         "num_preemptions": int(sum(r.num_preemptions for r in requests)),
         "num_single_token": sum(r.num_output_tokens == 1 for r in done),
         "duration_s": duration,
@@ -359,7 +361,15 @@ def _read_jsonl(path: str | Path, cls: type) -> list:
 
 
 def read_requests(path: str | Path) -> list[RequestRecord]:
-    return _read_jsonl(path, RequestRecord)
+    """A mode may record more per request (a RequestRecord subclass, e.g.
+    mode=kvstore's): the file's first row says which class reads it."""
+    import testbed.prefix_metrics  # noqa: F401  (registers KVStoreRequestRecord as a subclass)
+    first = next(iter(jsonl_objects(path)), None)
+    cls = RequestRecord
+    if first is not None:
+        keys = set(first[1])
+        cls = next((sub for sub in RequestRecord.__subclasses__() if {f.name for f in fields(sub)} == keys), cls)
+    return _read_jsonl(path, cls)
 
 
 def read_iterations(path: str | Path) -> list[IterationRecord]:

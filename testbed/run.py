@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 from testbed.config import RunConfig, to_dict, validate
 from testbed.forked import Forked
 from testbed.metrics import summarize, write_jsonl
+from testbed.prefix_metrics import prefix_cache_summary
 from testbed.runtime.build import apply_sampling
 from testbed.workloads.build import build_workload
 
@@ -52,6 +53,11 @@ def execute(cfg: RunConfig, out_dir: str | Path) -> dict:
                                  for w, s in result.worker_stats.items() if not s["all_free"]},
             "workers": result.worker_stats,
         })
+        prefix = prefix_cache_summary(result.records)
+        if prefix is not None:
+            summary["prefix_cache"] = prefix
+        if result.store_stats is not None:
+            summary["kv_store"] = result.store_stats
         (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg))))
         write_jsonl(out / "requests.jsonl", result.records)
     finally:
@@ -86,6 +92,16 @@ def print_summary(summary: dict, out: Path) -> None:
     if summary.get("fluidity_index") is not None:
         rows.append(("fluidity_index", f"{summary['fluidity_index']:.3f}"))
     rows.append(("preemptions", str(summary["num_preemptions"])))
+    if summary.get("num_rejected"):
+        rows.append(("rejected at arrival", str(summary["num_rejected"])))
+    if summary.get("prefix_cache"):
+        pc = summary["prefix_cache"]
+        rows.append(("prefix_cache_hit_rate", f"{pc['prefix_cache_hit_rate']:.3f}  (local {pc['local_hit_rate']:.3f}, "
+                                              f"store {pc['store_hit_rate']:.3f})"))
+    if summary.get("kv_store"):
+        ks = summary["kv_store"]
+        moved = f"to {ks['bytes_to_store'] / 2**20:.1f} MiB  from {ks['bytes_from_store'] / 2**20:.1f} MiB"
+        rows.append(("kv_store", f"hits {ks['hits']}  misses {ks['misses']}  evictions {ks['evictions']}  {moved}"))
     if summary.get("kv_transfer"):
         kt = summary["kv_transfer"]
         rows.append(("kv_transfer", f"{kt.get('bytes', 0) / 2**20:.1f} MiB  {kt.get('achieved_gb_per_s') or 0:.2f} GB/s, exposed p50 {kt['exposed_ms']['p50']:.1f} ms"))

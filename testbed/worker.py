@@ -17,6 +17,7 @@ from testbed.request import RequestStatus
 from testbed.runtime.kv_port import KVPort
 from testbed.runtime.messages import (Abort, Add, Command, Connect, Event, Finished, IterationDone, Ping,
                                       Preempted, Release, Stats, Stop, Tokens)
+from testbed.runtime.store_port import StorePort
 
 Emit = Callable[[Event], None]
 
@@ -27,11 +28,12 @@ class WorkerService:
     prefix_caching: ClassVar[bool] = True     # its block manager hashes prompt blocks for reuse
     sends_kv: ClassVar[bool] = False          # it learns its KV peers' addresses (Connect) and sends KV
     receives_kv: ClassVar[bool] = False       # it binds a KV receiver whose address it reports
+    uses_store: ClassVar[bool] = False        # it reads and writes the shared KV store (mode=kvstore)
 
     def __init__(self, worker_id: str, engine: Engine, emit: Emit, kv_port: KVPort | None = None,
-                 layerwise: bool = False):
+                 layerwise: bool = False, store: StorePort | None = None):
         self.worker_id, self.engine, self.emit = worker_id, engine, emit
-        self.kv_port, self.layerwise = kv_port, layerwise
+        self.kv_port, self.layerwise, self.store = kv_port, layerwise, store
         self.stopping = False
         self._handlers: dict[type[Command], Callable] = {
             Add: lambda m: self.engine.add_request(m.request.to_request()),

@@ -21,6 +21,9 @@ class WorkerSpec:
     t0: float                  # the frontend's clock origin (testbed/clock.py)
     dist_addr: str | None      # torch.distributed rendezvous, when the transport uses it
     cfg: dict                  # the resolved RunConfig as plain values
+    store_addr: str | None = None    # mode=kvstore: where the KV store serves
+    # "module:function" the process runs with this spec: a worker, or a service (the KV store)
+    entry: str = "testbed.runtime.worker_process:worker_main"
 
 
 class Launcher(ABC):

@@ -6,7 +6,13 @@ import multiprocessing as mp
 import time
 
 from testbed.launchers.base import Launcher, WorkerSpec
-from testbed.runtime.worker_process import worker_main
+
+
+def run_entry(spec: WorkerSpec) -> None:
+    """The child's body: import the spec's entry and run it."""
+    import importlib
+    module, function = spec.entry.split(":")
+    getattr(importlib.import_module(module), function)(spec)
 
 
 class LocalLauncher(Launcher):
@@ -17,7 +23,7 @@ class LocalLauncher(Launcher):
         self._procs: dict[str, mp.Process] = {}
 
     def start(self, spec: WorkerSpec) -> None:
-        p = self._mp.Process(target=worker_main, args=(spec,), name=spec.worker_id, daemon=True)
+        p = self._mp.Process(target=run_entry, args=(spec,), name=spec.worker_id, daemon=True)
         p.start()
         self._procs[spec.worker_id] = p
 

@@ -11,6 +11,7 @@ from testbed.executor import Executor
 from testbed.modes.registry import get_role
 from testbed.request import Request, SamplingParams
 from testbed.runtime.kv_port import KVPort
+from testbed.runtime.store_port import StorePort
 from testbed.schedulers import SchedulerConfig, SchedulerContext, make_scheduler, scheduler_class
 from testbed.schedulers.budget import resolve_token_budget
 from testbed.worker import Emit, WorkerService
@@ -54,8 +55,8 @@ def build_engine(cfg: RunConfig, role: str, clock: Clock, executor_factory=None)
 
 
 def build_worker(worker_id: str, role: str, engine: Engine, emit: Emit, kv_port: KVPort | None,
-                 layerwise: bool) -> WorkerService:
-    return get_role(role)(worker_id, engine, emit, kv_port, layerwise)
+                 layerwise: bool, store: StorePort | None = None) -> WorkerService:
+    return get_role(role)(worker_id, engine, emit, kv_port, layerwise, store)
 
 
 def apply_sampling(cfg: RunConfig, requests: list[Request]) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from testbed.config import RunConfig
 from testbed.metrics import IterationRecord, RequestRecord
 from testbed.modes.registry import Mode, ModeSettings, get_mode
+from testbed.modes.routers import RouterContext
 
 
 @dataclass
@@ -17,12 +18,26 @@ class RunResult:
     worker_stats: dict[str, dict] = field(default_factory=dict)
     duration_s: float = 0.0
     interrupted: bool = False
+    store_stats: dict | None = None         # mode=kvstore: the KV store's counters
 
 
 def mode_settings(cfg: RunConfig) -> ModeSettings:
     return ModeSettings(replicas=cfg.replicas, prefill_workers=cfg.prefill_workers,
                         decode_workers=cfg.decode_workers, router=cfg.router, prefill_router=cfg.prefill_router,
-                        decode_router=cfg.decode_router, num_kv_blocks=cfg.num_kv_blocks, block_size=cfg.block_size)
+                        decode_router=cfg.decode_router, num_kv_blocks=cfg.num_kv_blocks, block_size=cfg.block_size,
+                        kvstore=cfg.kvstore, slo_ttft_ms=cfg.slo.ttft_ms,
+                        kv_bytes_per_token=cfg.model.kv_bytes_per_token,
+                        router_context=lambda: router_context(cfg))
+
+
+def router_context(cfg: RunConfig) -> RouterContext:
+    """The cost model as step-time predictor (a GPU preset on runtime=sim, this
+    CPU's `testbed profile` tables on runtime=real) and the link to the store."""
+    from testbed.sim.cost_model import CostModel
+    from testbed.sim.link_model import LinkModel
+    link = LinkModel(cfg.link)
+    return RouterContext(CostModel(cfg.model, cfg.hardware, cfg.parallel), link.transfer_time_s,
+                         cfg.model.kv_bytes_per_token, cfg.token_budget)
 
 
 def build_mode(cfg: RunConfig) -> Mode:

@@ -12,12 +12,15 @@ worker -> frontend: Ready; Tokens (items (id, token, engine_s, index): a disagg
     requests); Preempted; IterationDone (one per engine step, with the worker's
     free KV blocks); FreeBlocks (a decode worker freed blocks outside a step);
     Reserved / Rejected; Prefilled; KVReceived; Stats (at stop); WorkerError
+mode=kvstore adds: PrefixFetched (a prefill worker found a prompt's cached
+    prefix, locally and in the store); StoreStats (the store process, at stop)
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
+from testbed.kv_transfer.store_index import StoreCounters
 from testbed.metrics import IterationRecord
 from testbed.request import Request, RequestStatus, SamplingParams
 
@@ -245,6 +248,36 @@ class Stats(Event):
 
 
 @dataclass(slots=True)
+class PrefixFetched(Event):
+    """A kvstore prefill worker's cached prefix of a prompt: `local_tokens`
+    from its own cache, then `store_tokens` read from the store in `fetch_s`
+    (of `found_tokens` the lookup found; fewer arrive when a block was evicted
+    after the lookup, was corrupted, or the store died)."""
+    kind: ClassVar[str] = "prefix_fetched"
+    id: str
+    worker: str
+    local_tokens: int
+    store_tokens: int
+    found_tokens: int
+    fetch_s: float
+
+
+@dataclass(slots=True)
+class StoreStats(Event):
+    """The KV store's counters, sent by the store process when told to stop."""
+    kind: ClassVar[str] = "store_stats"
+    worker: str
+    counters: StoreCounters
+    num_blocks: int
+    used_bytes: int
+    capacity_bytes: int | None
+
+    def to_dict(self) -> dict:
+        return {**self.counters.to_dict(), "num_blocks": self.num_blocks, "used_bytes": self.used_bytes,
+                "capacity_bytes": self.capacity_bytes}
+
+
+@dataclass(slots=True)
 class WorkerError(Event):
     """A worker crashed (or failed to start)."""
     kind: ClassVar[str] = "error"
@@ -256,5 +289,5 @@ class WorkerError(Event):
 MESSAGES: dict[str, type[Message]] = {cls.kind: cls for cls in (
     Add, Prefill, Reserve, Release, Abort, Connect, Stop, Ping,
     Ready, Tokens, Finished, Preempted, IterationDone, FreeBlocks, Reserved, Rejected, Prefilled, KVReceived,
-    Stats, WorkerError)}
+    Stats, WorkerError, PrefixFetched, StoreStats)}
 

@@ -24,11 +24,14 @@ from testbed.launchers import WorkerSpec, make_launcher
 from testbed.modes.base import ModeController
 from testbed.request import Request
 from testbed.runtime.deployment import RunResult, build_mode
-from testbed.runtime.messages import Command, Connect, Event, IterationDone, Ping, Ready, Stats, Stop, WorkerError
+from testbed.runtime.messages import (Command, Connect, Event, IterationDone, Ping, Ready, Stats, Stop, StoreStats,
+                                      WorkerError)
 from testbed.runtime.wire import WireError, decode, encode
 
 READY_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
+STORE_ID = "kvstore"          # the KV store service's id (a mode that needs_store)
+STORE_ENTRY = "testbed.kv_transfer.store_service:store_main"
 
 
 class RealRuntime:
@@ -46,6 +49,8 @@ class RealRuntime:
         self.stats: dict[str, dict] = {}
         self.controller: ModeController | None = None
         self._store = None
+        self.store_addr: str | None = None
+        self.store_stats: dict | None = None
 
     # -- sockets -------------------------------------------------------------------
     def _send(self, worker_id: str, msg: Command) -> None:
@@ -87,11 +92,18 @@ class RealRuntime:
             if uses_torch_dist(self.cfg.transfer):
                 from testbed.kv_transfer import start_rendezvous
                 self._store, dist_addr = start_rendezvous(self.cfg.transfer.host, self.cfg.transfer.timeout_s)
+        if self.mode.needs_store:      # the store first: the workers are told where it serves
+            self.launcher.start(WorkerSpec(
+                worker_id=STORE_ID, role=STORE_ID, needs_kv_port=False, rank=-1, world_size=len(self.workers),
+                cmd_addr=f"tcp://{host}:{cmd_port}", event_addr=f"tcp://{host}:{ev_port}", t0=self.clock.t0,
+                dist_addr=None, cfg=cfg_dict, entry=STORE_ENTRY))
+            self.store_addr = self._wait_store_ready()
         for rank, w in enumerate(self.workers):
             self.launcher.start(WorkerSpec(
                 worker_id=w.worker_id, role=w.role, needs_kv_port=self.mode.needs_kv_port, rank=rank,
                 world_size=len(self.workers), cmd_addr=f"tcp://{host}:{cmd_port}",
-                event_addr=f"tcp://{host}:{ev_port}", t0=self.clock.t0, dist_addr=dist_addr, cfg=cfg_dict))
+                event_addr=f"tcp://{host}:{ev_port}", t0=self.clock.t0, dist_addr=dist_addr, cfg=cfg_dict,
+                store_addr=self.store_addr))
         addresses = self._wait_ready()
         self.controller = self.mode.controller(self.workers, self._send, copy_prompts=True)
         # every worker that sends KV learns where each receiver listens
@@ -101,6 +113,19 @@ class RealRuntime:
                 for peer, addr in addresses.items():
                     if addr:
                         self._send(w.worker_id, Connect(peer, addr))
+
+    def _wait_store_ready(self) -> str:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            for ev in self._recv(100):
+                if type(ev) is Ready and ev.worker == STORE_ID:
+                    return ev.kv_address
+                if type(ev) is WorkerError:
+                    raise RuntimeError(f"the KV store failed to start: {ev.error}")
+            if not self.launcher.alive(STORE_ID):
+                raise RuntimeError(f"the KV store exited during start-up (exit code "
+                                   f"{self.launcher.exit_code(STORE_ID)})")
+        raise TimeoutError(f"the KV store was not ready after {READY_TIMEOUT_S:.0f} s")
 
     def _wait_ready(self) -> dict[str, str]:
         addresses: dict[str, str] = {}
@@ -180,12 +205,18 @@ class RealRuntime:
         duration = self.clock.now() - run_start
         self.shutdown()
         records = [ctl.records[r.request_id] for r in requests if r.request_id in ctl.records]
-        return RunResult(records, ctl.iterations, self.stats, duration, interrupted)
+        return RunResult(records, ctl.iterations, self.stats, duration, interrupted, self.store_stats)
 
     def _dispatch(self, ev: Event) -> None:
         if type(ev) is Stats:
             self.stats[ev.worker] = ev.to_dict()
             return
+        if type(ev) is StoreStats:
+            self.store_stats = ev.to_dict()
+            return
+        if type(ev) is WorkerError and ev.worker == STORE_ID:
+            print(f"frontend: the KV store crashed: {ev.error}", file=sys.stderr)
+            return       # the workers fall back to recompute
         if type(ev) is WorkerError:
             raise RuntimeError(f"worker {ev.worker} crashed: {ev.error}")
         self.controller.on_event(ev, self.clock.now())
@@ -210,10 +241,16 @@ class RealRuntime:
         alive = [w.worker_id for w in self.workers if self.launcher.alive(w.worker_id)]
         for w in alive:
             self._send(w, Stop())
+        store_alive = self.store_addr is not None and self.launcher.alive(STORE_ID)
+        if store_alive:
+            self._send(STORE_ID, Stop())
         deadline = time.monotonic() + STOP_TIMEOUT_S
-        while any(w not in self.stats for w in alive) and time.monotonic() < deadline:
+        while ((any(w not in self.stats for w in alive) or (store_alive and self.store_stats is None))
+               and time.monotonic() < deadline):
             for ev in self._recv(50):
-                if type(ev) is Stats:
+                if type(ev) is StoreStats:
+                    self.store_stats = ev.to_dict()
+                elif type(ev) is Stats:
                     self.stats[ev.worker] = ev.to_dict()
                 elif type(ev) is IterationDone and self.controller is not None:
                     # the last step's record trails its requests' Finished events

@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator
 
 from testbed.config import RunConfig
 from testbed.engine import VirtualClock
+from testbed.modes.registry import get_role
 from testbed.request import Request
 from testbed.runtime.build import build_engine, build_worker
 from testbed.runtime.deployment import RunResult, build_mode
@@ -35,6 +36,7 @@ from testbed.sim.cost_model import CostModel
 from testbed.sim.jitter import StepJitter
 from testbed.sim.link_model import LinkModel
 from testbed.sim.memory import format_footprint, kv_footprint
+from testbed.sim.store_model import SimStoreNode, SimStorePort
 from testbed.worker import WorkerService
 from testbed.workloads.tokens import stream_key
 
@@ -119,6 +121,11 @@ class SimRuntime:
         self.busy_until: dict[str, float] = {}
         self.step_scheduled: set[str] = set()
         self.outbox: dict[str, list[Event]] = {}
+        self.store = None
+        if self.mode.needs_store:      # one modeled store node on the same network as the KV links
+            kv = cfg.kvstore
+            self.store = SimStoreNode(kv.capacity_bytes, cfg.model.kv_bytes_per_token * cfg.block_size, cfg.link,
+                                      kv.disk_capacity_bytes, kv.disk_gb_per_s)
         for index, w in enumerate(self.workers):
             jitter = (StepJitter(cfg.hardware.step_jitter_ms, stream_key(cfg.seed, _JITTER_STREAM, index))
                       if cfg.hardware.step_jitter_ms else None)
@@ -130,8 +137,10 @@ class SimRuntime:
                                  cfg.model.num_layers, cfg.parallel.tp)
                 self.ports[w.worker_id] = port
             self.outbox[w.worker_id] = []
+            store = (SimStorePort(self.store, self, w.worker_id)
+                     if self.store is not None and get_role(w.role).uses_store else None)
             self.services[w.worker_id] = build_worker(w.worker_id, w.role, engine, self.outbox[w.worker_id].append,
-                                                      port, cfg.transfer.layerwise)
+                                                      port, cfg.transfer.layerwise, store)
             self.busy_until[w.worker_id] = 0.0
         self.controller = self.mode.controller(self.workers, self._send, copy_prompts=False)
         # workers whose block manager hashes prompt blocks: they get the prompt as an array
@@ -224,6 +233,11 @@ class SimRuntime:
         else:
             self._kick(worker_id)
 
+    def wake(self, worker_id: str) -> None:
+        """Something outside the worker's commands gave it work (a store fetch arrived)."""
+        self._flush(worker_id)
+        self._kick(worker_id)
+
     def deliver_kv(self, arg: tuple[str, KVArrival]) -> None:
         worker_id, arrival = arg
         self.ports[worker_id].inbox.append(arrival)
@@ -253,7 +267,8 @@ class SimRuntime:
             ctl.records[rid].error = ("simulation ended with the request unfinished (workers with work they "
                                       f"could not schedule: {stuck or 'none'})")
         records = [ctl.records[r.request_id] for r in requests if r.request_id in ctl.records]
-        return RunResult(records, ctl.iterations, stats, self.clock.now())
+        return RunResult(records, ctl.iterations, stats, self.clock.now(),
+                         store_stats=self.store.stats() if self.store is not None else None)
 
 
 @contextlib.contextmanager

@@ -39,7 +39,7 @@ def worker_main(spec) -> None:
     def emit(ev) -> None:
         push.send(encode(ev))
 
-    kv_port = None
+    kv_port = store = None
     try:
         cfg = from_dict(spec.cfg)
         torch.set_num_threads(cfg.torch_threads)
@@ -48,7 +48,13 @@ def worker_main(spec) -> None:
             from testbed.runtime.real_kv_port import RealKVPort
             role = get_role(spec.role)
             kv_port = RealKVPort(cfg.transfer, spec, engine, sends=role.sends_kv, receives=role.receives_kv)
-        service = build_worker(spec.worker_id, spec.role, engine, emit, kv_port, cfg.transfer.layerwise)
+        store = None
+        if get_role(spec.role).uses_store and spec.store_addr:
+            from testbed.kv_transfer.store_client import StoreClient
+            from testbed.runtime.real_store_port import RealStorePort
+            store = RealStorePort(StoreClient(spec.store_addr, cfg.kvstore.timeout_s, cfg.kvstore.retry_s,
+                                              spec.worker_id), engine.executor.kv_cache)
+        service = build_worker(spec.worker_id, spec.role, engine, emit, kv_port, cfg.transfer.layerwise, store)
         emit(Ready(spec.worker_id, kv_port.address if kv_port else ""))
         while not service.stopping:
             timeout = 0 if service.engine.has_work() else (1 if service.awaits_kv() else POLL_IDLE_MS)
@@ -80,6 +86,8 @@ def worker_main(spec) -> None:
     finally:
         if kv_port is not None:
             kv_port.close()
+        if store is not None:
+            store.close()
         dealer.close(0)
         push.close()
         ctx.term()

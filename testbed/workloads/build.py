@@ -17,6 +17,7 @@ from testbed.request import Request
 from testbed.workloads.arrivals import make_arrivals
 from testbed.workloads.config import WorkloadConfig
 from testbed.workloads.lengths import make_lengths
+from testbed.workloads.multiturn import multiturn_rows
 from testbed.workloads.readers import TraceRow, read_trace
 from testbed.workloads.tokens import synthesize_prompt
 
@@ -52,6 +53,8 @@ def build_workload(cfg: WorkloadConfig, vocab_size: int, seed: int) -> list[Requ
     rngs = [np.random.default_rng([seed, stream]) for stream in (_ARRIVAL_STREAM, _PROMPT_STREAM, _OUTPUT_STREAM)]
 
     rows = read_trace(cfg, vocab_size) if cfg.uses_trace else None
+    if cfg.conversation_turns:
+        return _requests_of_rows(multiturn_rows(cfg, rngs), vocab_size, seed, cfg)
     if rows is not None:
         n = len(rows)
         if cfg.prompt_dist != "trace" and any(r.prompt_token_ids is not None for r in rows):
@@ -88,3 +91,14 @@ def build_workload(cfg: WorkloadConfig, vocab_size: int, seed: int) -> list[Requ
                                        row.hash_ids if row is not None else None, cfg.hash_block_size)
         requests.append(Request(f"r{k}", prompt, int(output_lens[i]), arrival_s=float(arrivals[i])))
     return requests
+
+
+def _requests_of_rows(rows: list[TraceRow], vocab_size: int, seed: int, cfg: WorkloadConfig) -> list[Request]:
+    """Requests replaying rows that carry everything (arrival, lengths, block ids), in order."""
+    t0 = rows[0].arrival_s if rows else 0.0
+    out = []
+    for k, row in enumerate(rows):
+        output = row.output_len if cfg.max_output_len is None else min(row.output_len, cfg.max_output_len)
+        prompt = synthesize_prompt(seed, k, row.prompt_len, vocab_size, row.hash_ids, cfg.hash_block_size)
+        out.append(Request(f"r{k}", prompt, output, arrival_s=(row.arrival_s - t0) * cfg.time_scale))
+    return out

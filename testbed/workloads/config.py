@@ -67,6 +67,11 @@ class WorkloadConfig:
     trace_format: str = "azure"            # azure | mooncake | sarathi_csv | jsonl
     hash_block_size: int = 512             # tokens per mooncake hash_ids block
 
+    # multi-turn chat (multiturn.py): conversations of this many turns; 0: single requests
+    conversation_turns: int = 0
+    reuse_fraction: float = 0.6            # each later turn's share that is the previous prompt
+    think_time_s: float = 5.0              # mean gap between a conversation's turns
+
     # clipping (None: no limit)
     max_requests: int | None = None        # keep the first N trace rows / synthetic requests
     max_prompt_len: int | None = None      # longer prompts are truncated to this
@@ -120,6 +125,14 @@ class WorkloadConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise bad(name, f"must be >= 1 or null (no limit), got {value}")
+        if self.conversation_turns < 0:
+            raise bad("conversation_turns", f"must be >= 0 (0: no conversations), got {self.conversation_turns}")
+        if not 0.0 < self.reuse_fraction < 1.0:
+            raise bad("reuse_fraction", f"must be in (0, 1), got {self.reuse_fraction}")
+        if not self.think_time_s >= 0:
+            raise bad("think_time_s", f"must be >= 0, got {self.think_time_s}")
+        if self.conversation_turns and self.uses_trace:
+            raise bad("conversation_turns", "a multi-turn workload makes its own prompts; it cannot replay a trace")
         if self.num_requests < 0:
             raise bad("num_requests", f"must be >= 0, got {self.num_requests}")
         n_inject = len(self.inject_arrival_s)

@@ -1,0 +1,210 @@
+"""The KV store's bookkeeping (kv_transfer/store_index.py) and its service
+over real sockets (store_service.py, store_client.py): exact LRU order, pins,
+a full store refusing puts, checksums both ways, a block evicted between a
+lookup and its read, malformed requests answered, never fatal."""
+from __future__ import annotations
+
+import threading
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from testbed.kv_transfer.store_client import StoreClient, StoreDown
+from testbed.kv_transfer.store_config import KVStoreConfig
+from testbed.kv_transfer.store_index import StoreIndex
+from testbed.kv_transfer.store_service import StoreServer
+
+
+def test_lru_evicts_the_least_recently_used_unpinned_block():
+    idx = StoreIndex(capacity_bytes=300)
+    for k in (1, 2, 3):
+        assert idx.put(k, 100)
+    assert idx.lookup([1, 2, 9, 3]) == 2
+    assert idx.get([1]) == [(1, 100, None)]            # 1 is now the most recent
+    assert idx.put(4, 100)                             # evicts 2, the least recent
+    assert idx.keys() == [3, 1, 4]
+    idx.pin([3])
+    assert idx.put(5, 100)                             # 3 is pinned: 1 goes
+    assert idx.keys() == [3, 4, 5]
+    idx.pin([4, 5])
+    assert not idx.put(6, 100)                         # everything pinned: refused, nothing evicted
+    assert idx.keys() == [3, 4, 5]
+    assert not idx.put(7, 301)                         # larger than the store
+    idx.unpin([3, 4, 5])
+    assert idx.put(6, 200) and idx.keys() == [5, 6]
+    c = idx.counters
+    assert (c.hits, c.misses, c.evictions, c.puts_rejected, c.bytes_to_store) == (2, 2, 4, 2, 700)
+    assert idx.used_bytes == 300 and idx.num_pinned() == 0
+
+
+def test_put_of_a_stored_block_only_refreshes_it():
+    idx = StoreIndex(capacity_bytes=None)
+    assert idx.put(1, 10) and idx.put(2, 10) and idx.put(1, 10)
+    assert idx.keys() == [2, 1] and idx.used_bytes == 20 and idx.counters.blocks_refreshed == 1
+
+
+@pytest.fixture
+def server():
+    """A StoreServer serving on a real socket from a thread of this process."""
+    ctx = zmq.Context()
+    servers = []
+
+    def start(**cfg):
+        srv = StoreServer(KVStoreConfig(**cfg), "127.0.0.1", ctx)
+        stop = threading.Event()
+
+        def loop():
+            while not stop.is_set():
+                if srv.sock.poll(10):
+                    srv.serve()
+                srv.serve()
+        t = threading.Thread(target=loop, daemon=True)
+        t.start()
+        servers.append((srv, stop, t))
+        return srv
+    yield start
+    for srv, stop, t in servers:
+        stop.set()
+        t.join(5)
+        srv.close()
+    ctx.term()
+
+
+def blocks(n: int, size: int = 4096, base: int = 0) -> list[bytes]:
+    return [bytes([(base + i) % 256]) * size for i in range(n)]
+
+
+def test_put_get_contains_round_trip(server):
+    srv = server(capacity_bytes=None)
+    c = StoreClient(srv.address, timeout_s=5, retry_s=0)
+    try:
+        assert c.put([11, 12, 13], blocks(3)) == (3, 0)
+        assert c.contains([11, 12, 99, 13]) == 2
+        got = c.get([11, 12, 13, 14])
+        assert [bytes(b) for b in got] == blocks(3)
+        s = c.stats()
+        assert (s["hits"], s["misses"], s["blocks_served"], s["get_misses"]) == (2, 2, 3, 1)
+        assert (s["bytes_to_store"], s["bytes_from_store"]) == (3 * 4096, 3 * 4096)
+        # the get's pins go once zmq has let go of its frames (pyzmq tells so from a thread of its own,
+        # some time after the bytes left): each serve looks, so they go within a few more requests
+        for _ in range(1000):
+            if srv.index.num_pinned() == 0:
+                break
+            c.contains([11])
+            time.sleep(0.005)
+        assert srv.index.num_pinned() == 0
+    finally:
+        c.close()
+
+
+def test_block_evicted_between_lookup_and_read_is_not_served(server):
+    srv = server(capacity_bytes=4 * 4096)
+    a, b = StoreClient(srv.address, 5, 0, "a"), StoreClient(srv.address, 5, 0, "b")
+    try:
+        a.put([1, 2, 3, 4], blocks(4))
+        assert a.contains([1, 2, 3, 4]) == 4
+        b.get([1, 2])                           # 1, 2 refreshed; 3 and 4 are now the oldest
+        b.put([5, 6], blocks(2, base=50))       # evicts 3 and 4 after a's lookup
+        got = a.get([1, 2, 3, 4])
+        assert [bytes(x) for x in got] == blocks(2)     # the prefix up to the hole; the rest is recomputed
+    finally:
+        a.close()
+        b.close()
+
+
+def test_corrupted_blocks_are_never_used(server):
+    srv = server(capacity_bytes=None, fault_corrupt_nth_get=2)
+    c = StoreClient(srv.address, 5, 0)
+    try:
+        c.put([1, 2, 3], blocks(3))
+        assert [bytes(x) for x in c.get([1, 2, 3])] == blocks(1)    # block 2 corrupted on the way: 2 and 3 dropped
+        assert c.num_corrupt == 1
+        # a put whose bytes do not match its checksum is refused by the store
+        sock = c._socket()
+        sock.send_multipart([msgpack.packb({"op": "put", "id": 999, "blocks": [[7, 1234, 4096]]}), blocks(1)[0]])
+        assert msgpack.unpackb(sock.recv_multipart()[0])["corrupt"] == 1
+        assert 7 not in srv.index and srv.index.counters.puts_corrupt == 1
+    finally:
+        c.close()
+
+
+def test_a_full_store_refuses_puts_without_error(server):
+    srv = server(capacity_bytes=100)            # smaller than one block
+    c = StoreClient(srv.address, 5, 0)
+    try:
+        assert c.put([1, 2], blocks(2)) == (0, 2)
+        assert c.contains([1, 2]) == 0 and len(srv.index) == 0
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("frames", [
+    [b"\xc1garbage"],
+    [msgpack.packb([1, 2])],
+    [msgpack.packb({"op": "get", "id": 1, "keys": ["x"]})],
+    [msgpack.packb({"op": "nope", "id": 1})],
+    [msgpack.packb({"op": "put", "id": 1, "blocks": [[1, 2, 3]]})],          # declares a frame it lacks
+    [msgpack.packb({"op": "contains", "id": 1, "keys": [-1]})],
+])
+def test_malformed_requests_get_an_error_and_the_store_serves_on(server, frames):
+    srv = server(capacity_bytes=None)
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.connect(srv.address)
+    c = StoreClient(srv.address, 5, 0)
+    try:
+        raw.send_multipart(frames)
+        assert raw.poll(5000)
+        assert msgpack.unpackb(raw.recv_multipart()[0])["ok"] is False
+        assert c.put([1], blocks(1)) == (1, 0) and c.contains([1]) == 1
+        assert srv.num_bad_requests == 1
+    finally:
+        raw.close(0)
+        ctx.term()
+        c.close()
+
+
+def test_a_store_that_does_not_answer_costs_one_timeout():
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)          # bound, never answers
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    c = StoreClient(f"tcp://127.0.0.1:{port}", timeout_s=0.2, retry_s=30)
+    try:
+        with pytest.raises(StoreDown, match="no reply"):
+            c.contains([1])
+        with pytest.raises(StoreDown, match="timed out less than"):
+            c.contains([1])                  # at once, without waiting again
+        assert c.num_timeouts == 1
+    finally:
+        c.close()
+        silent.close(0)
+        ctx.term()
+
+
+
+def test_disk_tier_takes_what_dram_evicts_and_gives_it_back(tmp_path):
+    from testbed.kv_transfer.store_service import DiskTier
+    from testbed.kv_transfer.store_wire import block_checksum
+    disk = DiskTier(str(tmp_path / "tier"))
+    idx = StoreIndex(capacity_bytes=2 * 4, disk_capacity_bytes=2 * 4, disk=disk)
+    value = {k: (block_checksum(bytes([k]) * 4), bytes([k]) * 4) for k in range(1, 6)}
+    for k in (1, 2, 3, 4):
+        idx.put(k, 4, value[k])
+    assert idx.keys() == [3, 4] and idx.num_disk_blocks == 2 and idx.lookup([1, 2, 3, 4]) == 4
+    assert sorted(p.name for p in (tmp_path / "tier").iterdir()) == [f"{1:016x}.kv", f"{2:016x}.kv"]
+    got = idx.get([1])                                  # from disk, back into DRAM (3 goes down)
+    assert got == [(1, 4, value[1])] and idx.keys() == [4, 1] and 3 in idx
+    idx.put(5, 4, value[5])                     # 4 goes down, 2 (the disk's oldest) leaves the store
+    assert 2 not in idx and idx.counters.evictions == 1 and idx.counters.disk_hits == 1
+    (tmp_path / "tier" / f"{3:016x}.kv").write_bytes(b"\0" * 12)    # a damaged file
+    assert idx.get([3]) == [] and 3 not in idx          # never served: recomputed by whoever asked
+
+
+def test_sim_disk_tier_counts_as_the_real_one():
+    idx = StoreIndex(capacity_bytes=8, disk_capacity_bytes=8)        # sizes only, as in the simulator
+    for k in (1, 2, 3, 4):
+        idx.put(k, 4)
+    assert idx.num_on_disk([1, 2, 3]) == 2 and idx.get([1, 2, 3]) == [(1, 4, None), (2, 4, None), (3, 4, None)]
+    assert idx.counters.disk_hits == 3       # 1, 2 promoted push 3, 4 down: 3 is then read from disk too
