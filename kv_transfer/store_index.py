@@ -1,6 +1,6 @@
 """StoreIndex: the KV store's bookkeeping, torch-free (DESIGN.md, "Modes":
 kvstore). The real store process (store_service.py) keeps block bytes in it;
-the simulator's modeled store node (testbed/sim/store_model.py) keeps only
+the simulator's modeled store node (testbed/runtime/sim_store.py) keeps only
 sizes. Both therefore admit, evict and count exactly alike, which is what lets
 a simulated hit rate equal a real one on the same workload.
 

@@ -20,7 +20,7 @@ from testbed.modes.base import Send, WorkerInfo
 from testbed.modes.cache_aware import PrefixPool, TTFTEstimator
 from testbed.modes.disagg import DisaggController
 from testbed.modes.routers import Router
-from testbed.prefix_metrics import KVStoreRequestRecord
+from testbed.metrics import KVStoreRequestRecord
 from testbed.request import Request
 from testbed.runtime.messages import Event, Finished, Prefilled, PrefixFetched, Reserved
 

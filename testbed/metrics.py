@@ -109,6 +109,15 @@ class RequestRecord:
 
 
 @dataclass
+class KVStoreRequestRecord(RequestRecord):
+    """mode=kvstore's record: the prompt tokens whose KV was reused (testbed/prefix_metrics.py)."""
+    num_cached_tokens: int = 0                 # local + store (vLLM: RequestOutput.num_cached_tokens)
+    num_local_cached_tokens: int = 0           # from the prefill worker's own prefix cache
+    num_external_cached_tokens: int = 0        # read from the KV store (vLLM: a connector's external tokens)
+    store_fetch_s: float | None = None         # store lookup plus read
+
+
+@dataclass
 class IterationRecord:
     start_s: float
     duration_s: float
@@ -363,7 +372,6 @@ def _read_jsonl(path: str | Path, cls: type) -> list:
 def read_requests(path: str | Path) -> list[RequestRecord]:
     """A mode may record more per request (a RequestRecord subclass, e.g.
     mode=kvstore's): the file's first row says which class reads it."""
-    import testbed.prefix_metrics  # noqa: F401  (registers KVStoreRequestRecord as a subclass)
     first = next(iter(jsonl_objects(path)), None)
     cls = RequestRecord
     if first is not None:

@@ -1,7 +1,7 @@
 """Prefix-reuse metrics of `mode=kvstore` (DESIGN.md, "Metrics").
 
-Per request (`KVStoreRequestRecord`, a RequestRecord with four more fields in
-requests.jsonl): the prompt tokens whose KV was reused, from the prefill
+Per request (`metrics.KVStoreRequestRecord`, a RequestRecord with four more
+fields in requests.jsonl): the prompt tokens whose KV was reused, from the prefill
 worker's own cache and from the store, and the store fetch time. vLLM's
 names where it has them: `num_cached_tokens` (RequestOutput), and the
 KV connector's "external" tokens for the store's part.
@@ -14,17 +14,8 @@ bytes to and from it)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from testbed.metrics import RequestRecord, latency_stats_ms
-
-
-@dataclass
-class KVStoreRequestRecord(RequestRecord):
-    num_cached_tokens: int = 0                 # local + store (vLLM: RequestOutput.num_cached_tokens)
-    num_local_cached_tokens: int = 0           # from the prefill worker's own prefix cache
-    num_external_cached_tokens: int = 0        # read from the KV store (vLLM: a connector's external tokens)
-    store_fetch_s: float | None = None         # store lookup plus read
+from testbed.metrics import KVStoreRequestRecord, RequestRecord, latency_stats_ms
 
 
 def prefix_cache_summary(records: Sequence[RequestRecord]) -> dict | None:

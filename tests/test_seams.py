@@ -101,7 +101,7 @@ def test_routers_by_name_pick_as_their_names_say():
 def test_an_unknown_router_is_one_line_naming_the_field(field):
     cfg = config("runtime=sim")
     setattr(cfg, field, "nearest")
-    with pytest.raises(ValueError, match=rf"^{field}='nearest' is not known; choose one of: least_outstanding"):
+    with pytest.raises(ValueError, match=rf"^{field}='nearest' is not known; choose one of: cache_aware, least_outstanding"):
         validate(cfg)
 
 
@@ -190,6 +190,7 @@ def test_only_the_assembling_modules_read_the_whole_run_config():
     that assemble a run from a RunConfig import it."""
     assembling = {"testbed.capacity", "testbed.cli", "testbed.cli_errors", "testbed.run", "testbed.wandb_log", "testbed.experiments",
                   "testbed.profiling", "testbed.runtime.build", "testbed.runtime.deployment",
-                  "testbed.runtime.real", "testbed.runtime.sim", "testbed.runtime.worker_process"}
+                  "testbed.runtime.real", "testbed.runtime.sim", "testbed.runtime.worker_process",
+                  "testbed.runtime.store_process"}
     readers = {m for m, edges in import_graph().items() if "testbed.config" in edges}
     assert {m for m in readers if not any(m == a or m.startswith(a + ".") for a in assembling)} == set()

@@ -31,7 +31,7 @@ from testbed.runtime.wire import WireError, decode, encode
 READY_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
 STORE_ID = "kvstore"          # the KV store service's id (a mode that needs_store)
-STORE_ENTRY = "testbed.kv_transfer.store_service:store_main"
+STORE_ENTRY = "testbed.runtime.store_process:store_main"
 
 
 class RealRuntime:

@@ -36,7 +36,7 @@ from testbed.sim.cost_model import CostModel
 from testbed.sim.jitter import StepJitter
 from testbed.sim.link_model import LinkModel
 from testbed.sim.memory import format_footprint, kv_footprint
-from testbed.sim.store_model import SimStoreNode, SimStorePort
+from testbed.runtime.sim_store import SimStoreNode, SimStorePort
 from testbed.worker import WorkerService
 from testbed.workloads.tokens import stream_key
 

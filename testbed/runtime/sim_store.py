@@ -11,15 +11,20 @@ arrived, and the worker hears of them then (the runtime wakes it). Blocks
 only the disk tier holds are read from it first, at kvstore.disk_gb_per_s."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Callable, Protocol
 
 from testbed.kv_transfer.store_index import StoreIndex
 from testbed.runtime.store_port import Fetched, StorePort
 from testbed.sim.config import LinkConfig
 from testbed.sim.link_model import LinkModel
 
-if TYPE_CHECKING:
-    from testbed.runtime.sim import SimRuntime
+class EventLoop(Protocol):
+    """What a modeled store needs of the simulator (testbed/runtime/sim.py)."""
+    clock: Any
+
+    def at(self, t: float, action: Callable[[Any], None], arg: Any = None) -> None: ...
+
+    def wake(self, worker_id: str) -> None: ...
 
 
 class SimStoreNode:
@@ -36,7 +41,7 @@ class SimStoreNode:
 
 
 class SimStorePort(StorePort):
-    def __init__(self, node: SimStoreNode, runtime: "SimRuntime", worker_id: str):
+    def __init__(self, node: SimStoreNode, runtime: EventLoop, worker_id: str):
         self.node, self.runtime, self.worker_id = node, runtime, worker_id
         self._pending: set[str] = set()
 

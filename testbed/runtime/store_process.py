@@ -1,0 +1,68 @@
+"""The body of the KV store's process in the real runtime (mode=kvstore):
+serve the store (kv_transfer/store_service.py) on its own socket, and take the
+frontend's commands (Stop) and report Ready / StoreStats like a worker.
+Started by a launcher from a WorkerSpec whose entry names this function."""
+from __future__ import annotations
+
+import logging
+import signal
+
+import zmq
+
+from testbed.kv_transfer.store_service import StoreServer
+
+log = logging.getLogger(__name__)
+
+def store_main(spec) -> None:
+    """The store process: serve until the frontend says Stop (or kills it)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)      # the frontend owns shutdown, as for workers
+    from testbed.config import from_dict
+    from testbed.runtime.messages import Ping, Ready, Stop, StoreStats, WorkerError
+    from testbed.runtime.wire import WireError
+    from testbed.runtime.wire import decode as decode_msg
+    from testbed.runtime.wire import encode as encode_msg
+
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 2000)
+    push.connect(spec.event_addr)
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.IDENTITY, spec.worker_id.encode())
+    dealer.connect(spec.cmd_addr)
+    server = None
+    try:
+        cfg = from_dict(spec.cfg)
+        server = StoreServer(cfg.kvstore, cfg.runtime.host, ctx)
+        push.send(encode_msg(Ready(spec.worker_id, server.address)))
+        poller = zmq.Poller()
+        poller.register(dealer, zmq.POLLIN)
+        poller.register(server.sock, zmq.POLLIN)
+        stopping = False
+        while not stopping:
+            ready = dict(poller.poll(1 if server._sending else 50))
+            if dealer in ready:
+                while dealer.poll(0):
+                    try:
+                        msg = decode_msg(dealer.recv())
+                    except WireError as e:
+                        log.warning("kv store: dropped a command: %s", e)
+                        continue
+                    if type(msg) is Stop:
+                        stopping = True
+                    elif type(msg) is not Ping:
+                        log.warning("kv store: takes no '%s' command", msg.kind)
+            server.serve()
+        index = server.index
+        push.send(encode_msg(StoreStats(spec.worker_id, index.counters, len(index), index.used_bytes,
+                                        index.capacity_bytes)))
+    except Exception as e:
+        import traceback
+        push.send(encode_msg(WorkerError(spec.worker_id, f"{type(e).__name__}: {e}", traceback.format_exc())))
+        raise
+    finally:
+        if server is not None:
+            server.close()
+        dealer.close(0)
+        push.close()
+        ctx.term()
