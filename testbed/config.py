@@ -12,6 +12,7 @@ from hydra.core.config_store import ConfigStore
 
 from testbed.experiments.config import ExperimentConfig
 from testbed.kv_transfer.config import TransferConfig
+from testbed.launchers.config import RayConfig
 from testbed.model.config import ModelConfig
 from testbed.sim.config import HardwareConfig, LinkConfig, ParallelConfig, load_hardware_preset, load_link_preset
 from testbed.workloads.config import WorkloadConfig
@@ -25,6 +26,9 @@ class RuntimeConfig:
     the address the frontend binds and workers reach it on."""
     name: str = "real"             # real | sim
     host: str = "127.0.0.1"
+    # CURVE keys generated per run for every socket the frontend and the KV receivers bind;
+    # required (a bind is refused without them) when runtime.host or transfer.host is not loopback
+    curve: bool = False
 
 
 @dataclass
@@ -84,6 +88,7 @@ class RunConfig:
     link: LinkConfig = field(default_factory=lambda: load_link_preset("tcp-25"))
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    ray: RayConfig = field(default_factory=RayConfig)      # launcher=ray
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
 
 
@@ -117,7 +122,7 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError(f"timeout_s: must be > 0, got {cfg.timeout_s}")
     if not 0.0 < cfg.top_p <= 1.0:
         raise ValueError(f"top_p: must be in (0, 1], got {cfg.top_p}")
-    for sub in (cfg.model, cfg.workload, cfg.transfer, cfg.hardware, cfg.link, cfg.parallel, cfg.experiment):
+    for sub in (cfg.model, cfg.workload, cfg.transfer, cfg.hardware, cfg.link, cfg.parallel, cfg.experiment, cfg.ray):
         sub.validate()
 
 

@@ -21,6 +21,7 @@ class WorkerSpec:
     t0: float                  # the frontend's clock origin (testbed/clock.py)
     dist_addr: str | None      # torch.distributed rendezvous, when the transport uses it
     cfg: dict                  # the resolved RunConfig as plain values
+    curve: dict | None = None  # the run's CURVE keys (kv_transfer/curve.py); None on loopback
 
 
 class Launcher(ABC):
@@ -45,6 +46,14 @@ class Launcher(ABC):
     def pid(self, worker_id: str) -> int | None:
         """The worker's process id where it runs on this host (tests read its sockets)."""
         return None
+
+    def prepare(self, specs: list[WorkerSpec]) -> None:
+        """Called once with every worker's spec before the first start (placement)."""
+
+    def kv_address(self, worker_id: str, announced: str) -> str:
+        """The worker's KV receiver address: as its Ready event announced it, unless
+        the launcher has its own channel for endpoints (Ray returns them)."""
+        return announced
 
     @abstractmethod
     def join(self, timeout_s: float) -> None:

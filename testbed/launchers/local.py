@@ -12,7 +12,7 @@ from testbed.runtime.worker_process import worker_main
 class LocalLauncher(Launcher):
     name = "local"
 
-    def __init__(self) -> None:
+    def __init__(self, cfg=None) -> None:
         self._mp = mp.get_context("spawn")
         self._procs: dict[str, mp.Process] = {}
 
