@@ -14,6 +14,9 @@ class RayConfig:
     # None: start a local cluster bound to 127.0.0.1 (dashboard off) and shut it down at the
     # end of the run; "auto" or "HOST:PORT": join that cluster and leave it running
     address: Optional[str] = None
+    # address null: run the whole run (frontend, cluster, workers) in a private network namespace
+    # with only loopback (testbed/launchers/netns.py says why); false: Ray listens on every interface
+    private_netns: bool = True
     num_cpus: Optional[int] = None        # the local cluster's CPUs; None: what the workers ask for
     actor_cpus: float = 1.0               # per worker actor on CPU (on GPU: parallel.tp * pp GPUs)
     # placement group strategy per pool (a role name); roles not named get PACK

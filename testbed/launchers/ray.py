@@ -2,9 +2,10 @@
 role) placed by its own placement group: PACK or SPREAD per pool
 (`ray.strategy`), pinned to nodes by a custom resource (`ray.resources`).
 
-`ray.address` null starts a local cluster bound to 127.0.0.1 with the
-dashboard off, sized to the workers, and shuts it down in `join`; an address
-(or `auto`) joins a running cluster and leaves it running.
+`ray.address` null starts a local cluster on loopback with the dashboard off,
+sized to the workers, inside a private network namespace (netns.py: Ray 2.60
+listens on every interface otherwise), and shuts it down in `join`; an
+address (or `auto`) joins a running cluster and leaves it running.
 
 An actor builds its worker in `setup`, which returns the worker's endpoints
 (its KV receiver address) through Ray, then runs the worker loop in `serve`.
@@ -68,6 +69,9 @@ class RayLauncher(Launcher):
         self._serve: dict = {}
         self._exit: dict[str, int] = {}
         self._pgs: list = []
+        if self.cfg.address is None and self.cfg.private_netns:
+            from testbed.launchers.netns import enter_private_netns
+            enter_private_netns()      # before the frontend binds anything (RealRuntime builds us first)
 
     # -- placement -------------------------------------------------------------------
     def _init(self, num_workers: int) -> None:

@@ -41,8 +41,8 @@ class RealRuntime:
         self.mode = build_mode(cfg)
         self.workers = self.mode.workers()
         self.clock = WallClock()
+        self.launcher = make_launcher(cfg.launcher, cfg)    # first: it may move this process's network
         self.ctx = zmq.Context()
-        self.launcher = make_launcher(cfg.launcher, cfg)
         self.stats: dict[str, dict] = {}
         self.controller: ModeController | None = None
         self._store = None
