@@ -55,9 +55,10 @@ class ChannelServer:
         # zmq allocates each incoming frame whole: bound it before any header is read
         self.sock.setsockopt(zmq.MAXMSGSIZE, max(cfg.max_message_bytes, cfg.max_header_bytes))
         self._ipc_dir: Path | None = None
+        self._auth = None
         if cfg.protocol == "tcp":
             try:
-                server_keys(self.sock, curve, cfg.host, "transfer.host")
+                self._auth = server_keys(self.sock, curve, cfg.host, "transfer.host")
             except Exception:      # refused: leave no socket for the context's term to wait on
                 self.sock.close(linger=0)
                 self._ctx.term()
@@ -97,7 +98,7 @@ class ChannelServer:
         if self._ctx.closed:
             return
         self.sock.close(linger=0)
-        stop_authenticator(self._ctx)
+        stop_authenticator(self._auth)
         self._ctx.term()
         if self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)

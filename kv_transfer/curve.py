@@ -15,7 +15,6 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
-import threading
 from dataclasses import asdict, dataclass
 
 import zmq
@@ -77,16 +76,20 @@ def _keys(keys: "CurveKeys | dict | None") -> "CurveKeys | None":
     return CurveKeys.from_dict(keys) if isinstance(keys, dict) else keys
 
 
-def server_keys(sock: zmq.Socket, keys: "CurveKeys | dict | None", host: str, what: str) -> None:
-    """Before bind: refuse beyond loopback without keys; with keys, make `sock` a CURVE server."""
+def server_keys(sock: zmq.Socket, keys: "CurveKeys | dict | None", host: str, what: str, auth=None):
+    """Before bind: refuse beyond loopback without keys; with keys, make `sock` a
+    CURVE server. Returns the context's ZAP authenticator (started here unless
+    `auth` is given), which the caller stops before terminating the context."""
     check_bind(host, keys, what)
     k = _keys(keys)
     if k is None:
-        return
-    _authenticator(sock.context, k.client_public)
+        return auth
+    if auth is None:
+        auth = _authenticator(sock.context, k.client_public)
     sock.curve_secretkey = k.server_secret.encode()
     sock.curve_publickey = k.server_public.encode()
     sock.curve_server = True
+    return auth
 
 
 def client_keys(sock: zmq.Socket, keys: "CurveKeys | dict | None") -> None:
@@ -99,30 +102,24 @@ def client_keys(sock: zmq.Socket, keys: "CurveKeys | dict | None") -> None:
     sock.curve_secretkey = k.client_secret.encode()
 
 
-_AUTH_LOCK = threading.Lock()
+class _OnlyKey:
+    def __init__(self, allowed: bytes):
+        self.allowed = allowed
+
+    def callback(self, domain, key) -> bool:
+        return key == self.allowed
 
 
-def _authenticator(ctx: zmq.Context, client_public: str) -> None:
-    """One ZAP handler per context that admits only the run's client key; it
-    lives as long as the context (stopped with it, see `stop_authenticator`)."""
+def _authenticator(ctx: zmq.Context, client_public: str):
+    """A ZAP handler on `ctx` that admits only the run's client key."""
     from zmq.auth.thread import ThreadAuthenticator
-    with _AUTH_LOCK:
-        if getattr(ctx, "_testbed_auth", None) is not None:
-            return
-        auth = ThreadAuthenticator(ctx)
-        auth.start()
-        allowed = client_public.encode()
-
-        class _Only:
-            def callback(self, domain, key):
-                return key == allowed
-        auth.configure_curve_callback(domain="*", credentials_provider=_Only())
-        ctx._testbed_auth = auth
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve_callback(domain="*", credentials_provider=_OnlyKey(client_public.encode()))
+    return auth
 
 
-def stop_authenticator(ctx: zmq.Context) -> None:
+def stop_authenticator(auth) -> None:
     """Call before ctx.term(): the ZAP thread holds a socket of the context."""
-    auth = getattr(ctx, "_testbed_auth", None)
     if auth is not None:
         auth.stop()
-        ctx._testbed_auth = None

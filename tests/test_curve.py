@@ -109,6 +109,6 @@ def test_a_run_with_curve_keys_serves_every_request(tmp_path):
     from testbed.run import execute
     cfg = from_dict({"mode": "disagg", "runtime": {"curve": True}, "token_budget": 64, "progress": False,
                      "wandb": {"mode": "disabled"}, "timeout_s": 60,
-                     "workload": {"num_requests": 3, "prompt_max": 96, "output_max": 6}})
+                     "workload": {"num_requests": 3, "prompt_min": 16, "prompt_max": 96, "output_min": 4, "output_max": 6}})
     summary = execute(cfg, tmp_path)
     assert summary["num_finished"] == 3 and summary["kv_blocks_leaked"] == {}

@@ -46,6 +46,7 @@ class RealRuntime:
         self.stats: dict[str, dict] = {}
         self.controller: ModeController | None = None
         self._store = None
+        self._auth = None           # the ZAP authenticator when runtime.curve (kv_transfer/curve.py)
 
     # -- sockets -------------------------------------------------------------------
     def _send(self, worker_id: str, msg: Command) -> None:
@@ -80,11 +81,11 @@ class RealRuntime:
         self.cmd = self.ctx.socket(zmq.ROUTER)
         self.cmd.setsockopt(zmq.LINGER, 0)
         self.cmd.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        server_keys(self.cmd, keys, host, "runtime.host")
+        self._auth = server_keys(self.cmd, keys, host, "runtime.host")
         cmd_port = self.cmd.bind_to_random_port(f"tcp://{host}")
         self.events = self.ctx.socket(zmq.PULL)
         self.events.setsockopt(zmq.LINGER, 0)
-        server_keys(self.events, keys, host, "runtime.host")
+        server_keys(self.events, keys, host, "runtime.host", auth=self._auth)
         ev_port = self.events.bind_to_random_port(f"tcp://{host}")
         cfg_dict = to_dict(self.cfg)
         dist_addr = None
@@ -215,7 +216,7 @@ class RealRuntime:
             self.launcher.join(0.0)
             if hasattr(self, "cmd"):
                 self.cmd.close(0)
-            stop_authenticator(self.ctx)
+            stop_authenticator(self._auth)
             self.ctx.term()
             return
         alive = [w.worker_id for w in self.workers if self.launcher.alive(w.worker_id)]
@@ -233,7 +234,7 @@ class RealRuntime:
         self.launcher.join(max(0.0, deadline - time.monotonic()))
         self.cmd.close(0)
         self.events.close(0)
-        stop_authenticator(self.ctx)
+        stop_authenticator(self._auth)
         self.ctx.term()
         # the rendezvous store listens until it is destroyed, and the controller's
         # bound self._send makes this object live until a garbage-collector pass
