@@ -69,7 +69,7 @@ def is_loopback(host: str) -> bool:
 def check_bind(host: str, keys: "CurveKeys | dict | None", what: str) -> None:
     if keys is None and not is_loopback(host):
         raise CurveRequired(f"{what}: refusing to bind {host} (not loopback) without CURVE keys; "
-                            f"set runtime.curve=true to generate them per run, or bind 127.0.0.1")
+                            f"set runtime.curve=true to generate them per run, or bind a loopback address")
 
 
 def _keys(keys: "CurveKeys | dict | None") -> "CurveKeys | None":

@@ -11,7 +11,7 @@ STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 @dataclass
 class RayConfig:
-    # None: start a local cluster bound to 127.0.0.1 (dashboard off) and shut it down at the
+    # None: start a local cluster on loopback (dashboard off) and shut it down at the
     # end of the run; "auto" or "HOST:PORT": join that cluster and leave it running
     address: Optional[str] = None
     # address null: run the whole run (frontend, cluster, workers) in a private network namespace

@@ -1,7 +1,7 @@
 """A private network namespace for this process: only a loopback device, no
 route anywhere. `launcher=ray` with no `ray.address` moves the run into one
 before any socket exists, because Ray (2.60) binds its GCS and raylet on every
-interface and rewrites a node address of 127.0.0.1 to the machine's external
+interface and rewrites a loopback node address to the machine's external
 one: inside a namespace whose only interface is loopback, "every interface" is
 loopback. Linux namespaces belong to threads: the calling thread moves, and
 every thread and process it starts afterwards (ZMQ's I/O threads, Ray's

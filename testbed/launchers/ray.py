@@ -61,6 +61,7 @@ class RayLauncher(Launcher):
 
     def __init__(self, cfg) -> None:
         self.cfg: RayConfig = cfg.ray
+        self.node_ip = cfg.runtime.host        # the local cluster's node address (loopback by default)
         self.gpus_per_worker = cfg.parallel.tp * cfg.parallel.pp if cfg.device.startswith("cuda") else 0
         self._started_cluster = False
         self._actors: dict = {}
@@ -82,7 +83,7 @@ class RayLauncher(Launcher):
             # every server of the local cluster on loopback, none on the machine's address
             ray.init(address="local", num_cpus=self.cfg.num_cpus or max(1, int(num_workers * self.cfg.actor_cpus + 0.999)),
                      num_gpus=None if self.gpus_per_worker else 0, include_dashboard=False,
-                     _node_ip_address="127.0.0.1", configure_logging=False, log_to_driver=True)
+                     _node_ip_address=self.node_ip, configure_logging=False, log_to_driver=True)
             self._started_cluster = True
         else:
             ray.init(address=self.cfg.address, include_dashboard=False, configure_logging=False)
