@@ -22,6 +22,7 @@ import zmq
 
 from testbed.kv_transfer.base import Ack, KVSender, TransferError
 from testbed.kv_transfer.config import TransferConfig
+from testbed.kv_transfer.curve import CurveKeys, client_keys, server_keys, stop_authenticator
 from testbed.wire_text import shown
 
 log = logging.getLogger(__name__)
@@ -43,9 +44,10 @@ def _name_str(raw: bytes) -> str:
 
 class ChannelServer:
     """One ROUTER bound to a random tcp port on cfg.host, or to a socket file
-    in a private temporary directory (ipc)."""
+    in a private temporary directory (ipc). Beyond loopback it needs the run's
+    CURVE keys (kv_transfer/curve.py), or refuses to bind."""
 
-    def __init__(self, cfg: TransferConfig) -> None:
+    def __init__(self, cfg: TransferConfig, curve: CurveKeys | dict | None = None) -> None:
         self.cfg = cfg
         self._ctx = zmq.Context(io_threads=1)
         self.sock = self._ctx.socket(zmq.ROUTER)
@@ -54,7 +56,14 @@ class ChannelServer:
         # zmq allocates each incoming frame whole: bound it before any header is read
         self.sock.setsockopt(zmq.MAXMSGSIZE, max(cfg.max_message_bytes, cfg.max_header_bytes))
         self._ipc_dir: Path | None = None
+        self._auth = None
         if cfg.protocol == "tcp":
+            try:
+                self._auth = server_keys(self.sock, curve, cfg.host, "transfer.host")
+            except Exception:      # refused: leave no socket for the context's term to wait on
+                self.sock.close(linger=0)
+                self._ctx.term()
+                raise
             port = self.sock.bind_to_random_port(f"tcp://{cfg.host}")
             self.address = f"tcp://{cfg.host}:{port}"
         else:
@@ -90,6 +99,7 @@ class ChannelServer:
         if self._ctx.closed:
             return
         self.sock.close(linger=0)
+        stop_authenticator(self._auth)
         self._ctx.term()
         if self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
@@ -98,9 +108,10 @@ class ChannelServer:
 class ChannelClient:
     """A DEALER per peer, identified to the peer by `name`."""
 
-    def __init__(self, name: str, cfg: TransferConfig) -> None:
+    def __init__(self, name: str, cfg: TransferConfig, curve: CurveKeys | dict | None = None) -> None:
         self.name = name
         self.cfg = cfg
+        self.curve = curve
         self._ctx = zmq.Context(io_threads=1)
         self._socks: dict[str, zmq.Socket] = {}
         self._addresses: dict[str, str] = {}
@@ -119,6 +130,7 @@ class ChannelClient:
         # flush(), so a send never blocks halfway through a payload
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_header_bytes)   # only acks come back
+        client_keys(sock, self.curve)
         sock.connect(address)
         self._socks[peer] = sock
         self._addresses[peer] = address
@@ -167,10 +179,10 @@ class ChannelClient:
 class ChannelSender(KVSender):
     """What every channel-based sender shares: peers, acks, close."""
 
-    def __init__(self, cfg: TransferConfig, name: str | None = None) -> None:
+    def __init__(self, cfg: TransferConfig, name: str | None = None, curve: CurveKeys | dict | None = None) -> None:
         self.cfg = cfg
         self.name = name or f"kv-sender-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._client = ChannelClient(self.name, cfg)
+        self._client = ChannelClient(self.name, cfg, curve)
 
     def connect(self, peer: str, address: str) -> None:
         self._client.connect(peer, address)

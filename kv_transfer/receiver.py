@@ -33,10 +33,10 @@ log = logging.getLogger(__name__)
 
 
 class ChannelReceiver(KVReceiver):
-    def __init__(self, cfg: TransferConfig, max_payloads_per_poll: int = 64) -> None:
+    def __init__(self, cfg: TransferConfig, max_payloads_per_poll: int = 64, curve=None) -> None:
         self.cfg = cfg
         self.max_payloads_per_poll = max_payloads_per_poll
-        self._server = ChannelServer(cfg)
+        self._server = ChannelServer(cfg, curve)      # curve: the run's CURVE keys (kv_transfer/curve.py)
         self._buffers = ReceiveBuffers(pin_memory=cfg.pin_memory)
         self._returned: list[torch.Tensor] = []     # buffers of the payloads the last poll returned
         self.address = self._server.address

@@ -27,13 +27,14 @@ def _real_name(cfg: TransferConfig) -> str:
 
 
 def make_sender(cfg: TransferConfig, *, name: str | None = None,
-                group: TorchDistGroup | None = None) -> KVSender:
+                group: TorchDistGroup | None = None, curve=None) -> KVSender:
+    """`curve`: the run's CURVE keys (kv_transfer/curve.py), None on loopback."""
     cfg.validate()
     sender: KVSender
     if _real_name(cfg) == "zmq":
-        sender = ZmqSender(cfg, name)
+        sender = ZmqSender(cfg, name, curve)
     else:
-        sender = TorchDistSender(cfg, _need_group(group), name)
+        sender = TorchDistSender(cfg, _need_group(group), name, curve)
     if cfg.transport == "shaped":
         sender = ShapedSender(sender, cfg.rate_bytes_per_s, cfg.latency_ms / 1000, cfg.timeout_s)
     if cfg.fault_corrupt_nth:
@@ -41,8 +42,8 @@ def make_sender(cfg: TransferConfig, *, name: str | None = None,
     return sender
 
 
-def make_receiver(cfg: TransferConfig, *, group: TorchDistGroup | None = None) -> KVReceiver:
+def make_receiver(cfg: TransferConfig, *, group: TorchDistGroup | None = None, curve=None) -> KVReceiver:
     cfg.validate()
     if _real_name(cfg) == "zmq":
-        return ZmqReceiver(cfg)
-    return TorchDistReceiver(cfg, _need_group(group))
+        return ZmqReceiver(cfg, curve=curve)
+    return TorchDistReceiver(cfg, _need_group(group), curve=curve)

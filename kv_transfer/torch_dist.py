@@ -84,8 +84,8 @@ class TorchDistGroup:
 
 
 class TorchDistSender(ChannelSender):
-    def __init__(self, cfg: TransferConfig, group: TorchDistGroup, name: str | None = None) -> None:
-        super().__init__(cfg, name)
+    def __init__(self, cfg: TransferConfig, group: TorchDistGroup, name: str | None = None, curve=None) -> None:
+        super().__init__(cfg, name, curve)
         self.group = group
         self._ranks: dict[str, int] = {}
         self._in_flight: collections.deque[tuple[dist.Work, torch.Tensor]] = collections.deque()
@@ -129,8 +129,9 @@ class TorchDistSender(ChannelSender):
 
 
 class TorchDistReceiver(ChannelReceiver):
-    def __init__(self, cfg: TransferConfig, group: TorchDistGroup, max_payloads_per_poll: int = 64) -> None:
-        super().__init__(cfg, max_payloads_per_poll)
+    def __init__(self, cfg: TransferConfig, group: TorchDistGroup, max_payloads_per_poll: int = 64,
+                 curve=None) -> None:
+        super().__init__(cfg, max_payloads_per_poll, curve)
         self.group = group
         self.address = f"{self._server.address}#rank={group.rank}"
 

@@ -35,8 +35,8 @@ from testbed.kv_transfer.receiver import ChannelReceiver
 
 
 class ZmqSender(ChannelSender):
-    def __init__(self, cfg: TransferConfig, name: str | None = None) -> None:
-        super().__init__(cfg, name)
+    def __init__(self, cfg: TransferConfig, name: str | None = None, curve=None) -> None:
+        super().__init__(cfg, name, curve)
         # a tracker per payload, on its last chunk: a socket's messages leave in order
         self._in_flight: collections.deque[zmq.MessageTracker] = collections.deque()
 
@@ -80,8 +80,8 @@ class _Open:
 
 
 class ZmqReceiver(ChannelReceiver):
-    def __init__(self, cfg: TransferConfig, max_payloads_per_poll: int = 64) -> None:
-        super().__init__(cfg, max_payloads_per_poll)
+    def __init__(self, cfg: TransferConfig, max_payloads_per_poll: int = 64, curve=None) -> None:
+        super().__init__(cfg, max_payloads_per_poll, curve)
         self._open_by_origin: dict[str, _Open] = {}
 
     def _on_header(self, origin: str, payload: KVPayload) -> list[KVPayload]:

@@ -14,6 +14,7 @@ from hydra.core.config_store import ConfigStore
 from testbed.experiments.config import ExperimentConfig
 from testbed.kv_transfer.config import TransferConfig
 from testbed.kv_transfer.store_config import KVStoreConfig
+from testbed.launchers.config import RayConfig
 from testbed.model.config import ModelConfig
 from testbed.schedulers.adaptive_config import AdaptiveConfig
 from testbed.sim.config import HardwareConfig, LinkConfig, ParallelConfig, load_hardware_preset, load_link_preset
@@ -29,6 +30,9 @@ class RuntimeConfig:
     the address the frontend binds and workers reach it on."""
     name: str = "real"             # real | sim
     host: str = "127.0.0.1"
+    # CURVE keys generated per run for every socket the frontend and the KV receivers bind;
+    # required (a bind is refused without them) when runtime.host or transfer.host is not loopback
+    curve: bool = False
 
 
 @dataclass
@@ -92,6 +96,7 @@ class RunConfig:
     link: LinkConfig = field(default_factory=lambda: load_link_preset("tcp-25"))
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    ray: RayConfig = field(default_factory=RayConfig)      # launcher=ray
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
 
     def __post_init__(self) -> None:
@@ -162,7 +167,7 @@ def validate(cfg: RunConfig) -> None:
     if not 0.0 < cfg.top_p <= 1.0:
         raise ValueError(f"top_p: must be in (0, 1], got {cfg.top_p}")
     for sub in (cfg.model, cfg.workload, cfg.transfer, cfg.kvstore, cfg.hardware, cfg.link, cfg.parallel,
-                cfg.experiment, cfg.adaptive):
+                cfg.experiment, cfg.adaptive, cfg.ray):
         sub.validate()
 
 

@@ -24,6 +24,7 @@ class WorkerSpec:
     store_addr: str | None = None    # mode=kvstore: where the KV store serves
     # "module:function" the process runs with this spec: a worker, or a service (the KV store)
     entry: str = "testbed.runtime.worker_process:worker_main"
+    curve: dict | None = None  # the run's CURVE keys (kv_transfer/curve.py); None on loopback
 
 
 class Launcher(ABC):
@@ -48,6 +49,14 @@ class Launcher(ABC):
     def pid(self, worker_id: str) -> int | None:
         """The worker's process id where it runs on this host (tests read its sockets)."""
         return None
+
+    def prepare(self, specs: list[WorkerSpec]) -> None:
+        """Called once with every worker's spec before the first start (placement)."""
+
+    def kv_address(self, worker_id: str, announced: str) -> str:
+        """The worker's KV receiver address: as its Ready event announced it, unless
+        the launcher has its own channel for endpoints (Ray returns them)."""
+        return announced
 
     @abstractmethod
     def join(self, timeout_s: float) -> None:

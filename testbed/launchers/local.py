@@ -18,7 +18,7 @@ def run_entry(spec: WorkerSpec) -> None:
 class LocalLauncher(Launcher):
     name = "local"
 
-    def __init__(self) -> None:
+    def __init__(self, cfg=None) -> None:
         self._mp = mp.get_context("spawn")
         self._procs: dict[str, mp.Process] = {}
 

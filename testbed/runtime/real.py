@@ -44,13 +44,14 @@ class RealRuntime:
         self.mode = build_mode(cfg)
         self.workers = self.mode.workers()
         self.clock = WallClock()
+        self.launcher = make_launcher(cfg.launcher, cfg)    # first: it may move this process's network
         self.ctx = zmq.Context()
-        self.launcher = make_launcher(cfg.launcher)
         self.stats: dict[str, dict] = {}
         self.controller: ModeController | None = None
         self._store = None
         self.store_addr: str | None = None
         self.store_stats: dict | None = None
+        self._auth = None           # the ZAP authenticator when runtime.curve (kv_transfer/curve.py)
 
     # -- sockets -------------------------------------------------------------------
     def _send(self, worker_id: str, msg: Command) -> None:
@@ -77,13 +78,19 @@ class RealRuntime:
 
     # -- life cycle ------------------------------------------------------------------
     def start(self) -> None:
+        from testbed.kv_transfer.curve import CurveKeys, check_bind, server_keys
         host = self.cfg.runtime.host
+        keys = CurveKeys.generate().to_dict() if self.cfg.runtime.curve else None
+        if self.mode.needs_kv_port:     # refused here, before any worker starts
+            check_bind(self.cfg.transfer.host, keys, "transfer.host")
         self.cmd = self.ctx.socket(zmq.ROUTER)
         self.cmd.setsockopt(zmq.LINGER, 0)
         self.cmd.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._auth = server_keys(self.cmd, keys, host, "runtime.host")
         cmd_port = self.cmd.bind_to_random_port(f"tcp://{host}")
         self.events = self.ctx.socket(zmq.PULL)
         self.events.setsockopt(zmq.LINGER, 0)
+        server_keys(self.events, keys, host, "runtime.host", auth=self._auth)
         ev_port = self.events.bind_to_random_port(f"tcp://{host}")
         cfg_dict = to_dict(self.cfg)
         dist_addr = None
@@ -96,14 +103,17 @@ class RealRuntime:
             self.launcher.start(WorkerSpec(
                 worker_id=STORE_ID, role=STORE_ID, needs_kv_port=False, rank=-1, world_size=len(self.workers),
                 cmd_addr=f"tcp://{host}:{cmd_port}", event_addr=f"tcp://{host}:{ev_port}", t0=self.clock.t0,
-                dist_addr=None, cfg=cfg_dict, entry=STORE_ENTRY))
+                dist_addr=None, cfg=cfg_dict, entry=STORE_ENTRY, curve=keys))
             self.store_addr = self._wait_store_ready()
-        for rank, w in enumerate(self.workers):
-            self.launcher.start(WorkerSpec(
-                worker_id=w.worker_id, role=w.role, needs_kv_port=self.mode.needs_kv_port, rank=rank,
-                world_size=len(self.workers), cmd_addr=f"tcp://{host}:{cmd_port}",
-                event_addr=f"tcp://{host}:{ev_port}", t0=self.clock.t0, dist_addr=dist_addr, cfg=cfg_dict,
-                store_addr=self.store_addr))
+        specs = [WorkerSpec(
+            worker_id=w.worker_id, role=w.role, needs_kv_port=self.mode.needs_kv_port, rank=rank,
+            world_size=len(self.workers), cmd_addr=f"tcp://{host}:{cmd_port}",
+            event_addr=f"tcp://{host}:{ev_port}", t0=self.clock.t0, dist_addr=dist_addr, cfg=cfg_dict,
+            store_addr=self.store_addr, curve=keys)
+            for rank, w in enumerate(self.workers)]
+        self.launcher.prepare(specs)
+        for spec in specs:
+            self.launcher.start(spec)
         addresses = self._wait_ready()
         self.controller = self.mode.controller(self.workers, self._send, copy_prompts=True)
         # every worker that sends KV learns where each receiver listens
@@ -133,7 +143,7 @@ class RealRuntime:
         while len(addresses) < len(self.workers):
             for ev in self._recv(100):
                 if type(ev) is Ready:
-                    addresses[ev.worker] = ev.kv_address
+                    addresses[ev.worker] = self.launcher.kv_address(ev.worker, ev.kv_address)
                 elif type(ev) is WorkerError:
                     raise RuntimeError(f"worker {ev.worker} failed to start: {ev.error}")
             dead = [w.worker_id for w in self.workers
@@ -232,10 +242,12 @@ class RealRuntime:
         Safe to call twice, and before start() got far."""
         if self.ctx.closed:
             return
+        from testbed.kv_transfer.curve import stop_authenticator
         if not hasattr(self, "events"):         # start() failed before its sockets existed
             self.launcher.join(0.0)
             if hasattr(self, "cmd"):
                 self.cmd.close(0)
+            stop_authenticator(self._auth)
             self.ctx.term()
             return
         alive = [w.worker_id for w in self.workers if self.launcher.alive(w.worker_id)]
@@ -259,6 +271,7 @@ class RealRuntime:
         self.launcher.join(max(0.0, deadline - time.monotonic()))
         self.cmd.close(0)
         self.events.close(0)
+        stop_authenticator(self._auth)
         self.ctx.term()
         # the rendezvous store listens until it is destroyed, and the controller's
         # bound self._send makes this object live until a garbage-collector pass

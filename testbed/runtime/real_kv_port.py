@@ -38,8 +38,9 @@ class RealKVPort(KVPort):
         if uses_torch_dist(transfer):
             self.group = TorchDistGroup(spec.dist_addr, spec.rank, spec.world_size,
                                         transfer.dist_backend, transfer.timeout_s)
-        self.receiver = make_receiver(transfer, group=self.group) if receives else None
-        self.sender = make_sender(transfer, name=spec.worker_id, group=self.group) if sends else None
+        self.receiver = make_receiver(transfer, group=self.group, curve=spec.curve) if receives else None
+        self.sender = make_sender(transfer, name=spec.worker_id, group=self.group, curve=spec.curve) \
+            if sends else None
         self._free_buffers: list[torch.Tensor] = []
         self._in_flight: OrderedDict[str, list[torch.Tensor]] = OrderedDict()   # request id -> its buffers
 

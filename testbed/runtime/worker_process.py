@@ -1,11 +1,17 @@
 """The body of a worker process in the real runtime: build the engine and the
 role's WorkerService, then loop: take commands, step the engine, stream events
-back. Started by a launcher (testbed/launchers/) from a WorkerSpec."""
+back. Started by a launcher (testbed/launchers/) from a WorkerSpec.
+
+Two halves, so that a launcher can hand the worker's endpoints back through
+its own channel before the loop starts (a Ray actor returns them from a
+method call): `WorkerProcess(spec)` builds everything and announces Ready,
+`serve()` runs until Stop. `worker_main` is both, for a plain process."""
 from __future__ import annotations
 
 import os
 import signal
 import sys
+import threading
 import traceback
 
 import zmq
@@ -13,81 +19,118 @@ import zmq
 POLL_IDLE_MS = 5
 
 
+class WorkerProcess:
+    def __init__(self, spec) -> None:
+        # Ctrl-C in a terminal signals the whole process group. The frontend owns
+        # shutdown (abort, stop, collect stats); a worker interrupted mid-step would
+        # die with a traceback and never report its final block counts.
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        import torch
+
+        from testbed.config import from_dict
+        from testbed.engine import WallClock
+        from testbed.modes.registry import get_role
+        from testbed.runtime.build import build_engine, build_worker
+        from testbed.runtime.messages import Ready
+
+        self.spec = spec
+        self.ctx = zmq.Context()
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.LINGER, 2000)
+        self.dealer = self.ctx.socket(zmq.DEALER)
+        self.dealer.setsockopt(zmq.LINGER, 0)
+        self.dealer.setsockopt(zmq.IDENTITY, spec.worker_id.encode())
+        self.kv_port = self.store = None
+        try:
+            cfg = from_dict(spec.cfg)
+            from testbed.kv_transfer.curve import client_keys
+            for sock in (self.push, self.dealer):
+                client_keys(sock, spec.curve)
+            self.push.connect(spec.event_addr)
+            self.dealer.connect(spec.cmd_addr)
+            torch.set_num_threads(cfg.torch_threads)
+            engine = build_engine(cfg, spec.role, WallClock(spec.t0))
+            if spec.needs_kv_port:
+                from testbed.runtime.real_kv_port import RealKVPort
+                role = get_role(spec.role)
+                self.kv_port = RealKVPort(cfg.transfer, spec, engine, sends=role.sends_kv, receives=role.receives_kv)
+            if get_role(spec.role).uses_store and spec.store_addr:
+                from testbed.kv_transfer.store_client import StoreClient
+                from testbed.runtime.real_store_port import RealStorePort
+                self.store = RealStorePort(StoreClient(spec.store_addr, cfg.kvstore.timeout_s, cfg.kvstore.retry_s,
+                                                       spec.worker_id), engine.executor.kv_cache)
+            self.service = build_worker(spec.worker_id, spec.role, engine, self.emit, self.kv_port,
+                                        cfg.transfer.layerwise, self.store)
+            self.emit(Ready(spec.worker_id, self.address))
+        except Exception as e:
+            self._fail(e)
+            self.close()
+            raise
+
+    @property
+    def address(self) -> str:
+        """Where this worker's KV receiver listens ("" for a worker that receives none)."""
+        return self.kv_port.address if self.kv_port else ""
+
+    def emit(self, ev) -> None:
+        from testbed.runtime.wire import encode
+        self.push.send(encode(ev))
+
+    def _fail(self, e: Exception) -> None:
+        """Report, then the caller exits non-zero: the frontend fails this worker's requests."""
+        from testbed.runtime.messages import WorkerError
+        try:
+            self.emit(WorkerError(self.spec.worker_id, f"{type(e).__name__}: {e}", traceback.format_exc()))
+        except zmq.ZMQError:
+            pass
+
+    def serve(self) -> None:
+        from testbed.runtime.messages import Ping
+        from testbed.runtime.wire import WireError, decode
+        service, dealer, kv_port = self.service, self.dealer, self.kv_port
+        try:
+            while not service.stopping:
+                timeout = 0 if service.engine.has_work() else (1 if service.awaits_kv() else POLL_IDLE_MS)
+                if dealer.poll(timeout):
+                    while True:
+                        try:
+                            raw = dealer.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        try:
+                            msg = decode(raw)
+                        except WireError as e:      # only the frontend reaches this socket: its bug, not a reason to die
+                            print(f"worker {self.spec.worker_id}: dropped a command: {e}", file=sys.stderr)
+                            continue
+                        if type(msg) is not Ping:
+                            service.handle(msg)
+                if not service.stopping:
+                    if kv_port is not None:
+                        kv_port.pump(service)
+                    if service.step() is not None:
+                        # let ZMQ's I/O thread send this step's events now: woken on
+                        # this core, it otherwise waited for the next step to end its
+                        # CFS slice (experiments/benchmarks/bench_event_latency.py)
+                        os.sched_yield()
+            self.emit(service.stats())
+        except Exception as e:
+            self._fail(e)
+            raise
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.ctx.closed:
+            return
+        if self.kv_port is not None:
+            self.kv_port.close()
+        if self.store is not None:
+            self.store.close()
+        self.dealer.close(0)
+        self.push.close()
+        self.ctx.term()
+
+
 def worker_main(spec) -> None:
-    # Ctrl-C in a terminal signals the whole process group. The frontend owns
-    # shutdown (abort, stop, collect stats); a worker interrupted mid-step would
-    # die with a traceback and never report its final block counts.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    import torch
-
-    from testbed.config import from_dict
-    from testbed.engine import WallClock
-    from testbed.modes.registry import get_role
-    from testbed.runtime.build import build_engine, build_worker
-    from testbed.runtime.messages import Ping, Ready, WorkerError
-    from testbed.runtime.wire import WireError, decode, encode
-
-    ctx = zmq.Context()
-    push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 2000)
-    push.connect(spec.event_addr)
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.setsockopt(zmq.IDENTITY, spec.worker_id.encode())
-    dealer.connect(spec.cmd_addr)
-
-    def emit(ev) -> None:
-        push.send(encode(ev))
-
-    kv_port = store = None
-    try:
-        cfg = from_dict(spec.cfg)
-        torch.set_num_threads(cfg.torch_threads)
-        engine = build_engine(cfg, spec.role, WallClock(spec.t0))
-        if spec.needs_kv_port:
-            from testbed.runtime.real_kv_port import RealKVPort
-            role = get_role(spec.role)
-            kv_port = RealKVPort(cfg.transfer, spec, engine, sends=role.sends_kv, receives=role.receives_kv)
-        store = None
-        if get_role(spec.role).uses_store and spec.store_addr:
-            from testbed.kv_transfer.store_client import StoreClient
-            from testbed.runtime.real_store_port import RealStorePort
-            store = RealStorePort(StoreClient(spec.store_addr, cfg.kvstore.timeout_s, cfg.kvstore.retry_s,
-                                              spec.worker_id), engine.executor.kv_cache)
-        service = build_worker(spec.worker_id, spec.role, engine, emit, kv_port, cfg.transfer.layerwise, store)
-        emit(Ready(spec.worker_id, kv_port.address if kv_port else ""))
-        while not service.stopping:
-            timeout = 0 if service.engine.has_work() else (1 if service.awaits_kv() else POLL_IDLE_MS)
-            if dealer.poll(timeout):
-                while True:
-                    try:
-                        raw = dealer.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    try:
-                        msg = decode(raw)
-                    except WireError as e:      # only the frontend reaches this socket: its bug, not a reason to die
-                        print(f"worker {spec.worker_id}: dropped a command: {e}", file=sys.stderr)
-                        continue
-                    if type(msg) is not Ping:
-                        service.handle(msg)
-            if not service.stopping:
-                if kv_port is not None:
-                    kv_port.pump(service)
-                if service.step() is not None:
-                    # let ZMQ's I/O thread send this step's events now: woken on
-                    # this core, it otherwise waited for the next step to end its
-                    # CFS slice (experiments/benchmarks/bench_event_latency.py)
-                    os.sched_yield()
-        emit(service.stats())
-    except Exception as e:  # report, then exit non-zero: the frontend fails this worker's requests
-        emit(WorkerError(spec.worker_id, f"{type(e).__name__}: {e}", traceback.format_exc()))
-        raise
-    finally:
-        if kv_port is not None:
-            kv_port.close()
-        if store is not None:
-            store.close()
-        dealer.close(0)
-        push.close()
-        ctx.term()
+    WorkerProcess(spec).serve()

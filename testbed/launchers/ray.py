@@ -1,0 +1,200 @@
+"""`launcher=ray`: every worker is a Ray actor, each pool (the workers of one
+role) placed by its own placement group: PACK or SPREAD per pool
+(`ray.strategy`), pinned to nodes by a custom resource (`ray.resources`).
+
+`ray.address` null starts a local cluster on loopback with the dashboard off,
+sized to the workers, inside a private network namespace (netns.py: Ray 2.60
+listens on every interface otherwise), and shuts it down in `join`; an
+address (or `auto`) joins a running cluster and leaves it running.
+
+An actor builds its worker in `setup`, which returns the worker's endpoints
+(its KV receiver address) through Ray, then runs the worker loop in `serve`.
+A dead actor (killed, its node gone) makes `serve`'s result ready with an
+error, so `alive` turns false and the frontend's usual fault handling takes
+over, as for a dead process.
+
+Clocks (testbed/clock.py): an actor on a node that runs the frontend's kernel
+(the same boot id, which namespaces on one machine share) reads the same
+CLOCK_MONOTONIC and takes the frontend's t0 as is; on another machine, the
+t0 is shifted by the offset of a round trip at start-up (the midpoint
+estimate, off by at most half the round trip)."""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from testbed.launchers.base import Launcher, WorkerSpec
+from testbed.launchers.config import RayConfig
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+class _WorkerActor:
+    """The actor body (wrapped with ray.remote on use, so importing this module needs no Ray)."""
+
+    def info(self) -> dict:
+        import os
+        import ray
+        return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(), "boot_id": _boot_id()}
+
+    def clock(self) -> float:
+        return time.monotonic()
+
+    def setup(self, spec: WorkerSpec) -> dict:
+        from testbed.runtime.worker_process import WorkerProcess
+        self.worker = WorkerProcess(spec)
+        return {"kv_address": self.worker.address}
+
+    def serve(self) -> int:
+        self.worker.serve()
+        return 0
+
+
+class RayLauncher(Launcher):
+    name = "ray"
+
+    def __init__(self, cfg) -> None:
+        self.cfg: RayConfig = cfg.ray
+        self.node_ip = cfg.runtime.host        # the local cluster's node address (loopback by default)
+        self.gpus_per_worker = cfg.parallel.tp * cfg.parallel.pp if cfg.device.startswith("cuda") else 0
+        self._started_cluster = False
+        self._actors: dict = {}
+        self._info: dict[str, dict] = {}
+        self._setup: dict = {}
+        self._serve: dict = {}
+        self._exit: dict[str, int] = {}
+        self._pgs: list = []
+        if self.cfg.address is None and self.cfg.private_netns:
+            from testbed.launchers.netns import enter_private_netns
+            enter_private_netns()      # before the frontend binds anything (RealRuntime builds us first)
+
+    # -- placement -------------------------------------------------------------------
+    def _init(self, num_workers: int) -> None:
+        import ray
+        if ray.is_initialized():
+            return
+        if self.cfg.address is None:
+            # every server of the local cluster on loopback, none on the machine's address
+            ray.init(address="local", num_cpus=self.cfg.num_cpus or max(1, int(num_workers * self.cfg.actor_cpus + 0.999)),
+                     num_gpus=None if self.gpus_per_worker else 0, include_dashboard=False,
+                     _node_ip_address=self.node_ip, configure_logging=False, log_to_driver=True)
+            self._started_cluster = True
+        else:
+            ray.init(address=self.cfg.address, include_dashboard=False, configure_logging=False)
+
+    def prepare(self, specs: list[WorkerSpec]) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        self._init(len(specs))
+        pools: dict[str, list[WorkerSpec]] = {}
+        for s in specs:
+            pools.setdefault(s.role, []).append(s)
+        remote_cls = ray.remote(_WorkerActor)
+        for role, members in pools.items():
+            bundle = {"CPU": self.cfg.actor_cpus}
+            if self.gpus_per_worker:
+                bundle["GPU"] = self.gpus_per_worker
+            if role in self.cfg.resources:
+                bundle[self.cfg.resources[role]] = 0.001
+            pg = placement_group([dict(bundle) for _ in members], strategy=self.cfg.strategy_of(role),
+                                 name=f"testbed-{role}")
+            self._pgs.append(pg)
+            if not pg.wait(timeout_seconds=self.cfg.start_timeout_s):
+                raise TimeoutError(f"ray: pool '{role}' ({len(members)} x {bundle}, {self.cfg.strategy_of(role)}) "
+                                   f"not placeable after {self.cfg.start_timeout_s:.0f} s; "
+                                   f"cluster resources {ray.cluster_resources()}")
+            for i, s in enumerate(members):
+                self._actors[s.worker_id] = remote_cls.options(
+                    num_cpus=self.cfg.actor_cpus, num_gpus=self.gpus_per_worker, max_restarts=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+                ).remote()
+        infos = ray.get([a.info.remote() for a in self._actors.values()], timeout=self.cfg.start_timeout_s)
+        self._info = dict(zip(self._actors, infos))
+
+    def node_ip(self, worker_id: str) -> str:
+        return self._info[worker_id]["node_ip"]
+
+    def _t0(self, worker_id: str, t0: float) -> float:
+        import ray
+        if self._info[worker_id]["boot_id"] == _boot_id() != "":
+            return t0                  # one kernel, one CLOCK_MONOTONIC
+        a = time.monotonic()
+        remote = ray.get(self._actors[worker_id].clock.remote())
+        b = time.monotonic()
+        return t0 + (remote - (a + b) / 2)
+
+    # -- the Launcher interface ---------------------------------------------------------
+    def start(self, spec: WorkerSpec) -> None:
+        if spec.entry != WorkerSpec.entry:
+            raise ValueError(f"launcher=ray runs workers only, not '{spec.worker_id}' ({spec.entry}): "
+                             "run mode=kvstore with launcher=local")
+        if spec.worker_id not in self._actors:
+            self.prepare([spec])
+        actor = self._actors[spec.worker_id]
+        self._setup[spec.worker_id] = actor.setup.remote(replace(spec, t0=self._t0(spec.worker_id, spec.t0)))
+        self._serve[spec.worker_id] = actor.serve.remote()
+
+    def _result(self, worker_id: str) -> int | None:
+        import ray
+        if worker_id in self._exit:
+            return self._exit[worker_id]
+        ref = self._serve.get(worker_id)
+        if ref is None:
+            return None
+        ready, _ = ray.wait([ref], timeout=0)
+        if not ready:
+            return None
+        try:
+            code = ray.get(ref)
+        except ray.exceptions.RayActorError:
+            code = -9                  # the actor (or its node) died
+        except ray.exceptions.RayError:
+            code = 1                   # the worker raised (it reported a WorkerError first)
+        self._exit[worker_id] = code
+        return code
+
+    def alive(self, worker_id: str) -> bool:
+        return worker_id in self._serve and self._result(worker_id) is None
+
+    def exit_code(self, worker_id: str) -> int | None:
+        return self._result(worker_id)
+
+    def pid(self, worker_id: str) -> int | None:
+        return self._info[worker_id]["pid"] if worker_id in self._info else None
+
+    def kv_address(self, worker_id: str, announced: str) -> str:
+        import ray
+        return ray.get(self._setup[worker_id], timeout=self.cfg.start_timeout_s)["kv_address"]
+
+    def kill(self, worker_id: str) -> None:
+        import ray
+        ray.kill(self._actors[worker_id], no_restart=True)
+        deadline = time.monotonic() + 5
+        while self.alive(worker_id) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def join(self, timeout_s: float) -> None:
+        import ray
+        if not ray.is_initialized():
+            return
+        try:
+            refs = list(self._serve.values())
+            if refs:
+                ray.wait(refs, num_returns=len(refs), timeout=max(0.0, timeout_s))
+            for wid, actor in self._actors.items():
+                self._result(wid)
+                ray.kill(actor, no_restart=True)
+            from ray.util.placement_group import remove_placement_group
+            for pg in self._pgs:
+                remove_placement_group(pg)
+        finally:
+            self._actors.clear()
+            self._pgs.clear()
+            ray.shutdown()         # a cluster this launcher started stops with it

@@ -1,0 +1,101 @@
+"""launcher=ray as a user runs it: `testbed run ... launcher=ray` with no
+`ray.address` starts a local cluster (in a private, loopback-only network
+namespace), places each pool in a placement group, runs every worker as a Ray
+actor, and must generate exactly the tokens the in-process engine generates
+(the same tokens the local launcher is held to in test_disagg.py and
+test_serving.py), leave every KV block free and leave no process behind.
+
+Each run goes through tests/reaped.py, which adopts whatever the run leaves
+running: the leak check for Ray's daemons, which are not this process's
+children. A worker actor killed mid-transfer (ray.kill) must fail exactly the
+requests it held, as a killed process does (test_disagg_faults.py)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from testbed.config import from_dict
+from testbed.engine import WallClock
+from testbed.runtime.build import apply_sampling, build_engine
+from testbed.workloads.build import build_workload
+
+HERE = Path(__file__).parent
+TESTBED = str(Path(sys.executable).with_name("testbed"))
+WORKLOAD = {"name": "ray_test", "num_requests": 6, "arrival": "poisson", "rate": 20.0, "prompt_dist": "uniform",
+            "prompt_min": 16, "prompt_max": 200, "output_dist": "uniform", "output_min": 4, "output_max": 10}
+ARGS = ["token_budget=64", "progress=false", "wandb.mode=disabled", "timeout_s=90", "transfer.timeout_s=20",
+        *(f"workload.{k}={v}" for k, v in WORKLOAD.items())]
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="launcher=ray's private network namespace needs root")
+
+
+def reaped(*cmd: str, timeout: float = 300) -> tuple[subprocess.CompletedProcess, list[str]]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    proc = subprocess.run([sys.executable, str(HERE / "reaped.py"), *cmd], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    leftover = json.loads(proc.stdout.strip().splitlines()[-1])["leftover"]
+    return proc, leftover
+
+
+def reference_tokens() -> dict[str, list[int]]:
+    cfg = from_dict({"workload": WORKLOAD, "num_kv_blocks": 256, "token_budget": 2048})
+    reqs = build_workload(cfg.workload, cfg.model.vocab_size, cfg.seed)
+    apply_sampling(cfg, reqs)
+    engine = build_engine(cfg, "colocated", WallClock())
+    for r in reqs:
+        engine.add_request(r)
+    while engine.has_work():
+        engine.step()
+    return {r.request_id: r.output_token_ids for r in reqs}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_tokens()
+
+
+@pytest.mark.parametrize("layout", [["mode=disagg"], ["mode=colocated", "replicas=2"]], ids=["disagg-1P1D", "colocated-x2"])
+def test_ray_run_gives_the_local_tokens(reference, tmp_path, layout):
+    proc, leftover = reaped(TESTBED, "run", *layout, "launcher=ray", *ARGS, f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert leftover == [], "processes outlived the run"
+    records = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    assert [(r["status"], r["error"]) for r in records] == [("finished", None)] * len(reference)
+    assert {r["request_id"]: r["output_token_ids"] for r in records} == reference
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["kv_blocks_leaked"] == {}
+    workers = {"prefill0", "decode0"} if "mode=disagg" in layout else {"replica0", "replica1"}
+    assert set(summary["workers"]) == workers
+    # every worker stepped: both replicas served, both roles took part
+    its = [json.loads(line) for line in (tmp_path / "iterations.jsonl").read_text().splitlines()]
+    assert {it["worker"] for it in its} == workers
+
+
+def test_ray_actor_killed_mid_transfer(tmp_path):
+    """1P2D on Ray over a slow link: the decode actor holding the long prompt's
+    reservation is killed (ray.kill) as its `prefilled` event arrives. Its
+    requests fail with 'worker decodeN died'; every other request finishes
+    with the reference tokens; the survivors report every block free."""
+    out = tmp_path / "result.json"
+    proc, leftover = reaped(sys.executable, str(HERE / "ray_fault_driver.py"), str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert leftover == []
+    res = json.loads(out.read_text())
+    dead, records, ref = res["killed"], res["records"], res["reference"]
+    failed = {rid for rid, r in records.items() if r["status"] != "finished"}
+    assert res["long"] in failed
+    assert all(res["reserved_on"][rid] == dead for rid in failed)
+    for rid, r in records.items():
+        if rid in failed:
+            assert (r["status"], r["error"]) == ("failed", f"worker {dead} died"), rid
+            assert r["output_token_ids"] == ref[rid][:len(r["output_token_ids"])], rid
+        else:
+            assert (r["status"], r["error"], r["output_token_ids"]) == ("finished", None, ref[rid]), rid
+    assert records[res["long"]]["transfer_start_s"] is not None and records[res["long"]]["transfer_end_s"] is None
+    assert set(res["worker_stats"]) == {"prefill0", *({"decode0", "decode1"} - {dead})}
+    assert all(s["all_free"] for s in res["worker_stats"].values())
