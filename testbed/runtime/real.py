@@ -22,6 +22,7 @@ from testbed.config import RunConfig, to_dict
 from testbed.engine import WallClock
 from testbed.launchers import WorkerSpec, make_launcher
 from testbed.modes.base import ModeController
+from testbed.modes.registry import get_role
 from testbed.request import Request
 from testbed.runtime.deployment import RunResult, build_mode
 from testbed.runtime.messages import (Command, Connect, Event, IterationDone, Ping, Ready, Stats, Stop, StoreStats,
@@ -117,7 +118,6 @@ class RealRuntime:
         addresses = self._wait_ready()
         self.controller = self.mode.controller(self.workers, self._send, copy_prompts=True)
         # every worker that sends KV learns where each receiver listens
-        from testbed.modes.registry import get_role
         for w in self.workers:
             if get_role(w.role).sends_kv:
                 for peer, addr in addresses.items():

@@ -86,7 +86,7 @@ class WorkerProcess:
             pass
 
     def serve(self) -> None:
-        from testbed.runtime.messages import Ping
+        from testbed.runtime.messages import Command
         from testbed.runtime.wire import WireError, decode
         service, dealer, kv_port = self.service, self.dealer, self.kv_port
         try:
@@ -103,8 +103,11 @@ class WorkerProcess:
                         except WireError as e:      # only the frontend reaches this socket: its bug, not a reason to die
                             print(f"worker {self.spec.worker_id}: dropped a command: {e}", file=sys.stderr)
                             continue
-                        if type(msg) is not Ping:
-                            service.handle(msg)
+                        if not isinstance(msg, Command):
+                            print(f"worker {self.spec.worker_id}: dropped a '{msg.kind}' event sent as a command",
+                                  file=sys.stderr)
+                            continue
+                        service.handle(msg)          # Ping included: a no-op that only woke the route
                 if not service.stopping:
                     if kv_port is not None:
                         kv_port.pump(service)
