@@ -6,9 +6,9 @@ import pytest
 from testbed.model.config import load_model_preset
 from testbed.sim.config import load_hardware_preset, load_link_preset
 from testbed.sim.cost_model import CostModel
-from testbed.sim.crossover import (chunked_prefill_s, closed_form_crossover, crossover_by_bytes,
-                                   crossover_by_time, crossover_point, first_crossing, reread_bytes,
-                                   transfer_bytes)
+from testbed.sim.crossover import (chunk_slices, chunked_prefill_s, closed_form_crossover, crossover_by_bytes,
+                                   crossover_by_time, crossover_point, first_crossing, piggyback_tax_s,
+                                   reread_bytes, transfer_bytes)
 from testbed.sim.link_model import LinkModel
 
 KV = 131072          # llama3-8b: 2 · 8 KV heads · 128 · 2 bytes · 32 layers
@@ -101,3 +101,45 @@ def test_crossover_by_time_orders_links_and_chunk_sizes():
     assert l_star("rdma-100", 256) <= l_star("rdma-100", 512)   # bigger chunks re-read less
     with pytest.raises(ValueError, match="against"):
         crossover_by_time([], "reread_ms")
+
+
+# -- the piggyback tax ----------------------------------------------------------------------------------
+def test_piggyback_tax_without_decodes_is_the_isolated_tax():
+    cost = CostModel(load_model_preset("llama3-8b"), load_hardware_preset("h100-sxm"))
+    for n, c in ((8192, 512), (5000, 2048), (1024, 2048)):
+        isolated = chunked_prefill_s(cost, n, c) - cost.iteration_time_s([(n, n)], num_sampled=1)
+        assert piggyback_tax_s(cost, n, c, 0, 1024) == pytest.approx(isolated)
+
+
+def test_piggyback_tax_is_each_chunks_added_time_to_the_decode_batch():
+    cost = CostModel(load_model_preset("llama3-8b"), load_hardware_preset("h100-sxm"))
+    decodes = [(1, 2048)] * 8
+    assert chunk_slices(1300, 512) == [(512, 512), (512, 1024), (276, 1300)]
+    base = cost.iteration_time_s(decodes, num_sampled=8)
+    by_hand = (cost.iteration_time_s(decodes + [(512, 512)], num_sampled=8) - base
+               + cost.iteration_time_s(decodes + [(512, 1024)], num_sampled=8) - base
+               + cost.iteration_time_s(decodes + [(276, 1300)], num_sampled=9) - base
+               - cost.iteration_time_s([(1300, 1300)], num_sampled=1))
+    assert piggyback_tax_s(cost, 1300, 512, 8, 2048) == pytest.approx(by_hand)
+    with pytest.raises(ValueError, match="num_decodes"):
+        piggyback_tax_s(cost, 1300, 512, -1, 2048)
+
+
+def test_riding_on_decodes_makes_small_chunks_cheaper_and_the_crossover_later():
+    """The essay's argument: the decodes stream the weights anyway, so the
+    weights each small chunk re-streams alone stop counting against it; the
+    tax then crosses the transfer tax later (or not at all in range)."""
+    cost = CostModel(load_model_preset("llama3-8b"), load_hardware_preset("h100-sxm"))
+    link = LinkModel(load_link_preset("rdma-400"))
+    lengths = [1024 << i for i in range(8)]                      # 1K .. 128K
+    points = [crossover_point(cost, link, 256, n) for n in lengths]
+    isolated = [p.reread_ms for p in points]
+    loaded = [piggyback_tax_s(cost, n, 256, 32, 1024) * 1e3 for n in lengths]
+    assert all(b < a for a, b in zip(isolated, loaded))
+    inf = float("inf")
+    at_rest = crossover_by_time(points, "transfer_ms")
+    riding = crossover_by_time(points, "transfer_ms", loaded)
+    assert at_rest is not None and (riding or inf) > at_rest
+    assert crossover_by_time(points, "transfer_ms", isolated) == at_rest
+    with pytest.raises(ValueError, match="taxes"):
+        crossover_by_time(points, "transfer_ms", loaded[:-1])

@@ -107,6 +107,34 @@ def test_bench_batches_hold_decodes_and_a_chunk(bench):
     assert bench.bm.all_free()
 
 
+# -- crossover --------------------------------------------------------------------------------------------
+def test_crossover_table_has_the_isolated_and_piggyback_taxes_with_an_l_star_for_each(tmp_path):
+    from testbed.sim.crossover import piggyback_tax_s
+    cfg = from_dict({"wandb": {"mode": "disabled"}, "experiment": {
+        "name": "crossover", "models": ["llama3-8b"], "hardware": ["h100-sxm"], "links": ["rdma-400", "tcp-25"],
+        "context_lens": [1024, 4096, 16384], "chunk_sizes": [512], "piggyback_decodes": [0, 4],
+        "decode_context_len": 64, "real_models": ["tiny"], "real_context_lens": [128, 256],
+        "real_chunk_sizes": [64], "real_transports": ["zmq"], "real_link_gbps": [], "repeats": 1}})
+    result = execute(cfg, tmp_path)
+    header, rows = read_csv(tmp_path / "crossover.csv")
+    assert {"reread_ms", "piggyback_b0_ms", "piggyback_b4_ms", "transfer_ms"} <= set(header)
+    sim = [r for r in rows if r["source"] == "sim" and r["model"] == "llama3-8b"]
+    assert len(sim) == 2 * 3
+    cost = CostModel(load_model_preset("llama3-8b"), load_hardware_preset("h100-sxm"))
+    for r in sim:
+        n = int(r["context_len"])
+        assert float(r["piggyback_b0_ms"]) == pytest.approx(float(r["reread_ms"]), abs=1e-9)
+        assert float(r["piggyback_b4_ms"]) == pytest.approx(piggyback_tax_s(cost, n, 512, 4, 64) * 1e3)
+    real = [r for r in rows if r["source"] == "real"]
+    assert [(r["context_len"], r["chunk_size"]) for r in real] == [("128", "64"), ("256", "64")]
+    assert all(r["piggyback_b0_ms"] != "" and r["piggyback_b4_ms"] != "" for r in real)
+    summary = json.loads((tmp_path / "crossover_summary.json").read_text())
+    entry = next(e for e in summary if e["source"] == "sim" and e["link"] == "tcp-25")
+    assert {"L_star_time", "L_star_piggyback_b0", "L_star_piggyback_b4", "L_star_piggyback_b4_layerwise"} <= set(entry)
+    assert entry["L_star_piggyback_b0"] == entry["L_star_time"]
+    assert result["summary"] == summary
+
+
 # -- chunk_overhead, hybrid_batch ------------------------------------------------------------------------
 def test_chunk_overhead_table_and_figure(tmp_path):
     cfg = from_dict({"wandb": {"mode": "disabled"}, "experiment": {

@@ -45,7 +45,8 @@ class ExperimentConfig:
     real_capacity_workload: dict[str, Any] = field(default_factory=dict)
     # prefill studies (chunk_overhead, hybrid_batch)
     num_decodes: int = 16                    # hybrid_batch: running decodes in every batch
-    decode_context_len: int = 1024           # hybrid_batch: each decode's context (prompt + outputs)
+    decode_context_len: int = 1024           # hybrid_batch, crossover's piggyback tax: each decode's context D
+    piggyback_decodes: list[int] = field(default_factory=lambda: [0, 8, 32, 128])  # crossover: decodes B per batch
     repeats: int = 3                         # timing repetitions per real measurement
 
     def validate(self) -> None:
@@ -57,6 +58,9 @@ class ExperimentConfig:
         for f in ("num_decodes", "decode_context_len"):
             if getattr(self, f) < 1:
                 raise ValueError(f"experiment.{f}: must be >= 1, got {getattr(self, f)}")
+        if not self.piggyback_decodes or any(b < 0 for b in self.piggyback_decodes):
+            raise ValueError(f"experiment.piggyback_decodes: a non-empty list of decode counts >= 0, got "
+                             f"{self.piggyback_decodes}")
         if self.capacity_rate_start <= 0:
             raise ValueError(f"experiment.capacity_rate_start: must be > 0, got {self.capacity_rate_start}")
         if not 0 < self.capacity_rel_tol < 1:

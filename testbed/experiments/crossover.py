@@ -9,9 +9,20 @@ Two sources, one table (crossover.csv, column `source`):
   real transports between two processes (zmq, gloo, shaped links). The same
   models also get `sim` rows on the `cpu` hardware profile, so measured and
   modeled curves share a figure.
+Two chunk taxes answer two questions (experiments/README.md):
+- isolated (`reread_ms`): chunked minus whole prefill of a prompt running
+  alone; every chunk re-streams the weights, so this is what chunking costs on
+  an otherwise idle GPU;
+- piggybacked (`piggyback_b{B}_ms`, B in experiment.piggyback_decodes): what
+  the chunks add to iterations of B running decodes at context
+  experiment.decode_context_len, minus the whole prefill alone; the decodes
+  stream the weights anyway, so this is what chunking costs a loaded
+  colocated server (sim/crossover.py: piggyback_tax_s). Measured rows time the
+  same batches on the model executor (prefill.py's RealBench).
 crossover_summary.json gives L* per model/hardware/link/chunk: by bytes over
 bandwidth (closed form and scanned) and by time (transfer, and exposed
-transfer with layer-wise streaming); null where they never cross in range."""
+transfer with layer-wise streaming), for the isolated tax and for each
+piggyback tax; null where they never cross in range."""
 from __future__ import annotations
 
 import csv
@@ -28,26 +39,41 @@ from testbed.kv_transfer import TransferConfig
 from testbed.model.config import load_model_preset
 from testbed.sim.config import LinkConfig, link_preset_names, load_hardware_preset, load_link_preset
 from testbed.sim.cost_model import CostModel
-from testbed.sim.crossover import (CrossoverPoint, closed_form_crossover, crossover_by_bytes, crossover_by_time,
-                                   crossover_point, reread_bytes, transfer_bytes)
+from testbed.sim.crossover import (CrossoverPoint, chunked_prefill_s, closed_form_crossover, crossover_by_bytes,
+                                   crossover_by_time, crossover_point, piggyback_tax_s, reread_bytes, transfer_bytes)
 from testbed.sim.link_model import LinkModel
+from testbed.batch import ScheduledSlice
 
 LINK_PRESETS = set(link_preset_names())
-COLUMNS = [f.name for f in dataclasses.fields(CrossoverPoint)] + ["source", "transport"]
+POINT_COLUMNS = [f.name for f in dataclasses.fields(CrossoverPoint)]
 
 
-def _sim_rows(models, hardware, links, chunks, contexts) -> list[dict]:
+def piggyback_column(num_decodes: int) -> str:
+    return f"piggyback_b{num_decodes}_ms"
+
+
+def columns(piggyback_decodes) -> list[str]:
+    return POINT_COLUMNS + [piggyback_column(b) for b in piggyback_decodes] + ["source", "transport"]
+
+
+def _sim_rows(models, hardware, links, chunks, contexts, piggyback_decodes, decode_context) -> list[dict]:
+    """The grid's rows; the prefill side (chunked time, piggyback taxes) is
+    priced once per prompt and shared by every link."""
     rows = []
+    link_models = [LinkModel(load_link_preset(link) if isinstance(link, str) else link) for link in links]
     for m in models:
         mcfg = load_model_preset(m)
         for hw in hardware:
             cost = CostModel(mcfg, load_hardware_preset(hw))
-            for link in links:
-                lm = LinkModel(load_link_preset(link) if isinstance(link, str) else link)
-                for c in chunks:
-                    for n in contexts:
-                        row = dataclasses.asdict(crossover_point(cost, lm, c, n))
-                        rows.append(row | {"source": "sim", "transport": ""})
+            for c in chunks:
+                for n in contexts:
+                    chunked = chunked_prefill_s(cost, n, c)
+                    piggy = {piggyback_column(b): piggyback_tax_s(cost, n, c, b, decode_context) * 1e3
+                             for b in piggyback_decodes}
+                    for lm in link_models:
+                        row = dataclasses.asdict(crossover_point(cost, lm, c, n, chunked_s=chunked))
+                        rows.append(row | piggy | {"source": "sim", "transport": ""})
+    rows.sort(key=lambda r: (r["model"], r["hardware"], r["link"], r["chunk_size"], r["context_len"]))
     return rows
 
 
@@ -101,6 +127,7 @@ def _real_rows(cfg: RunConfig, log) -> list[dict]:
         for gbps in ex_cfg.real_link_gbps:
             shaped = TransferConfig(transport="shaped", rate_gbps=gbps, timeout_s=300)
             transfers[f"shaped-{gbps:g}g"] = measure_transfer_s(shaped, ex.kv_cache, contexts, 1)
+        piggy = _measured_piggyback(cfg, m, contexts, log)
         for n in contexts:
             prompt = torch.randint(0, mcfg.vocab_size, (n,), generator=gen).tolist()
             whole = _prefill_s(ex, bm, sched_cfg, prompt, None, ex_cfg.repeats)
@@ -117,13 +144,48 @@ def _real_rows(cfg: RunConfig, log) -> list[dict]:
                                  "reread_bytes": reread_bytes(kv, n, c), "transfer_bytes": transfer_bytes(kv, n),
                                  "chunked_prefill_ms": chunked * 1e3, "whole_prefill_ms": whole * 1e3,
                                  "reread_ms": (chunked - whole) * 1e3, "transfer_ms": tr * 1e3,
-                                 "exposed_transfer_ms": exposed * 1e3, "source": "real", "transport": t})
+                                 "exposed_transfer_ms": exposed * 1e3, "source": "real", "transport": t}
+                                | piggy[(n, c)])
             log(f"  real {m} L={n}: whole {whole * 1e3:.0f} ms")
     return rows
 
 
+def _measured_piggyback(cfg: RunConfig, model: str, contexts: list[int], log) -> dict[tuple[int, int], dict]:
+    """{(L, C): {piggyback column: ms}} measured on the model executor: each
+    chunk of an L prompt timed in a batch with B decodes at context
+    decode_context_len, minus the same decodes alone, summed, minus the whole
+    prefill alone (the least of `repeats` runs for every batch)."""
+    from testbed.batch import Batch
+    from testbed.experiments.prefill import RealBench
+    e = cfg.experiment
+    decode_ctx, most = e.decode_context_len, max(e.piggyback_decodes)
+    bench = RealBench(model, max(contexts) + max(most, 1) * (decode_ctx + cfg.block_size), cfg.block_size, cfg.seed)
+    running = bench.decodes(max(most, 1), decode_ctx)          # B decodes: the first B of these
+    decodes = {b: running[:b] for b in sorted(set(e.piggyback_decodes))}
+    bench.batch_s(Batch(running), 1)                           # warm-up
+    base = {b: bench.batch_s(Batch(d), e.repeats) if d else 0.0 for b, d in decodes.items()}
+    out: dict[tuple[int, int], dict] = {}
+    for n in contexts:
+        req = bench.request(n, 0)
+        whole = bench.prefill_s(req, None, e.repeats)
+        for c in e.real_chunk_sizes:
+            row = {}
+            for b, d in decodes.items():
+                added = 0.0
+                for start in range(0, n, c):
+                    req.num_computed_tokens = start
+                    added += bench.batch_s(Batch(d + [ScheduledSlice(req, min(c, n - start))]), e.repeats) - base[b]
+                row[piggyback_column(b)] = (added - whole) * 1e3
+            out[(n, c)] = row
+        bench.bm.free(req.request_id)
+        log(f"  real {model} L={n}: piggyback tax " + ", ".join(
+            f"C={c} " + "/".join(f"{v:.0f}" for v in out[(n, c)].values()) + " ms" for c in e.real_chunk_sizes)
+            + f" (B={'/'.join(map(str, decodes))})")
+    return out
+
+
 # -- L* ------------------------------------------------------------------------------------------------
-def _summary(rows: list[dict], max_context: int) -> list[dict]:
+def _summary(rows: list[dict], max_context: int, piggyback_decodes) -> list[dict]:
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["source"], r["model"], r["hardware"], r["link"], r["chunk_size"]), []).append(r)
@@ -139,9 +201,13 @@ def _summary(rows: list[dict], max_context: int) -> list[dict]:
             entry["hbm_bytes_per_s"], entry["link_bytes_per_s"] = hbm, link_bw
             entry["L_star_bytes_closed_form"] = closed_form_crossover(c, hbm, link_bw)
             entry["L_star_bytes"] = crossover_by_bytes(kv, c, hbm, link_bw, max_context)
-        pts_obj = [CrossoverPoint(**{k: p[k] for k in COLUMNS[:-2]}) for p in pts]
+        pts_obj = [CrossoverPoint(**{k: p[k] for k in POINT_COLUMNS}) for p in pts]
         entry["L_star_time"] = crossover_by_time(pts_obj, "transfer_ms")
         entry["L_star_time_layerwise"] = crossover_by_time(pts_obj, "exposed_transfer_ms")
+        for b in piggyback_decodes:
+            taxes = [p[piggyback_column(b)] for p in pts]
+            entry[f"L_star_piggyback_b{b}"] = crossover_by_time(pts_obj, "transfer_ms", taxes)
+            entry[f"L_star_piggyback_b{b}_layerwise"] = crossover_by_time(pts_obj, "exposed_transfer_ms", taxes)
         entry["context_range"] = [lengths[0], lengths[-1]]
         out.append(entry)
     return out
@@ -155,11 +221,13 @@ def _series(rows: list[dict], key: str, fixed: dict) -> tuple[list[int], list[fl
     return [p["context_len"] for p in pts], [p[key] for p in pts]
 
 
-def _plot(rows: list[dict], summary: list[dict], out: Path) -> list[Path]:
+def _plot(rows: list[dict], summary: list[dict], out: Path, piggyback_decodes) -> list[Path]:
     """One figure per model on its headline hardware (h100-sxm, else the first):
     left, bytes over bandwidth; right, time, with measured points where the
-    real engine ran. Solid: re-read tax per chunk size; dashed: transfer tax
-    per link; dotted: exposed transfer with layer-wise streaming."""
+    real engine ran. Solid: re-read tax per chunk size (dash-dotted, C=512 only:
+    the same chunks piggybacked on B decodes; positive values only, on the log
+    scale); dashed:
+    transfer tax per link; dotted: exposed transfer with layer-wise streaming."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -168,11 +236,11 @@ def _plot(rows: list[dict], summary: list[dict], out: Path) -> list[Path]:
         mrows = [r for r in rows if r["model"] == model]
         sim = [r for r in mrows if r["source"] == "sim"]
         hws = [h for h in dict.fromkeys(r["hardware"] for r in sim)]
-        hw = "h100-sxm" if "h100-sxm" in hws else hws[0]
+        hw = "h100-sxm" if "h100-sxm" in hws else (hws[0] if hws else "this-cpu")
         sim = [r for r in sim if r["hardware"] == hw]
         chunks = sorted({r["chunk_size"] for r in sim})
         links = list(dict.fromkeys(r["link"] for r in sim))
-        by_bytes = links[0] in LINK_PRESETS
+        by_bytes = bool(links) and links[0] in LINK_PRESETS
         fig, axes = plt.subplots(1, 2 if by_bytes else 1, figsize=(13 if by_bytes else 7, 5.5), squeeze=False)
         ax_b, ax_t = (axes[0][0], axes[0][1]) if by_bytes else (None, axes[0][0])
         colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -189,6 +257,13 @@ def _plot(rows: list[dict], summary: list[dict], out: Path) -> list[Path]:
         for i, c in enumerate(chunks):
             x, y = _series(sim, "reread_ms", {"chunk_size": c, "link": links[0]})
             ax_t.plot(x, y, "-", color=colors[i % 10], label=f"re-read C={c} (sim)")
+            if c != (512 if 512 in chunks else chunks[0]):
+                continue
+            riding = [b for b in piggyback_decodes if b > 0]
+            for k, b in enumerate(riding):
+                x, y = _series(sim, piggyback_column(b), {"chunk_size": c, "link": links[0]})
+                ax_t.plot(x, y, "-.", lw=1.0, alpha=0.4 + 0.6 * (k + 1) / len(riding),
+                          color=colors[i % 10], label=f"C={c} riding on {b} decodes (sim)")
         for j, link in enumerate(links):
             x, y = _series(sim, "transfer_ms", {"chunk_size": chunks[0], "link": link})
             ax_t.plot(x, y, "--", color=colors[(j + 5) % 10], label=f"transfer {link} (sim)")
@@ -217,19 +292,21 @@ def _plot(rows: list[dict], summary: list[dict], out: Path) -> list[Path]:
 def run_crossover(cfg: RunConfig, out: Path, log=print) -> dict:
     e = cfg.experiment
     t0 = time.perf_counter()
-    rows = _sim_rows(e.models, e.hardware, e.links, e.chunk_sizes, e.context_lens)
+    rows = _sim_rows(e.models, e.hardware, e.links, e.chunk_sizes, e.context_lens, e.piggyback_decodes,
+                     e.decode_context_len)
     log(f"simulated {len(rows)} points in {time.perf_counter() - t0:.1f} s")
     if e.real:
         cpu_contexts = [n for n in e.real_context_lens if n <= e.real_max_tokens]
         cpu_link = [LinkConfig(name=f"shaped-{g:g}g", bandwidth_gbps=g) for g in e.real_link_gbps]
-        rows += _sim_rows(e.real_models, ["cpu"], cpu_link, e.real_chunk_sizes, cpu_contexts)
+        rows += _sim_rows(e.real_models, ["cpu"], cpu_link, e.real_chunk_sizes, cpu_contexts, e.piggyback_decodes,
+                          e.decode_context_len)
         rows += _real_rows(cfg, log)
     with open(out / "crossover.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w = csv.DictWriter(f, fieldnames=columns(e.piggyback_decodes))
         w.writeheader()
         w.writerows(rows)
-    summary = _summary(rows, max(e.context_lens))
+    summary = _summary(rows, max(e.context_lens), e.piggyback_decodes)
     (out / "crossover_summary.json").write_text(json.dumps(summary, indent=2))
-    figures = _plot(rows, summary, out)
+    figures = _plot(rows, summary, out, e.piggyback_decodes)
     return {"experiment": "crossover", "num_points": len(rows), "summary": summary,
             "figures": [p.name for p in figures], "rows": rows}

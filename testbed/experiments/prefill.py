@@ -47,16 +47,18 @@ class RealBench:
     `request` makes a request with `computed` tokens already in its (allocated)
     blocks, so a batch can hold a decode at any context or a chunk at any offset."""
 
-    def __init__(self, model: str, max_tokens: int, block_size: int, seed: int):
+    def __init__(self, model: str, max_tokens: int, block_size: int, seed: int, dtype: str = "float32",
+                 device: str = "cpu", attention_backend: str = "torch", **model_overrides):
         from testbed.block_manager import BlockManager
         from testbed.model_executor import ModelExecutor
-        self.model_cfg = load_model_preset(model, dtype="float32")
+        self.model_cfg = load_model_preset(model, dtype=dtype, **model_overrides)
         num_blocks = -(-max_tokens // block_size) + 1
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
-        self.executor = ModelExecutor(self.model_cfg, num_blocks, block_size, self.bm.block_table)
+        self.executor = ModelExecutor(self.model_cfg, num_blocks, block_size, self.bm.block_table,
+                                      attention_backend, device)
         self.gen = torch.Generator().manual_seed(seed)
         self._next_id = 0
-        self.cpu_clock = torch.get_num_threads() == 1
+        self.cpu_clock = device == "cpu" and torch.get_num_threads() == 1
 
     def _seconds(self, batch: Batch) -> float:
         if not self.cpu_clock:

@@ -13,6 +13,14 @@ difference is the re-read tax in seconds, including the weights re-streamed per
 chunk and the per-iteration overheads), the link model prices the transfer,
 whole or streamed layer by layer behind the prefill's compute.
 
+Piggybacked (the essay's argument for why chunking is nearly free): in a
+loaded colocated system each chunk rides in an iteration with B running
+decodes that stream the weights anyway, so what a chunk costs is what it adds
+to that iteration. The piggyback tax of a prompt is
+    sum over chunks j of [t(B decodes + chunk j) - t(B decodes)] - t(whole prefill alone),
+which at B = 0 is the isolated tax above, and falls as B grows because the
+weights re-streamed per chunk stop counting against the prompt.
+
 The experiment (conf/experiment/crossover) sweeps these functions; this module
 has no I/O."""
 from __future__ import annotations
@@ -100,21 +108,43 @@ class CrossoverPoint:
 def chunked_prefill_s(cost: CostModel, context_len: int, chunk_size: int) -> float:
     """A prompt prefilled alone in chunks of chunk_size, one iteration each;
     only the last chunk samples a token."""
+    chunks = chunk_slices(context_len, chunk_size)
+    return sum(cost.iteration_time_s([piece], num_sampled=int(j == len(chunks) - 1)) for j, piece in enumerate(chunks))
+
+
+def chunk_slices(context_len: int, chunk_size: int) -> list[tuple[int, int]]:
+    """(new tokens, context after the chunk) of each chunk of a prompt prefilled in chunks."""
     _check(context_len, chunk_size)
-    return sum(cost.iteration_time_s([(min(chunk_size, context_len - start), min(start + chunk_size, context_len))],
-                                     num_sampled=int(start + chunk_size >= context_len))
-               for start in range(0, context_len, chunk_size))
+    return [(min(chunk_size, context_len - start), min(start + chunk_size, context_len))
+            for start in range(0, context_len, chunk_size)]
+
+
+def piggyback_tax_s(cost: CostModel, context_len: int, chunk_size: int, num_decodes: int,
+                    decode_context_len: int) -> float:
+    """The chunk tax inside a decode batch: each chunk's added time to an
+    iteration of `num_decodes` decodes at context `decode_context_len`, summed,
+    minus the whole prefill alone. num_decodes = 0 gives the isolated tax
+    (chunked_prefill_s minus the whole prefill)."""
+    if num_decodes < 0 or decode_context_len < 1:
+        raise ValueError(f"num_decodes >= 0 and decode_context_len >= 1, got {num_decodes}, {decode_context_len}")
+    decodes = [(1, decode_context_len)] * num_decodes
+    base = cost.iteration_time_s(decodes, num_sampled=num_decodes) if num_decodes else 0.0
+    chunks = chunk_slices(context_len, chunk_size)
+    added = sum(cost.iteration_time_s(decodes + [piece], num_sampled=num_decodes + int(j == len(chunks) - 1)) - base
+                for j, piece in enumerate(chunks))
+    return added - cost.iteration_time_s([(context_len, context_len)], num_sampled=1)
 
 
 def crossover_point(cost: CostModel, link: LinkModel, chunk_size: int, context_len: int,
-                    messages_per_layer: int = 1) -> CrossoverPoint:
+                    messages_per_layer: int = 1, chunked_s: float | None = None) -> CrossoverPoint:
     """Both taxes for one prompt. The KV goes over one link per model replica,
     one message per layer (`messages_per_layer` for per-block sends), either
     after the prefill (transfer_ms) or streamed as each layer finishes
-    (exposed_transfer_ms: the part left after the last layer)."""
+    (exposed_transfer_ms: the part left after the last layer). `chunked_s`:
+    chunked_prefill_s already computed for this prompt (it does not depend on the link)."""
     kv, layers = cost.model.kv_bytes_per_token, cost.model.num_layers
     whole = cost.breakdown([(context_len, context_len)], num_sampled=1)
-    chunked = chunked_prefill_s(cost, context_len, chunk_size)
+    chunked = chunked_prefill_s(cost, context_len, chunk_size) if chunked_s is None else chunked_s
     nbytes = transfer_bytes(kv, context_len)
     per_layer_compute = (whole["total_s"] - whole["overhead_s"] - whole["lm_head_s"]) / layers
     return CrossoverPoint(
@@ -128,12 +158,17 @@ def crossover_point(cost: CostModel, link: LinkModel, chunk_size: int, context_l
                                                      messages_per_layer) * 1e3)
 
 
-def crossover_by_time(points: Sequence[CrossoverPoint], against: str = "transfer_ms") -> float | None:
+def crossover_by_time(points: Sequence[CrossoverPoint], against: str = "transfer_ms",
+                      taxes: Sequence[float] | None = None) -> float | None:
     """L* by time over the points of one (model, hardware, link, chunk size):
-    where reread_ms reaches `against` (transfer_ms, or exposed_transfer_ms for
+    where the chunk tax (reread_ms, or `taxes` in ms aligned with `points`, e.g.
+    a piggyback tax) reaches `against` (transfer_ms, or exposed_transfer_ms for
     layer-wise streaming). None if not in range."""
     if against not in ("transfer_ms", "exposed_transfer_ms"):
         raise ValueError(f"against: '{against}' is not one of transfer_ms, exposed_transfer_ms")
-    pts = sorted(points, key=lambda p: p.context_len)
-    return first_crossing([p.context_len for p in pts], [p.reread_ms for p in pts],
-                          [getattr(p, against) for p in pts])
+    taxes = [p.reread_ms for p in points] if taxes is None else list(taxes)
+    if len(taxes) != len(points):
+        raise ValueError(f"taxes: {len(taxes)} values for {len(points)} points")
+    order = sorted(range(len(points)), key=lambda i: points[i].context_len)
+    return first_crossing([points[i].context_len for i in order], [taxes[i] for i in order],
+                          [getattr(points[i], against) for i in order])
