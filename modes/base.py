@@ -91,13 +91,15 @@ class ModeController(ABC):
         self.forget(request_id)
         self._resolve(request_id, "aborted", "aborted by the client", now)
 
-    def on_worker_died(self, worker_id: str, now: float) -> None:
+    def on_worker_died(self, worker_id: str, now: float, reason: str | None = None) -> None:
+        """The worker is gone (or was killed for hanging): the requests it held
+        fail with `reason` (default "worker W died"), the rest stay."""
         self.dead.add(worker_id)
         for rid in [r for r in self.unresolved if worker_id in self.location[r]]:
             for other in self.location[rid] - {worker_id}:
                 self.send(other, Abort(rid))
             self.forget(rid)
-            self._resolve(rid, "failed", f"worker {worker_id} died", now)
+            self._resolve(rid, "failed", reason or f"worker {worker_id} died", now)
 
     def done(self) -> bool:
         return not self.unresolved

@@ -143,7 +143,7 @@ class DisaggController(ModeController):
         if rec.transfer_end_s is not None:
             rec.exposed_transfer_s = max(0.0, rec.transfer_end_s - ev.t)
 
-    def on_worker_died(self, worker_id: str, now: float) -> None:
+    def on_worker_died(self, worker_id: str, now: float, reason: str | None = None) -> None:
         # a reservation asked of the dead worker is never answered, and it would
         # stall the queue behind it; its request holds nothing anywhere yet, so
         # it goes back to the head of the queue for another decode worker
@@ -153,7 +153,7 @@ class DisaggController(ModeController):
                 self.handoffs[rid].decode = None
                 self.location[rid] = set()
                 self.queue.appendleft(rid)
-        super().on_worker_died(worker_id, now)
+        super().on_worker_died(worker_id, now, reason)
         gone = self._dead_pool()
         if gone is not None:       # nobody left to serve what waits: fail it now, not at timeout_s
             for rid in list(self.handoffs):

@@ -33,6 +33,21 @@ class RuntimeConfig:
     # CURVE keys generated per run for every socket the frontend and the KV receivers bind;
     # required (a bind is refused without them) when runtime.host or transfer.host is not loopback
     curve: bool = False
+    # liveness, both ways (runtime=real): the frontend pings every worker each heartbeat_s and
+    # each answers; a worker silent for hang_timeout_s (alive but not stepping; longer than
+    # the longest step) is killed and its requests fail; a worker that hears nothing from
+    # the frontend for frontend_timeout_s (the frontend was killed) exits by itself
+    heartbeat_s: float = 1.0
+    hang_timeout_s: float = 60.0
+    frontend_timeout_s: float = 15.0
+
+    def validate(self) -> None:
+        if self.heartbeat_s <= 0:
+            raise ValueError(f"runtime.heartbeat_s: must be > 0, got {self.heartbeat_s}")
+        for f in ("hang_timeout_s", "frontend_timeout_s"):
+            if getattr(self, f) <= 2 * self.heartbeat_s:
+                raise ValueError(f"runtime.{f}: must exceed two heartbeats (runtime.heartbeat_s="
+                                 f"{self.heartbeat_s}), got {getattr(self, f)}; raise it or lower the heartbeat")
 
 
 @dataclass
@@ -166,8 +181,8 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError(f"timeout_s: must be > 0, got {cfg.timeout_s}")
     if not 0.0 < cfg.top_p <= 1.0:
         raise ValueError(f"top_p: must be in (0, 1], got {cfg.top_p}")
-    for sub in (cfg.model, cfg.workload, cfg.transfer, cfg.kvstore, cfg.hardware, cfg.link, cfg.parallel,
-                cfg.experiment, cfg.adaptive, cfg.ray):
+    for sub in (cfg.runtime, cfg.model, cfg.workload, cfg.transfer, cfg.kvstore, cfg.hardware, cfg.link,
+                cfg.parallel, cfg.experiment, cfg.adaptive, cfg.ray):
         sub.validate()
 
 

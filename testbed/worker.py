@@ -15,7 +15,7 @@ from testbed.batch import Batch
 from testbed.engine import Engine, StepOutput
 from testbed.request import RequestStatus
 from testbed.runtime.kv_port import KVPort
-from testbed.runtime.messages import (Abort, Add, Command, Connect, Event, Finished, IterationDone, Ping,
+from testbed.runtime.messages import (Abort, Add, Command, Connect, Event, Finished, IterationDone, Ping, Pong,
                                       Preempted, Release, Stats, Stop, Tokens)
 from testbed.runtime.store_port import StorePort
 
@@ -41,7 +41,7 @@ class WorkerService:
             Abort: lambda m: self._abort(m.id),
             Connect: lambda m: self.kv_port.connect(m.peer, m.address),
             Stop: self._stop,
-            Ping: lambda m: None,
+            Ping: lambda m: self.emit(Pong(self.worker_id)),
         }
 
     # -- commands ----------------------------------------------------------

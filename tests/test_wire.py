@@ -13,7 +13,7 @@ from testbed.kv_transfer.store_index import StoreCounters
 from testbed.metrics import IterationRecord
 from testbed.request import Request, SamplingParams
 from testbed.runtime.messages import (MESSAGES, Abort, Add, Connect, Finished, FreeBlocks, HandOffMeta,
-                                      IterationDone, KVReceived, Ping, Preempted, Prefill, Prefilled, Ready,
+                                      IterationDone, KVReceived, Ping, Pong, Preempted, Prefill, Prefilled, Ready,
                                       Rejected, Release, Reserve, Reserved, Stats, Stop, Tokens, WorkerError,
                                       PrefixFetched, StoreStats, request_to_msg)
 from testbed.runtime.wire import WireError, decode, encode, hand_off_meta
@@ -25,7 +25,7 @@ EXAMPLES = [
     Finished("r1", "finished", None, 2.0, 0.5, 1), Finished.failed("r2", "boom"), Preempted("r1"),
     IterationDone(IterationRecord(1.0, 0.01, 64, 3, 4096, "w"), 12), FreeBlocks("w", 3),
     Reserved("r1", "d", [1, 2], 30), Rejected("r1", "d", 0), Prefilled("r1", "p", 1.0, 2048, 0.9),
-    KVReceived("r1", "d", 1.1), Stats("w", "decode", 10, 10, True, 0), WorkerError("w", "E: x", "tb"),
+    KVReceived("r1", "d", 1.1), Stats("w", "decode", 10, 10, True, 0), WorkerError("w", "E: x", "tb"), Pong("w"),
     PrefixFetched("r1", "p", 32, 64, 96, 0.002), StoreStats("store", StoreCounters(lookups=3, hits=2), 5, 4096, None),
 ]
 

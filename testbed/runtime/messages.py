@@ -11,7 +11,8 @@ worker -> frontend: Ready; Tokens (items (id, token, engine_s, index): a disagg
     the index restores their order); Finished (also failed and aborted
     requests); Preempted; IterationDone (one per engine step, with the worker's
     free KV blocks); FreeBlocks (a decode worker freed blocks outside a step);
-    Reserved / Rejected; Prefilled; KVReceived; Stats (at stop); WorkerError
+    Reserved / Rejected; Prefilled; KVReceived; Stats (at stop); WorkerError;
+    Pong (the answer to a Ping, the frontend's heartbeat)
 mode=kvstore adds: PrefixFetched (a prefill worker found a prompt's cached
     prefix, locally and in the store); StoreStats (the store process, at stop)
 """
@@ -132,7 +133,8 @@ class Stop(Command):
 
 @dataclass(slots=True)
 class Ping(Command):
-    """Only wakes the ROUTER's route to a worker at start-up."""
+    """The frontend's heartbeat (runtime.heartbeat_s); the first also wakes the
+    ROUTER's route to a worker at start-up. A worker answers Pong."""
     kind: ClassVar[str] = "ping"
 
 
@@ -278,6 +280,13 @@ class StoreStats(Event):
 
 
 @dataclass(slots=True)
+class Pong(Event):
+    """A worker's answer to Ping: it is still taking commands between steps."""
+    kind: ClassVar[str] = "pong"
+    worker: str
+
+
+@dataclass(slots=True)
 class WorkerError(Event):
     """A worker crashed (or failed to start)."""
     kind: ClassVar[str] = "error"
@@ -289,5 +298,5 @@ class WorkerError(Event):
 MESSAGES: dict[str, type[Message]] = {cls.kind: cls for cls in (
     Add, Prefill, Reserve, Release, Abort, Connect, Stop, Ping,
     Ready, Tokens, Finished, Preempted, IterationDone, FreeBlocks, Reserved, Rejected, Prefilled, KVReceived,
-    Stats, WorkerError, PrefixFetched, StoreStats)}
+    Stats, WorkerError, PrefixFetched, StoreStats, Pong)}
 

@@ -25,8 +25,8 @@ from testbed.modes.base import ModeController
 from testbed.modes.registry import get_role
 from testbed.request import Request
 from testbed.runtime.deployment import RunResult, build_mode
-from testbed.runtime.messages import (Command, Connect, Event, IterationDone, Ping, Ready, Stats, Stop, StoreStats,
-                                      WorkerError)
+from testbed.runtime.messages import (Command, Connect, Event, IterationDone, Ping, Pong, Ready, Stats, Stop,
+                                      StoreStats, WorkerError)
 from testbed.runtime.wire import WireError, decode, encode
 
 READY_TIMEOUT_S = 120.0
@@ -53,6 +53,8 @@ class RealRuntime:
         self.store_addr: str | None = None
         self.store_stats: dict | None = None
         self._auth = None           # the ZAP authenticator when runtime.curve (kv_transfer/curve.py)
+        self._last_seen: dict[str, float] = {}    # worker -> time.monotonic() of its last event
+        self._next_ping = 0.0
 
     # -- sockets -------------------------------------------------------------------
     def _send(self, worker_id: str, msg: Command) -> None:
@@ -72,10 +74,29 @@ class RealRuntime:
                 except zmq.Again:
                     break
                 try:
-                    out.append(decode(raw))
+                    ev = decode(raw)
                 except WireError as e:     # a malformed frame: dropped, the run goes on
                     print(f"frontend: dropped an event: {e}", file=sys.stderr)
+                    continue
+                out.append(ev)
+                worker = getattr(ev, "worker", None)
+                if worker in self._last_seen:
+                    self._last_seen[worker] = time.monotonic()
         return out
+
+    def _heartbeat(self, targets) -> None:
+        """Ping `targets` once every runtime.heartbeat_s: they answer Pong (the
+        frontend sees a hung worker), and hearing it tells them the frontend lives."""
+        now = time.monotonic()
+        if now >= self._next_ping:
+            self._next_ping = now + self.cfg.runtime.heartbeat_s
+            for w in targets:
+                self._send(w, Ping())
+
+    def _hung(self) -> list[str]:
+        """Live workers silent for longer than runtime.hang_timeout_s."""
+        limit = time.monotonic() - self.cfg.runtime.hang_timeout_s
+        return [w for w, seen in self._last_seen.items() if seen < limit and w not in self.controller.dead]
 
     # -- life cycle ------------------------------------------------------------------
     def start(self) -> None:
@@ -127,6 +148,7 @@ class RealRuntime:
     def _wait_store_ready(self) -> str:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
+            self._heartbeat([STORE_ID])
             for ev in self._recv(100):
                 if type(ev) is Ready and ev.worker == STORE_ID:
                     return ev.kv_address
@@ -141,6 +163,8 @@ class RealRuntime:
         addresses: dict[str, str] = {}
         deadline = time.monotonic() + READY_TIMEOUT_S
         while len(addresses) < len(self.workers):
+            # the ready ones (and the store) hear the heartbeat while the others start
+            self._heartbeat([*addresses, *([STORE_ID] if self.store_addr else [])])
             for ev in self._recv(100):
                 if type(ev) is Ready:
                     addresses[ev.worker] = self.launcher.kv_address(ev.worker, ev.kv_address)
@@ -163,6 +187,7 @@ class RealRuntime:
                     pending.discard(w)
                 except zmq.ZMQError:
                     time.sleep(0.01)
+        self._last_seen = {w.worker_id: time.monotonic() for w in self.workers}
         return addresses
 
     def run(self, requests: list[Request]) -> RunResult:
@@ -195,9 +220,17 @@ class RealRuntime:
                 now = self.clock.now()
                 if now >= next_liveness:
                     next_liveness = now + 0.2
+                    self._heartbeat([*(w.worker_id for w in self.workers if w.worker_id not in ctl.dead),
+                                     *([STORE_ID] if self.store_addr else [])])
                     for w in self.workers:
                         if w.worker_id not in ctl.dead and not self.launcher.alive(w.worker_id):
                             ctl.on_worker_died(w.worker_id, now)
+                    for w in self._hung():
+                        print(f"frontend: worker {w} sent nothing for {self.cfg.runtime.hang_timeout_s:g} s "
+                              f"(runtime.hang_timeout_s): hung; killing it and failing its requests", file=sys.stderr)
+                        self.launcher.kill(w)
+                        ctl.on_worker_died(w, now, f"worker {w} hung (silent for "
+                                                   f"{self.cfg.runtime.hang_timeout_s:g} s)")
                 if self.progress:
                     self.progress(total - len(pending) - len(ctl.unresolved), total)
                 if now > deadline:
@@ -218,6 +251,8 @@ class RealRuntime:
         return RunResult(records, ctl.iterations, self.stats, duration, interrupted, self.store_stats)
 
     def _dispatch(self, ev: Event) -> None:
+        if type(ev) is Pong:
+            return
         if type(ev) is Stats:
             self.stats[ev.worker] = ev.to_dict()
             return

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 
 import zmq
 
@@ -17,7 +18,7 @@ def store_main(spec) -> None:
     """The store process: serve until the frontend says Stop (or kills it)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # the frontend owns shutdown, as for workers
     from testbed.config import from_dict
-    from testbed.runtime.messages import Ping, Ready, Stop, StoreStats, WorkerError
+    from testbed.runtime.messages import Ping, Pong, Ready, Stop, StoreStats, WorkerError
     from testbed.runtime.wire import WireError
     from testbed.runtime.wire import decode as decode_msg
     from testbed.runtime.wire import encode as encode_msg
@@ -33,16 +34,18 @@ def store_main(spec) -> None:
     server = None
     try:
         cfg = from_dict(spec.cfg)
+        push.setsockopt(zmq.SNDTIMEO, int(cfg.runtime.frontend_timeout_s * 1000))   # a dead frontend: zmq.Again
         server = StoreServer(cfg.kvstore, cfg.runtime.host, ctx)
         push.send(encode_msg(Ready(spec.worker_id, server.address)))
         poller = zmq.Poller()
         poller.register(dealer, zmq.POLLIN)
         poller.register(server.sock, zmq.POLLIN)
-        stopping = False
+        stopping, last_heard = False, time.monotonic()
         while not stopping:
             ready = dict(poller.poll(1 if server._sending else 50))
             if dealer in ready:
                 while dealer.poll(0):
+                    last_heard = time.monotonic()
                     try:
                         msg = decode_msg(dealer.recv())
                     except WireError as e:
@@ -50,8 +53,18 @@ def store_main(spec) -> None:
                         continue
                     if type(msg) is Stop:
                         stopping = True
-                    elif type(msg) is not Ping:
+                    elif type(msg) is Ping:
+                        try:
+                            push.send(encode_msg(Pong(spec.worker_id)))
+                        except zmq.Again:
+                            last_heard = float("-inf")      # the frontend is gone: exit below
+                    else:
                         log.warning("kv store: takes no '%s' command", msg.kind)
+            if time.monotonic() - last_heard > cfg.runtime.frontend_timeout_s:
+                log.warning("kv store: no word from the frontend for %g s (runtime.frontend_timeout_s): exiting",
+                            cfg.runtime.frontend_timeout_s)
+                push.setsockopt(zmq.LINGER, 0)
+                return
             server.serve()
         index = server.index
         push.send(encode_msg(StoreStats(spec.worker_id, index.counters, len(index), index.used_bytes,

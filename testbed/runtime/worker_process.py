@@ -12,11 +12,17 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 
 import zmq
 
 POLL_IDLE_MS = 5
+
+
+class FrontendGone(Exception):
+    """No word from the frontend for runtime.frontend_timeout_s, or an event it
+    could not take for as long (a PUSH to a dead peer blocks): the worker exits."""
 
 
 class WorkerProcess:
@@ -44,6 +50,8 @@ class WorkerProcess:
         self.kv_port = self.store = None
         try:
             cfg = from_dict(spec.cfg)
+            self.frontend_timeout_s = cfg.runtime.frontend_timeout_s
+            self.push.setsockopt(zmq.SNDTIMEO, int(self.frontend_timeout_s * 1000))
             from testbed.kv_transfer.curve import client_keys
             for sock in (self.push, self.dealer):
                 client_keys(sock, spec.curve)
@@ -75,20 +83,24 @@ class WorkerProcess:
 
     def emit(self, ev) -> None:
         from testbed.runtime.wire import encode
-        self.push.send(encode(ev))
+        try:
+            self.push.send(encode(ev))
+        except zmq.Again:
+            raise FrontendGone(f"an event waited {self.frontend_timeout_s:g} s for the frontend") from None
 
     def _fail(self, e: Exception) -> None:
         """Report, then the caller exits non-zero: the frontend fails this worker's requests."""
         from testbed.runtime.messages import WorkerError
         try:
             self.emit(WorkerError(self.spec.worker_id, f"{type(e).__name__}: {e}", traceback.format_exc()))
-        except zmq.ZMQError:
+        except (zmq.ZMQError, FrontendGone):
             pass
 
     def serve(self) -> None:
         from testbed.runtime.messages import Command
         from testbed.runtime.wire import WireError, decode
         service, dealer, kv_port = self.service, self.dealer, self.kv_port
+        last_heard = time.monotonic()       # the frontend pings every runtime.heartbeat_s
         try:
             while not service.stopping:
                 timeout = 0 if service.engine.has_work() else (1 if service.awaits_kv() else POLL_IDLE_MS)
@@ -98,6 +110,7 @@ class WorkerProcess:
                             raw = dealer.recv(zmq.NOBLOCK)
                         except zmq.Again:
                             break
+                        last_heard = time.monotonic()
                         try:
                             msg = decode(raw)
                         except WireError as e:      # only the frontend reaches this socket: its bug, not a reason to die
@@ -107,7 +120,9 @@ class WorkerProcess:
                             print(f"worker {self.spec.worker_id}: dropped a '{msg.kind}' event sent as a command",
                                   file=sys.stderr)
                             continue
-                        service.handle(msg)          # Ping included: a no-op that only woke the route
+                        service.handle(msg)          # Ping included: answered with Pong
+                if time.monotonic() - last_heard > self.frontend_timeout_s:
+                    raise FrontendGone(f"no word from the frontend for {self.frontend_timeout_s:g} s")
                 if not service.stopping:
                     if kv_port is not None:
                         kv_port.pump(service)
@@ -117,6 +132,10 @@ class WorkerProcess:
                         # CFS slice (experiments/benchmarks/bench_event_latency.py)
                         os.sched_yield()
             self.emit(service.stats())
+        except FrontendGone as e:
+            print(f"worker {self.spec.worker_id}: {e} (runtime.frontend_timeout_s): it is gone, exiting",
+                  file=sys.stderr)
+            self.push.setsockopt(zmq.LINGER, 0)      # nobody is left to read what is queued
         except Exception as e:
             self._fail(e)
             raise

@@ -1,0 +1,117 @@
+"""Liveness both ways, caused for real (issue 19): a worker that is alive but
+no longer stepping (SIGSTOP) is found by the frontend's heartbeat within
+runtime.hang_timeout_s, killed, and its requests fail with a clear error while
+the other replica serves the rest; and a frontend killed with SIGKILL leaves
+no orphans: its workers hear no heartbeat for runtime.frontend_timeout_s and
+exit by themselves."""
+from __future__ import annotations
+
+import os
+import pty
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from test_disagg_faults import Watch, check, config, run
+from test_serving import cmdline, in_process_group
+from testbed.config import from_dict, validate
+from testbed.runtime.messages import Event
+from testbed.runtime.real import RealRuntime
+
+HEARTBEAT = {"heartbeat_s": 0.25, "hang_timeout_s": 2.0, "frontend_timeout_s": 3.0}
+
+
+def test_a_hung_worker_is_found_by_its_heartbeat_and_its_requests_fail():
+    """colocated, 2 replicas, round robin: replica0 is stopped (SIGSTOP: alive,
+    not stepping, not reading commands) at its first iteration. Within
+    hang_timeout_s plus a heartbeat the frontend kills it and fails exactly the
+    requests it held; replica1 serves the others with the right tokens and
+    reports every block free."""
+    cfg = config(mode="colocated", replicas=2, router="round_robin", runtime=HEARTBEAT)
+    watch, stopped = Watch(), []
+
+    def hook(rt: RealRuntime, ev: Event) -> None:
+        if not stopped and ev.kind == "iteration" and ev.worker == "replica0":
+            os.kill(rt.launcher.pid("replica0"), signal.SIGSTOP)
+            stopped.append(time.monotonic())
+
+    t0 = time.monotonic()
+    result = run(cfg, watch, hook)
+    assert stopped, "replica0 never stepped"
+    records = {r.request_id: r for r in result.records}
+    failed = {rid for rid, r in records.items() if r.status != "finished"}
+    assert failed and len(failed) < len(records)
+    error = "worker replica0 hung (silent for 2 s)"
+    check(result, cfg, {rid: ("failed", error) for rid in failed}, {"replica1"})
+    # found within the bound: the failure is stamped at most hang_timeout_s + a heartbeat + a liveness tick later
+    first_failure = min(records[rid].finish_s for rid in failed)
+    stopped_at = stopped[0] - t0
+    assert first_failure - stopped_at < 2.0 + 0.25 + 0.2 + 1.0, (first_failure, stopped_at)
+
+
+def test_liveness_settings_are_checked():
+    with pytest.raises(ValueError, match=r"runtime.heartbeat_s: must be > 0"):
+        validate(from_dict({"runtime": {"heartbeat_s": 0}}))
+    with pytest.raises(ValueError, match=r"runtime.hang_timeout_s: must exceed two heartbeats"):
+        validate(from_dict({"runtime": {"heartbeat_s": 1.0, "hang_timeout_s": 1.5}}))
+    with pytest.raises(ValueError, match=r"runtime.frontend_timeout_s"):
+        validate(from_dict({"runtime": {"frontend_timeout_s": 0.5}}))
+    validate(from_dict({"runtime": HEARTBEAT}))
+
+
+def test_workers_exit_by_themselves_when_the_frontend_is_killed(tmp_path):
+    """`testbed run` (2 replicas) in its own session, stderr on a pseudo-terminal
+    so that it shows progress; once requests finish (both workers serve), the
+    frontend alone gets SIGKILL. Its workers see no heartbeat and exit within
+    frontend_timeout_s (3 s) plus a step; nothing of the run is left."""
+    master, slave = pty.openpty()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).with_name("testbed")), "run", "replicas=2", "workload=chat",
+         "workload.num_requests=400", "workload.rate=4", "wandb.mode=disabled",
+         "runtime.heartbeat_s=0.25", "runtime.frontend_timeout_s=3", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=slave, start_new_session=True)
+    os.close(slave)
+    try:
+        seen, deadline = b"", time.monotonic() + 90
+        while not re.search(rb"([1-9]\d*)/400 requests done", seen):
+            assert time.monotonic() < deadline and proc.poll() is None, seen.decode(errors="replace")[-2000:]
+            try:
+                seen += os.read(master, 4096)
+            except OSError:
+                pass
+        workers = [p for p in in_process_group(proc.pid) if "spawn_main" in cmdline(p)]
+        assert len(workers) == 2, [cmdline(p) for p in in_process_group(proc.pid)]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        killed = time.monotonic()
+        while True:
+            left = [p for p in in_process_group(proc.pid) if _alive(p)]
+            if not left or time.monotonic() - killed > 3.0 + 10.0:
+                break
+            time.sleep(0.1)
+        took = time.monotonic() - killed
+        assert left == [], f"orphans {took:.1f} s after the frontend died: {[cmdline(p) for p in left]}"
+        assert took > 2.5, f"the workers exited {took:.1f} s after the frontend died, before frontend_timeout_s"
+        print(f"workers gone {took:.1f} s after the frontend's SIGKILL (runtime.frontend_timeout_s=3)")
+    finally:
+        for p in in_process_group(proc.pid):
+            os.kill(p, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+
+
+def _alive(pid: int) -> bool:
+    """Running or sleeping; a zombie waiting for init to reap it has exited."""
+    try:
+        state = Path("/proc", str(pid), "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
