@@ -38,6 +38,8 @@ def _hydra_run(argv: list[str]) -> int:
         out_dir = hc.runtime.output_dir
         try:
             cfg: RunConfig = OmegaConf.to_object(dcfg)
+            if multirun:
+                _name_sweep_point(cfg, hc, argv)
             summary = execute(cfg, out_dir)
             if summary.get("interrupted"):
                 # what was measured is written; a sweep stops here too, as Ctrl-C means
@@ -65,6 +67,14 @@ def _hydra_run(argv: list[str]) -> int:
             print(f"error: {message}", file=sys.stderr)
             return 2
     return 0
+
+
+def _name_sweep_point(cfg, hc, argv: list[str]) -> None:
+    """W&B: the sweep is the group (unless wandb.group is set), the point is
+    named by what its overrides change (unless wandb.name is set)."""
+    from testbed.sweep_names import point_name, sweep_group, swept_keys
+    cfg.wandb.group = cfg.wandb.group or sweep_group(hc.sweep.dir)
+    cfg.wandb.name = cfg.wandb.name or point_name(list(hc.overrides.task), swept_keys(argv))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,7 +29,8 @@ def log_run(cfg: RunConfig, out_dir: Path, summary: dict, result) -> str | None:
     os.environ.setdefault("WANDB_SILENT", "true")
     run = wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, group=cfg.wandb.group,
                      mode=cfg.wandb.mode, dir=str(out_dir), config=to_dict(cfg),
-                     name=f"{cfg.mode}-{cfg.scheduler}-{cfg.model.name}-{cfg.workload.name}", reinit="finish_previous")
+                     name=cfg.wandb.name or f"{cfg.mode}-{cfg.scheduler}-{cfg.model.name}-{cfg.workload.name}",
+                     reinit="finish_previous")
     try:
         for it in result.iterations:
             run.log({"iteration/start_s": it.start_s, "iteration/duration_ms": it.duration_s * 1e3,
@@ -56,7 +57,8 @@ def log_experiment(cfg: RunConfig, out_dir: Path, result: dict, rows: list[dict]
     import wandb
     run = wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, group=cfg.wandb.group or cfg.experiment.name,
                      mode=cfg.wandb.mode, dir=str(out_dir), config=to_dict(cfg), job_type="experiment",
-                     name=f"experiment-{cfg.experiment.name}", reinit="finish_previous")
+                     name=cfg.wandb.name or f"experiment-{cfg.experiment.name}",
+                     reinit="finish_previous")
     try:
         if rows:
             columns = list(rows[0])

@@ -70,6 +70,7 @@ class Logged:
             time.sleep(0.2)
         assert {"run", "exit"} <= kinds, f"{self.dir}: the transaction log has only {sorted(kinds)}"
         run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+        self.group, self.name, self.job_type = run.run_group, run.display_name, run.job_type
         self.config = {u.key: json.loads(u.value_json) for u in run.config.update}
         self.summary: dict = {}
         self.history: list[dict] = []
