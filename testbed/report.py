@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 
 from testbed.experiments import html as H
 from testbed.metrics import IterationRecord, RequestRecord, read_iterations, read_requests
+from testbed.report_tbt import plot_tbt
 
 # (row label, path into summary.json)
 ROWS: list[tuple[str, tuple[str, ...]]] = [
@@ -169,44 +170,6 @@ def write_csv(path: Path, runs: list[Run]) -> None:
         w.writerow(["run_dir", *[str(r.path) for r in runs]])
         for label, values in table_rows(runs):
             w.writerow([label, *["" if v is None else v for v in values]])
-
-
-def plot_tbt(run: Run, path: Path) -> None:
-    """Every inter-token gap (ms) at its token's time, TTFTs marked; below, the
-    tokens of each iteration split into prefill and decode."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    requests = [r for r in run.requests if r.token_times_s]
-    iterations = run.iterations or []
-    t0 = min([r.arrival_s for r in run.requests] + [it.start_s for it in iterations], default=0.0)
-    fig, (ax_tbt, ax_it) = plt.subplots(2, 1, sharex=True, figsize=(10, 6), height_ratios=[3, 1])
-    gap_t = [t - t0 for r in requests for t in r.token_times_s[1:]]
-    # gaps of 0 (tokens delivered in one message) would vanish on a log axis
-    gap_ms = [max(g * 1000, 1e-3) for r in requests for g in r.tbt_s]
-    ax_tbt.scatter(gap_t, gap_ms, s=4, alpha=0.5, label="TBT (every inter-token gap)")
-    ax_tbt.scatter([r.token_times_s[0] - t0 for r in requests], [r.ttft_s * 1000 for r in requests],
-                   s=16, marker="x", color="tab:red", label="TTFT (at first token)")
-    ax_tbt.set_ylabel("ms")
-    ax_tbt.set_yscale("log")
-    fig.suptitle(run.label)
-    # legends sit above the axes: a stall's few points are often in a corner
-    ax_tbt.legend(loc="lower left", bbox_to_anchor=(0, 1.0), ncol=2, fontsize="small", frameon=False)
-    if iterations:
-        starts = [it.start_s - t0 for it in iterations]
-        decode = [it.num_decode_tokens for it in iterations]
-        ax_it.bar(starts, decode, width=[it.duration_s for it in iterations], align="edge",
-                  color="tab:green", edgecolor="black", linewidth=0.3, label="decode tokens")
-        ax_it.bar(starts, [it.num_prefill_tokens for it in iterations], bottom=decode,
-                  width=[it.duration_s for it in iterations], align="edge", color="tab:orange",
-                  edgecolor="black", linewidth=0.3, label="prefill tokens")
-        ax_it.legend(loc="lower left", bbox_to_anchor=(0, 1.0), ncol=2, fontsize="small", frameon=False)
-    ax_it.set_ylabel("tokens/iter")
-    ax_it.set_xlabel("time since first arrival (s)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def _plot_name(run: Run, index: int, shared_out: bool) -> str:
