@@ -10,7 +10,9 @@ iterations' prefill and decode tokens, which is where a prefill stall shows.
 
 A sweep directory (`testbed run -m`: multirun/DATE/TIME) stands for its
 numbered point directories; a point that failed (failed.json) is listed with
-its error. An experiment directory (experiment.json) gets its own HTML page:
+its error; a sweep over two or more workload.prompt_len values also gets
+capacity_vs_length.png, goodput per GPU against L per deployment
+(testbed/report_sweep.py). An experiment directory (experiment.json) gets its own HTML page:
 its summary, figures and CSV tables, and the runs below it. The runs given
 together get one page: the table, the failed points and their TBT plots.
 """
@@ -21,7 +23,7 @@ import csv
 import json
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -186,6 +188,7 @@ class Inputs:
     failed: list[tuple[Path, str]]          # sweep points that failed, with their error
     experiments: list[Path]
     runs_home: Path | None = None           # the first run or sweep directory: where the runs' page goes
+    sweeps: list[tuple[Path, list[Path]]] = field(default_factory=list)   # each sweep and its finished points
 
 
 def _sweep_points(sweep_dir: Path) -> list[Path]:
@@ -206,9 +209,11 @@ def classify(dirs: list[Path]) -> Inputs:
         if (d / "summary.json").is_file():
             inputs.runs.append(d)
         elif d.is_dir() and _sweep_points(d):
+            inputs.sweeps.append((d, []))
             for point in _sweep_points(d):
                 if (point / "summary.json").is_file():
                     inputs.runs.append(point)
+                    inputs.sweeps[-1][1].append(point)
                 else:
                     error = json.loads((point / "failed.json").read_text()).get("error", "?")
                     inputs.failed.append((point, error))
@@ -254,7 +259,8 @@ def runs_page(runs: list[Run], failed: list[tuple[Path, str]], plots: list[Path]
     if failed:
         sections.append(H.section("Failed points", H.table(["point", "error"], [[str(d), e] for d, e in failed])))
     if plots:
-        sections.append(H.section("TBT over time", *[H.image(p, str(p)) for p in plots]))
+        sections.append(H.section("Figures: goodput per GPU against L (sweeps), TBT over time (runs)",
+                                  *[H.image(p, str(p)) for p in plots]))
     return H.page("testbed report", sections)
 
 
@@ -269,6 +275,20 @@ def _write_pages(pages: list[tuple[str, str, Path]], out: Path | None) -> None:
             path = out / ("report.html" if len(pages) == 1 else f"report-{slug}.html")
         path.write_text(text)
         print(f"wrote {path}")
+
+
+def _sweep_figures(sweeps: list[tuple[Path, list[Path]]], runs: dict[Path, Run], out: Path | None) -> list[Path]:
+    """Each sweep over two or more workload.prompt_len values: goodput per GPU
+    against L per deployment (testbed/report_sweep.py), capacity_vs_length.png."""
+    from testbed.report_sweep import plot_sweep_capacity
+    figures = []
+    for i, (sweep, points) in enumerate(sweeps, start=1):
+        name = "capacity_vs_length.png" if out is None or len(sweeps) == 1 else f"capacity_vs_length-{i}.png"
+        path = plot_sweep_capacity([(p, runs[p].summary) for p in points], (out or sweep) / name)
+        if path is not None:
+            figures.append(path)
+            print(f"wrote {path}")
+    return figures
 
 
 def report_main(argv: list[str]) -> int:
@@ -306,6 +326,7 @@ def report_main(argv: list[str]) -> int:
             plot_tbt(run, path)
             plots.append(path)
             print(f"wrote {path}")
+        plots[:0] = _sweep_figures(inputs.sweeps, {r.path: r for r in runs}, args.out)
     if runs or inputs.failed:
         pages.append(("runs", runs_page(runs, inputs.failed, plots if runs else []), inputs.runs_home))
     for i, d in enumerate(inputs.experiments, start=1):

@@ -81,4 +81,5 @@ def plot_sweep_capacity(runs: list[tuple[Path, dict]], path: Path) -> Path | Non
     rates = {p["rate"] for p in points}
     at = f"best over workload.rate in {sorted(rates)}" if len(rates) > 1 else f"at workload.rate={rates.pop()}"
     return plot_capacity_vs_length(capacity_rows(points), path,
-                                   f"goodput per GPU (req/s within the SLOs) against workload.prompt_len, {at}")
+                                   f"goodput per GPU (requests/s within the SLOs) against workload.prompt_len, {at}",
+                                   ylabel="goodput per GPU (req/s)")

@@ -69,7 +69,8 @@ def _log2_tokens_axis(ax, lengths: list[int]) -> None:
     ax.set_xlabel("context length L (tokens)")
 
 
-def plot_capacity_vs_length(rows: list[dict], path: Path, title: str) -> Path:
+def plot_capacity_vs_length(rows: list[dict], path: Path, title: str,
+                            ylabel: str = "capacity per GPU (req/s)") -> Path:
     """Capacity per GPU against L, one line per deployment (points without a
     capacity leave a gap). Measured points (source `real`) are squares on a
     dashed line of their own; points whose probes never reached steady state
@@ -102,7 +103,7 @@ def plot_capacity_vs_length(rows: list[dict], path: Path, title: str) -> Path:
     _log2_tokens_axis(ax, [int(r["context_len"]) for r in rows])
     if any((_capacity(r) or 0) > 0 for r in rows):
         ax.set_yscale("log")
-    ax.set_ylabel("capacity per GPU (req/s)")
+    ax.set_ylabel(ylabel)
     ax.grid(True, which="major", alpha=0.3)
     ax.set_title(wrap_title(title), fontsize="medium")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
