@@ -14,6 +14,7 @@ from testbed.report import report_main
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow          # ~25 s here: a four-point CLI sweep
 def test_report_draws_goodput_per_gpu_against_l_from_a_sweep(tmp_path, monkeypatch, capsys):
     sweep = tmp_path / "sweep"
     proc = run_testbed("run", "-m", *SMALL, "wandb.mode=disabled", "mode=colocated,disagg",
@@ -43,3 +44,22 @@ def test_report_draws_goodput_per_gpu_against_l_from_a_sweep(tmp_path, monkeypat
     # points over one length only draw nothing
     one_length = [(p, s) for p, s in zip(points(sweep), summaries) if "prompt_len=64" in p.name]
     assert len(one_length) == 2 and report_sweep.plot_sweep_capacity(one_length, tmp_path / "x.png") is None
+
+
+def test_each_deployment_and_length_takes_its_best_goodput_per_gpu_over_rates():
+    def pt(mode, budget, n, rate, goodput, gpus):
+        identity = {"mode": mode, "scheduler": "sarathi", "token_budget": budget, "replicas": 1,
+                    "prefill_workers": 1, "decode_workers": 1, "num_gpus": gpus}
+        return {"identity": identity, "context_len": n, "rate": rate, "capacity_per_gpu": goodput / gpus,
+                "source": "sim", "steady": True, "run_dir": f"{mode}-{budget}-{n}-{rate}"}
+    points = [pt("colocated", 512, 1024, 4.0, 4.0, 1), pt("colocated", 512, 1024, 8.0, 6.0, 1),
+              pt("colocated", 2048, 1024, 8.0, 7.0, 1), pt("disagg", 512, 1024, 8.0, 8.0, 2),
+              pt("disagg", 512, 4096, 8.0, 3.0, 2)]
+    rows = report_sweep.capacity_rows(points)
+    assert [(r["deployment"], r["context_len"], r["capacity_per_gpu"], r["rate"]) for r in rows] == [
+        ("mode=colocated token_budget=2048 num_gpus=1", 1024, 7.0, 8.0),
+        ("mode=colocated token_budget=512 num_gpus=1", 1024, 6.0, 8.0),      # the better of its two rates
+        ("mode=disagg token_budget=512 num_gpus=2", 1024, 4.0, 8.0),
+        ("mode=disagg token_budget=512 num_gpus=2", 4096, 1.5, 8.0)]
+    assert report_sweep.num_gpus({"parallel": {"tp": 2, "pp": 2}}, {"workers": {"prefill0": {}, "decode0": {}}}) == 8
+    assert report_sweep.num_gpus({"parallel": {"tp": 2}}, {"num_gpus": 3, "workers": {"a": {}}}) == 3

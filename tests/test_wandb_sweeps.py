@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from test_wandb import Logged, offline  # noqa: F401  (the fixture)
+from testbed.sweep_names import point_name, sweep_group, swept_keys
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["runtime=sim", "model=tiny", "workload.num_requests=3", "workload.rate=20", "workload.prompt_dist=fixed",
@@ -28,6 +29,7 @@ def points(sweep_dir: Path) -> list[Path]:
     return sorted((p for p in sweep_dir.iterdir() if p.is_dir()), key=lambda p: int(p.name.split("-", 1)[0]))
 
 
+@pytest.mark.slow          # ~25 s here: four CLI points, each a wandb offline run
 def test_a_sweep_is_one_group_and_each_run_is_named_by_its_overrides(offline):  # noqa: F811
     sweep = offline / "multirun" / "sweep-a"
     proc = run_testbed("run", "-m", *SMALL, "mode=colocated,disagg", "workload.prompt_len=64,128",
@@ -43,6 +45,7 @@ def test_a_sweep_is_one_group_and_each_run_is_named_by_its_overrides(offline):  
     assert [run.config["mode"] for run in logged] == ["colocated", "colocated", "disagg", "disagg"]
 
 
+@pytest.mark.slow          # ~35 s here: two CLI commands
 def test_wandb_group_and_name_set_by_the_user_win_and_a_single_run_keeps_its_name(offline):  # noqa: F811
     sweep = offline / "sweep-b"
     proc = run_testbed("run", "-m", *SMALL, "workload.prompt_len=64,128", "wandb.group=mine",
@@ -56,3 +59,17 @@ def test_wandb_group_and_name_set_by_the_user_win_and_a_single_run_keeps_its_nam
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = Logged(single)
     assert (run.group, run.name) == ("", "colocated-sarathi-tiny-mixed")
+
+
+def test_a_point_is_named_by_the_swept_values_in_command_line_order():
+    argv = ["-m", "runtime=sim", "mode=colocated,disagg", "workload.prompt_len=1024,4096", "hydra.sweep.dir=x",
+            "hydra/launcher=joblib", "+experiment.extra=range(1,3)", "wandb.mode=offline"]
+    swept = swept_keys(argv)
+    assert swept == {"mode", "workload.prompt_len", "experiment.extra"}
+    task = ["runtime=sim", "mode=disagg", "workload.prompt_len=4096", "+experiment.extra=1", "wandb.mode=offline"]
+    assert point_name(task, swept) == "mode=disagg,workload.prompt_len=4096,+experiment.extra=1"
+    # nothing swept (-m over single values): every override; none at all: no name (the default one)
+    assert point_name(["runtime=sim", "mode=disagg"], set()) == "runtime=sim,mode=disagg"
+    assert point_name([], set()) is None
+    assert sweep_group("multirun/2026-12-01/11-55-10") == "multirun/2026-12-01/11-55-10"
+    assert sweep_group("/" + "d" * 300) == "d" * 128
