@@ -147,3 +147,23 @@ def test_capacity_vs_length_leaves_a_gap_where_nothing_passed(tmp_path, monkeypa
     y = list(line.get_ydata())
     assert y[0] == 8.0 and math.isnan(y[1]) and y[2] == 2.0
     plt.close("all")
+
+
+def test_all_figures_and_series_from_decision_rows_and_summary(tmp_path):
+    rows = synthetic_rows() + [row(1024, "tcp-25", "sarathi-2048", "colocated", 2.0, source="real")]
+    crossovers = [{"model": "llama3-8b", "hardware": "h100-sxm", "link": link, "link_gbps": gbps, "num_gpus": 2,
+                   "slo": "p99_tbt", "tbt_slo_ms": 100, "l_star": FLIP[gbps]} for link, gbps in LINKS.items()]
+    paths = F.decision_figures(rows, crossovers, tmp_path)
+    assert [p.name for p in paths] == ["phase_llama3-8b_h100-sxm_2gpu_p99_tbt_100ms.png"] + [
+        f"capacity_llama3-8b_h100-sxm_2gpu_p99_tbt_100ms_{link}.png" for link in LINKS]
+    assert all(p.read_bytes()[:8] == PNG_MAGIC for p in paths)
+
+    series = F.capacity_series(rows)
+    assert [s["key"] for s in series] == [f"decision/capacity/llama3-8b/h100-sxm/{link}/2gpu/p99_tbt-100ms"
+                                          for link in LINKS]
+    tcp = series[0]
+    assert tcp["xs"] == LENGTHS
+    assert tcp["keys"] == ["sarathi-512", "sarathi-2048", "disagg-1P1D", "kvstore-1P1D", "hybrid"]
+    assert tcp["ys"][1] == [64.0 * 1024 / n for n in LENGTHS]
+    assert tcp["ys"][3] == [None] * 5                       # its one row is not steady: not counted
+    assert tcp["ys"][4] == [None] * 5                       # nothing passed

@@ -179,3 +179,54 @@ def _boundary(lengths, x_edges, links, l_star_by_link) -> tuple[list[float], lis
         xs += [x, x]
         ys += [i - 0.5, i + 0.5]
     return xs, ys
+
+
+# -- from decision.csv and decision_summary.json, every figure and W&B series at once ----------------------
+def _slice_key(r: dict) -> tuple:
+    return (r["model"], r["hardware"], int(r["num_gpus"]), r["slo"], int(float(r["tbt_slo_ms"])))
+
+
+def capacity_series(rows: list[dict]) -> list[dict]:
+    """W&B line series (testbed/experiments/__init__.py), one per model,
+    hardware, link, GPU count and SLO: capacity per GPU against L, one line per
+    deployment (None where nothing passed or the probe was not steady)."""
+    out = []
+    for key in dict.fromkeys(_slice_key(r) + (r["link"],) for r in rows if (r.get("source") or "sim") == "sim"):
+        pts = [r for r in rows if _slice_key(r) + (r["link"],) == key and (r.get("source") or "sim") == "sim"]
+        xs = sorted({int(r["context_len"]) for r in pts})
+        deployments = list(dict.fromkeys(r["deployment"] for r in pts))
+        at = {(r["deployment"], int(r["context_len"])): r for r in pts}
+        ys = [[_capacity(at[(d, n)]) if (d, n) in at and _steady(at[(d, n)]) else None for n in xs]
+              for d in deployments]
+        model, hw, gpus, slo, tbt, link = key
+        out.append({"key": f"decision/capacity/{model}/{hw}/{link}/{gpus}gpu/{slo}-{tbt}ms", "xname": "context_len",
+                    "xs": xs, "ys": ys, "keys": deployments,
+                    "title": f"{model} on {hw} over {link}, {gpus} GPUs, {slo} {tbt} ms: capacity per GPU (req/s)"})
+    return out
+
+
+def decision_figures(rows: list[dict], crossovers: list[dict], out: Path) -> list[Path]:
+    """For each model, hardware, GPU count and SLO of the simulated rows: a
+    phase diagram (L* per link from decision_summary.json's `crossovers`) and
+    one capacity-vs-L figure per link, with the real engine's rows of the same
+    model beside them where they exist."""
+    paths = []
+    sim = [r for r in rows if (r.get("source") or "sim") == "sim"]
+    real = [r for r in rows if r.get("source") == "real"]
+    for key in dict.fromkeys(_slice_key(r) for r in sim):
+        model, hw, gpus, slo, tbt = key
+        pts = [r for r in sim if _slice_key(r) == key]
+        l_star = {float(c["link_gbps"]): c["l_star"] for c in crossovers
+                  if (c["model"], c["hardware"], int(c["num_gpus"]), c["slo"], int(c["tbt_slo_ms"])) == key}
+        stem = f"{model}_{hw}_{gpus}gpu_{slo}_{tbt}ms"
+        paths.append(plot_phase_diagram(pts, out / f"phase_{stem}.png",
+                                        f"{model} on {hw}, {gpus} GPUs, {slo} {tbt} ms: the winning family "
+                                        f"per context length and link", l_star))
+        for link in dict.fromkeys(r["link"] for r in pts):
+            measured = [r for r in real if r["model"] == model and r["slo"] == slo
+                        and int(float(r["tbt_slo_ms"])) == tbt]
+            paths.append(plot_capacity_vs_length(
+                [r for r in pts if r["link"] == link] + measured, out / f"capacity_{stem}_{link}.png",
+                f"capacity per GPU against L: {model} on {hw} over {link}, {gpus} GPUs, {slo} {tbt} ms"
+                + (" (squares: measured on this CPU)" if measured else "")))
+    return paths
