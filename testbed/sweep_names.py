@@ -12,9 +12,19 @@ _MAX_GROUP = 128        # W&B's limit on a group's length
 
 
 def swept_keys(argv: list[str]) -> set[str]:
-    """The keys the command line sweeps over (a,b lists, range(), choice(), glob())."""
-    parsed = OverridesParser.create().parse_overrides([a for a in argv if not a.startswith("-")])
-    return {o.key_or_group for o in parsed if o.is_sweep_override() and not o.key_or_group.startswith("hydra")}
+    """The keys the command line sweeps over (a,b lists, range(), choice(), glob()).
+    Hydra's own flags and their values (-m, --config-name NAME) are not overrides: skipped."""
+    parser, keys = OverridesParser.create(), set()
+    for arg in argv:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        try:
+            (o,) = parser.parse_overrides([arg])
+        except Exception:       # Hydra has accepted the command line; what it parses otherwise is no override
+            continue
+        if o.is_sweep_override() and not o.key_or_group.startswith("hydra"):
+            keys.add(o.key_or_group)
+    return keys
 
 
 def point_name(task_overrides: list[str], swept: set[str]) -> str | None:
