@@ -31,3 +31,22 @@ def test_joblib_runs_the_points_in_parallel_and_records_the_failed_one(offline):
     failed = json.loads((bad / "failed.json").read_text())
     assert failed["error"] == "ValueError: workload.rate: must be > 0, got 0.0"
     assert "error: workload.rate: must be > 0, got 0.0" in proc.stderr
+
+
+@pytest.mark.slow          # ~45 s here: two real-engine points, three worker processes
+def test_joblib_points_on_the_real_engine_start_their_worker_processes(tmp_path):
+    """A loky worker's default start method ('loky') is unknown to the
+    processes launcher=local spawns from it; the CLI puts spawn back, so the
+    real engine's workers start, and both modes give the same tokens."""
+    from testbed.metrics import read_requests
+    sweep = tmp_path / "sweep"
+    proc = run_testbed("run", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "mode=colocated,disagg",
+                       "workload.num_requests=3", "workload.prompt_max=64", "workload.output_min=4",
+                       "workload.output_max=8", "wandb.mode=disabled", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    colocated, disagg = points(sweep)
+    assert not list(sweep.glob("*/failed.json")), proc.stderr[-3000:]
+    tokens = [{r.request_id: r.output_token_ids for r in read_requests(p / "requests.jsonl")}
+              for p in (colocated, disagg)]
+    assert len(tokens[0]) == 3 and all(len(t) >= 4 for t in tokens[0].values())
+    assert tokens[0] == tokens[1]
