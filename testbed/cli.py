@@ -38,6 +38,9 @@ def _hydra_run(argv: list[str]) -> int:
         out_dir = hc.runtime.output_dir
         try:
             cfg: RunConfig = OmegaConf.to_object(dcfg)
+            if multirun:
+                _name_sweep_point(cfg, hc, argv)
+                _stdlib_start_method()
             summary = execute(cfg, out_dir)
             if summary.get("interrupted"):
                 # what was measured is written; a sweep stops here too, as Ctrl-C means
@@ -65,6 +68,24 @@ def _hydra_run(argv: list[str]) -> int:
             print(f"error: {message}", file=sys.stderr)
             return 2
     return 0
+
+
+def _stdlib_start_method() -> None:
+    """hydra/launcher=joblib runs a point in a loky worker, whose default
+    multiprocessing start method is 'loky'; a child spawned from there
+    (launcher=local's workers) is told to use it and cannot find it. Put this
+    process's default back to a start method every child knows."""
+    import multiprocessing as mp
+    if mp.get_start_method(allow_none=True) not in (None, *mp.get_all_start_methods()):
+        mp.set_start_method("spawn", force=True)
+
+
+def _name_sweep_point(cfg, hc, argv: list[str]) -> None:
+    """W&B: the sweep is the group (unless wandb.group is set), the point is
+    named by what its overrides change (unless wandb.name is set)."""
+    from testbed.sweep_names import point_name, sweep_group, swept_keys
+    cfg.wandb.group = cfg.wandb.group or sweep_group(hc.sweep.dir)
+    cfg.wandb.name = cfg.wandb.name or point_name(list(hc.overrides.task), swept_keys(argv))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -61,7 +61,8 @@ class WandbConfig:
     mode: str = "offline"          # offline | online | disabled
     project: str = "pd-testbed"
     entity: str | None = None
-    group: str | None = None
+    group: str | None = None       # a sweep's points default to the sweep (testbed/sweep_names.py)
+    name: str | None = None        # None: a sweep point's overrides, else mode-scheduler-model-workload
 
 
 @dataclass

@@ -10,7 +10,9 @@ iterations' prefill and decode tokens, which is where a prefill stall shows.
 
 A sweep directory (`testbed run -m`: multirun/DATE/TIME) stands for its
 numbered point directories; a point that failed (failed.json) is listed with
-its error. An experiment directory (experiment.json) gets its own HTML page:
+its error; a sweep over two or more workload.prompt_len values also gets
+capacity_vs_length.png, goodput per GPU against L per deployment
+(testbed/report_sweep.py). An experiment directory (experiment.json) gets its own HTML page:
 its summary, figures and CSV tables, and the runs below it. The runs given
 together get one page: the table, the failed points and their TBT plots.
 """
@@ -21,13 +23,14 @@ import csv
 import json
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from testbed.experiments import html as H
 from testbed.metrics import IterationRecord, RequestRecord, read_iterations, read_requests
+from testbed.report_tbt import plot_tbt
 
 # (row label, path into summary.json)
 ROWS: list[tuple[str, tuple[str, ...]]] = [
@@ -171,44 +174,6 @@ def write_csv(path: Path, runs: list[Run]) -> None:
             w.writerow([label, *["" if v is None else v for v in values]])
 
 
-def plot_tbt(run: Run, path: Path) -> None:
-    """Every inter-token gap (ms) at its token's time, TTFTs marked; below, the
-    tokens of each iteration split into prefill and decode."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    requests = [r for r in run.requests if r.token_times_s]
-    iterations = run.iterations or []
-    t0 = min([r.arrival_s for r in run.requests] + [it.start_s for it in iterations], default=0.0)
-    fig, (ax_tbt, ax_it) = plt.subplots(2, 1, sharex=True, figsize=(10, 6), height_ratios=[3, 1])
-    gap_t = [t - t0 for r in requests for t in r.token_times_s[1:]]
-    # gaps of 0 (tokens delivered in one message) would vanish on a log axis
-    gap_ms = [max(g * 1000, 1e-3) for r in requests for g in r.tbt_s]
-    ax_tbt.scatter(gap_t, gap_ms, s=4, alpha=0.5, label="TBT (every inter-token gap)")
-    ax_tbt.scatter([r.token_times_s[0] - t0 for r in requests], [r.ttft_s * 1000 for r in requests],
-                   s=16, marker="x", color="tab:red", label="TTFT (at first token)")
-    ax_tbt.set_ylabel("ms")
-    ax_tbt.set_yscale("log")
-    fig.suptitle(run.label)
-    # legends sit above the axes: a stall's few points are often in a corner
-    ax_tbt.legend(loc="lower left", bbox_to_anchor=(0, 1.0), ncol=2, fontsize="small", frameon=False)
-    if iterations:
-        starts = [it.start_s - t0 for it in iterations]
-        decode = [it.num_decode_tokens for it in iterations]
-        ax_it.bar(starts, decode, width=[it.duration_s for it in iterations], align="edge",
-                  color="tab:green", edgecolor="black", linewidth=0.3, label="decode tokens")
-        ax_it.bar(starts, [it.num_prefill_tokens for it in iterations], bottom=decode,
-                  width=[it.duration_s for it in iterations], align="edge", color="tab:orange",
-                  edgecolor="black", linewidth=0.3, label="prefill tokens")
-        ax_it.legend(loc="lower left", bbox_to_anchor=(0, 1.0), ncol=2, fontsize="small", frameon=False)
-    ax_it.set_ylabel("tokens/iter")
-    ax_it.set_xlabel("time since first arrival (s)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def _plot_name(run: Run, index: int, shared_out: bool) -> str:
     if not shared_out:
         return "tbt.png"
@@ -223,6 +188,7 @@ class Inputs:
     failed: list[tuple[Path, str]]          # sweep points that failed, with their error
     experiments: list[Path]
     runs_home: Path | None = None           # the first run or sweep directory: where the runs' page goes
+    sweeps: list[tuple[Path, list[Path]]] = field(default_factory=list)   # each sweep and its finished points
 
 
 def _sweep_points(sweep_dir: Path) -> list[Path]:
@@ -243,9 +209,11 @@ def classify(dirs: list[Path]) -> Inputs:
         if (d / "summary.json").is_file():
             inputs.runs.append(d)
         elif d.is_dir() and _sweep_points(d):
+            inputs.sweeps.append((d, []))
             for point in _sweep_points(d):
                 if (point / "summary.json").is_file():
                     inputs.runs.append(point)
+                    inputs.sweeps[-1][1].append(point)
                 else:
                     error = json.loads((point / "failed.json").read_text()).get("error", "?")
                     inputs.failed.append((point, error))
@@ -291,7 +259,8 @@ def runs_page(runs: list[Run], failed: list[tuple[Path, str]], plots: list[Path]
     if failed:
         sections.append(H.section("Failed points", H.table(["point", "error"], [[str(d), e] for d, e in failed])))
     if plots:
-        sections.append(H.section("TBT over time", *[H.image(p, str(p)) for p in plots]))
+        sections.append(H.section("Figures: goodput per GPU against L (sweeps), TBT over time (runs)",
+                                  *[H.image(p, str(p)) for p in plots]))
     return H.page("testbed report", sections)
 
 
@@ -306,6 +275,20 @@ def _write_pages(pages: list[tuple[str, str, Path]], out: Path | None) -> None:
             path = out / ("report.html" if len(pages) == 1 else f"report-{slug}.html")
         path.write_text(text)
         print(f"wrote {path}")
+
+
+def _sweep_figures(sweeps: list[tuple[Path, list[Path]]], runs: dict[Path, Run], out: Path | None) -> list[Path]:
+    """Each sweep over two or more workload.prompt_len values: goodput per GPU
+    against L per deployment (testbed/report_sweep.py), capacity_vs_length.png."""
+    from testbed.report_sweep import plot_sweep_capacity
+    figures = []
+    for i, (sweep, points) in enumerate(sweeps, start=1):
+        name = "capacity_vs_length.png" if out is None or len(sweeps) == 1 else f"capacity_vs_length-{i}.png"
+        path = plot_sweep_capacity([(p, runs[p].summary) for p in points], (out or sweep) / name)
+        if path is not None:
+            figures.append(path)
+            print(f"wrote {path}")
+    return figures
 
 
 def report_main(argv: list[str]) -> int:
@@ -343,6 +326,7 @@ def report_main(argv: list[str]) -> int:
             plot_tbt(run, path)
             plots.append(path)
             print(f"wrote {path}")
+        plots[:0] = _sweep_figures(inputs.sweeps, {r.path: r for r in runs}, args.out)
     if runs or inputs.failed:
         pages.append(("runs", runs_page(runs, inputs.failed, plots if runs else []), inputs.runs_home))
     for i, d in enumerate(inputs.experiments, start=1):

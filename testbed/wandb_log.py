@@ -4,6 +4,7 @@ summary, the per-iteration series and a per-request table. Offline by default
 later); the files land in the run directory."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -29,7 +30,8 @@ def log_run(cfg: RunConfig, out_dir: Path, summary: dict, result) -> str | None:
     os.environ.setdefault("WANDB_SILENT", "true")
     run = wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, group=cfg.wandb.group,
                      mode=cfg.wandb.mode, dir=str(out_dir), config=to_dict(cfg),
-                     name=f"{cfg.mode}-{cfg.scheduler}-{cfg.model.name}-{cfg.workload.name}", reinit="finish_previous")
+                     name=cfg.wandb.name or f"{cfg.mode}-{cfg.scheduler}-{cfg.model.name}-{cfg.workload.name}",
+                     reinit="finish_previous")
     try:
         for it in result.iterations:
             run.log({"iteration/start_s": it.start_s, "iteration/duration_ms": it.duration_s * 1e3,
@@ -50,21 +52,38 @@ def log_run(cfg: RunConfig, out_dir: Path, summary: dict, result) -> str | None:
         run.finish()
 
 
-def log_experiment(cfg: RunConfig, out_dir: Path, result: dict, rows: list[dict] | None) -> str | None:
+def _table(wandb, rows: list[dict]):
+    """A wandb.Table of row dicts: columns in first-seen order; lists and dicts as JSON text."""
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    cell = lambda v: json.dumps(v) if isinstance(v, (list, dict, tuple)) else v  # noqa: E731
+    return wandb.Table(columns=columns, data=[[cell(r.get(c)) for c in columns] for r in rows])
+
+
+def log_experiment(cfg: RunConfig, out_dir: Path, result: dict, rows: list[dict] | None,
+                   series: list[dict] | None = None, tables: dict[str, list[dict]] | None = None) -> str | None:
     """An experiment's result table (one wandb.Table, so a dashboard can draw
-    line plots from it with no custom code), its figures and its summary."""
+    line plots from it with no custom code), its line series (each a
+    wandb.plot.line_series under its own key), its other tables (under
+    EXPERIMENT/NAME), its figures and its summary. `series` and `tables` follow
+    the contract of a study's result dict (testbed/experiments/__init__.py)."""
     import wandb
     run = wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, group=cfg.wandb.group or cfg.experiment.name,
                      mode=cfg.wandb.mode, dir=str(out_dir), config=to_dict(cfg), job_type="experiment",
-                     name=f"experiment-{cfg.experiment.name}", reinit="finish_previous")
+                     name=cfg.wandb.name or f"experiment-{cfg.experiment.name}",
+                     reinit="finish_previous")
     try:
         if rows:
-            columns = list(rows[0])
-            table = wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows])
+            table = _table(wandb, rows)
             run.log({f"{cfg.experiment.name}/table": table})
-            if {"context_len", "reread_ms", "transfer_ms"} <= set(columns):
+            if {"context_len", "reread_ms", "transfer_ms"} <= set(table.columns):
                 run.log({f"{cfg.experiment.name}/reread_ms": wandb.plot.scatter(table, "context_len", "reread_ms"),
                          f"{cfg.experiment.name}/transfer_ms": wandb.plot.scatter(table, "context_len", "transfer_ms")})
+        for s in series or []:
+            run.log({s["key"]: wandb.plot.line_series(xs=s["xs"], ys=s["ys"], keys=s["keys"], title=s["title"],
+                                                      xname=s["xname"])})
+        for name, table_rows in (tables or {}).items():
+            if table_rows:
+                run.log({f"{cfg.experiment.name}/{name}": _table(wandb, table_rows)})
         for png in sorted(out_dir.glob("*.png")):
             run.log({f"figures/{png.stem}": wandb.Image(str(png))})
         run.summary.update(_flat({k: v for k, v in result.items() if not isinstance(v, list)}))

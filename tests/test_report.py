@@ -5,6 +5,7 @@ import csv
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from testbed.metrics import IterationRecord, RequestRecord, summarize, write_jsonl
@@ -100,3 +101,54 @@ def test_report_without_requests_still_prints_the_table(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "TTFT p99 ms" in captured.out and "no requests.jsonl, so no TBT plot" in captured.err
     assert not (tmp_path / "r" / "tbt.png").exists()
+
+
+def test_the_per_run_figure_bins_10_5_iterations_and_wraps_a_long_title(tmp_path, monkeypatch):
+    """10^5 iterations: no bar per iteration (they merge into black) but filled
+    time buckets with no edges; the stall in the middle still shows as the
+    bucket's largest iteration; a long title is wrapped inside the figure."""
+    import time
+
+    import matplotlib.pyplot as plt
+
+    from testbed import report_tbt
+    from testbed.report import Run
+    n = 100_000
+    iterations = [IterationRecord(i * 1e-3, 1e-3, 4096 if i == n // 2 else 0, 8) for i in range(n)]
+    times = [0.01 + 0.001 * i for i in range(2000)]
+    requests = [RequestRecord("r0", "finished", 100, list(range(2000)), 0.0, 0.0, times[0], times, times[-1], 0, None)]
+    label = " ".join(["mode=disagg scheduler=sarathi token_budget=2048 workload.prompt_len=131072"] * 3)
+    figs = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: figs.append(fig))     # keep the figure to inspect it
+    t0 = time.perf_counter()
+    report_tbt.plot_tbt(Run(tmp_path, label, {}, requests, iterations), tmp_path / "tbt.png")
+    print(f"plot_tbt, 10^5 iterations: {time.perf_counter() - t0:.1f} s (noisy: shared CPU)")
+    assert (tmp_path / "tbt.png").read_bytes()[:8] == PNG_MAGIC
+    fig = figs[0]
+    ax_it = fig.axes[1]
+    assert len(ax_it.patches) == 0                                   # no bars
+    fills = [c for c in ax_it.collections]
+    assert len(fills) == 2 and all(np.all(c.get_linewidths() == 0) for c in fills)
+    (peak,) = ax_it.get_lines()
+    assert peak.get_ydata().max() == 4096 + 8 and len(peak.get_ydata()) == report_tbt.NUM_BINS + 1
+    # the buckets' means: 8 decode tokens per iteration everywhere
+    edges, decode, prefill, _ = report_tbt.binned_iterations(iterations, 0.0)
+    assert np.allclose(decode, 8) and prefill.sum() == pytest.approx(4096 / (n / report_tbt.NUM_BINS))
+    title = fig._suptitle
+    fig.canvas.draw()
+    box = title.get_window_extent()
+    assert "\n" in title.get_text() and box.x0 >= 0 and box.x1 <= fig.bbox.x1
+
+
+def test_a_short_run_keeps_one_bar_per_iteration(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from testbed import report_tbt
+    from testbed.report import Run
+    iterations = [IterationRecord(i * 0.01, 0.01, 64 if i < 5 else 0, 2) for i in range(50)]
+    times = [0.05 + 0.01 * i for i in range(20)]
+    requests = [RequestRecord("r0", "finished", 100, list(range(20)), 0.0, 0.01, times[0], times, times[-1], 0, None)]
+    figs = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: figs.append(fig))
+    report_tbt.plot_tbt(Run(tmp_path, "scheduler=sarathi", {}, requests, iterations), tmp_path / "tbt.png")
+    assert len(figs[0].axes[1].patches) == 2 * 50

@@ -70,9 +70,11 @@ class Logged:
             time.sleep(0.2)
         assert {"run", "exit"} <= kinds, f"{self.dir}: the transaction log has only {sorted(kinds)}"
         run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+        self.group, self.name, self.job_type = run.run_group, run.display_name, run.job_type
         self.config = {u.key: json.loads(u.value_json) for u in run.config.update}
         self.summary: dict = {}
         self.history: list[dict] = []
+        self.charts: dict[str, dict] = {}
         for r in records:
             kind = r.WhichOneof("record_type")
             if kind == "summary":
@@ -80,7 +82,10 @@ class Logged:
             elif kind == "history":
                 self.history.append({_key(i): json.loads(i.value_json) for i in r.history.item})
             elif kind == "config":
-                self.config.update({u.key: json.loads(u.value_json) for u in r.config.update})
+                self.config.update({u.key: json.loads(u.value_json) for u in r.config.update if u.key})
+                # custom charts (wandb.plot.*): their panel under _wandb/visualize/KEY
+                self.charts.update({"/".join(u.nested_key[2:]): json.loads(u.value_json) for u in r.config.update
+                                    if list(u.nested_key[:2]) == ["_wandb", "visualize"]})
 
     def table(self, key: str) -> dict:
         """The logged wandb.Table under `key`, from its file."""
@@ -160,3 +165,45 @@ def test_an_experiment_logs_its_table_figures_and_summary(offline):
     assert logged.summary["figures/hybrid_batch/_type"] == "image-file"
     logged_png = logged.dir / "files" / logged.summary["figures/hybrid_batch/path"]
     assert logged_png.read_bytes() == (out / "hybrid_batch.png").read_bytes()
+
+
+def test_an_experiment_logs_line_series_and_the_l_star_table(offline):
+    out = offline / "crossover"
+    lengths = [1024, 2048, 4096, 8192, 16384]
+    cfg = from_dict({"wandb": {"mode": "offline"},
+                     "experiment": {"name": "crossover", "real": False, "models": ["llama3-8b"],
+                                    "hardware": ["h100-sxm"], "links": ["tcp-25", "rdma-400"],
+                                    "chunk_sizes": [512, 2048], "context_lens": lengths}})
+    result = execute(cfg, out)
+    logged = Logged(out)
+    assert "series" not in result and "tables" not in result           # popped: W&B's, not experiment.json's
+    assert "series" not in json.loads((out / "experiment.json").read_text())
+
+    # one line series per model/hardware/link: re-read at each chunk size, transfer whole and exposed
+    with open(out / "crossover.csv") as f:
+        import csv
+        rows = list(csv.DictReader(f))
+    for link in ("tcp-25", "rdma-400"):
+        key = f"crossover/taxes/llama3-8b/h100-sxm/{link}"
+        chart = logged.charts[key]
+        assert chart["panel_config"]["panelDefId"] == "wandb/lineseries/v0"
+        assert chart["panel_config"]["stringSettings"]["xname"] == "context_len"
+        table = logged.table(f"{key}_table")
+        assert table["columns"] == ["step", "lineKey", "lineVal"]
+        lines: dict[str, dict[int, float]] = {}
+        for x, line, y in table["data"]:
+            lines.setdefault(line, {})[x] = y
+        assert set(lines) == {"reread_ms C=512", "reread_ms C=2048", "transfer_ms", "exposed_transfer_ms"}
+        for r in (r for r in rows if r["link"] == link):
+            n = int(r["context_len"])
+            assert lines[f"reread_ms C={r['chunk_size']}"][n] == pytest.approx(float(r["reread_ms"]))
+            assert lines["transfer_ms"][n] == pytest.approx(float(r["transfer_ms"]))
+    assert not any(k.startswith("crossover/taxes/") for k in logged.charts if k.count("/") != 4)
+
+    # the L* table: one row per model/hardware/link/chunk, as in crossover_summary.json
+    lstar = logged.table("crossover/lstar")
+    summary = json.loads((out / "crossover_summary.json").read_text())
+    col = {c: i for i, c in enumerate(lstar["columns"])}
+    assert [(r[col["link"]], r[col["chunk_size"]], r[col["L_star_time"]]) for r in lstar["data"]] == \
+        [(e["link"], e["chunk_size"], e["L_star_time"]) for e in summary]
+    assert logged.summary["figures/crossover_llama3-8b/_type"] == "image-file"

@@ -1,6 +1,12 @@
 """The studies (experiments/README.md): `testbed run experiment=NAME` runs one
 into its run directory: its tables (CSV/JSON), figures (PNG) and an
-experiment.json summary, logged to W&B like any run."""
+experiment.json summary, logged to W&B like any run.
+
+A study returns a dict for experiment.json, plus what goes only to W&B
+(testbed/wandb_log.py:log_experiment), popped before writing: `rows` (its main
+table), `series` ([{"key", "title", "xname", "xs": [x], "ys": [[y or None]],
+"keys": [line name]}], each a wandb.plot.line_series) and `tables`
+({name: [row dict]}, each a wandb.Table)."""
 from __future__ import annotations
 
 import importlib
@@ -34,8 +40,9 @@ def run_experiment(cfg, out_dir: str | Path) -> dict:
     module, fn = _STUDIES[cfg.experiment.name].split(":")
     result = getattr(importlib.import_module(module), fn)(cfg, out, print)
     rows = result.pop("rows", None)
+    series, tables = result.pop("series", None), result.pop("tables", None)
     (out / "experiment.json").write_text(json.dumps(result, indent=2, default=str))
     if cfg.wandb.mode != "disabled":
         from testbed.wandb_log import log_experiment
-        log_experiment(cfg, out, result, rows)
+        log_experiment(cfg, out, result, rows, series, tables)
     return result

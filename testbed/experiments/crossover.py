@@ -309,4 +309,29 @@ def run_crossover(cfg: RunConfig, out: Path, log=print) -> dict:
     (out / "crossover_summary.json").write_text(json.dumps(summary, indent=2))
     figures = _plot(rows, summary, out, e.piggyback_decodes)
     return {"experiment": "crossover", "num_points": len(rows), "summary": summary,
-            "figures": [p.name for p in figures], "rows": rows}
+            "figures": [p.name for p in figures], "rows": rows,
+            "series": _wandb_series(rows), "tables": {"lstar": summary}}
+
+
+def _wandb_series(rows: list[dict]) -> list[dict]:
+    """W&B line series (testbed/experiments/__init__.py), one per model, hardware
+    and link of the simulated rows, so their number stays that of the grid's
+    (model, hardware, link): the re-read tax at each chunk size and the
+    transfer tax (whole, and exposed with layer-wise streaming) against L."""
+    sim = [r for r in rows if r["source"] == "sim"]
+    out = []
+    for model, hw, link in dict.fromkeys((r["model"], r["hardware"], r["link"]) for r in sim):
+        at = {(r["chunk_size"], r["context_len"]): r for r in sim
+              if (r["model"], r["hardware"], r["link"]) == (model, hw, link)}
+        xs = sorted({n for _, n in at})
+        chunks = sorted({c for c, _ in at})
+        keys, ys = [], []
+        for c in chunks:
+            keys.append(f"reread_ms C={c}")
+            ys.append([at[(c, n)]["reread_ms"] if (c, n) in at else None for n in xs])
+        for column in ("transfer_ms", "exposed_transfer_ms"):
+            keys.append(column)
+            ys.append([at[(chunks[0], n)][column] if (chunks[0], n) in at else None for n in xs])
+        out.append({"key": f"crossover/taxes/{model}/{hw}/{link}", "xname": "context_len", "xs": xs, "ys": ys,
+                    "keys": keys, "title": f"{model} on {hw} over {link}: chunk re-read vs transfer tax (ms)"})
+    return out
