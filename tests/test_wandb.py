@@ -193,11 +193,14 @@ def test_an_experiment_logs_line_series_and_the_l_star_table(offline):
         lines: dict[str, dict[int, float]] = {}
         for x, line, y in table["data"]:
             lines.setdefault(line, {})[x] = y
-        assert set(lines) == {"reread_ms C=512", "reread_ms C=2048", "transfer_ms", "exposed_transfer_ms"}
+        riding = {f"piggyback_b{b}_ms C=512" for b in (0, 8, 32, 128)}
+        assert set(lines) == {"reread_ms C=512", "reread_ms C=2048", "transfer_ms", "exposed_transfer_ms"} | riding
         for r in (r for r in rows if r["link"] == link):
             n = int(r["context_len"])
             assert lines[f"reread_ms C={r['chunk_size']}"][n] == pytest.approx(float(r["reread_ms"]))
             assert lines["transfer_ms"][n] == pytest.approx(float(r["transfer_ms"]))
+            if r["chunk_size"] == "512":
+                assert lines["piggyback_b32_ms C=512"][n] == pytest.approx(float(r["piggyback_b32_ms"]))
     assert not any(k.startswith("crossover/taxes/") for k in logged.charts if k.count("/") != 4)
 
     # the L* table: one row per model/hardware/link/chunk, as in crossover_summary.json

@@ -316,8 +316,9 @@ def run_crossover(cfg: RunConfig, out: Path, log=print) -> dict:
 def _wandb_series(rows: list[dict]) -> list[dict]:
     """W&B line series (testbed/experiments/__init__.py), one per model, hardware
     and link of the simulated rows, so their number stays that of the grid's
-    (model, hardware, link): the re-read tax at each chunk size and the
-    transfer tax (whole, and exposed with layer-wise streaming) against L."""
+    (model, hardware, link): the re-read tax at each chunk size, the piggyback
+    tax at each decode count (C=512), and the transfer tax (whole, and exposed
+    with layer-wise streaming) against L."""
     sim = [r for r in rows if r["source"] == "sim"]
     out = []
     for model, hw, link in dict.fromkeys((r["model"], r["hardware"], r["link"]) for r in sim):
@@ -329,6 +330,10 @@ def _wandb_series(rows: list[dict]) -> list[dict]:
         for c in chunks:
             keys.append(f"reread_ms C={c}")
             ys.append([at[(c, n)]["reread_ms"] if (c, n) in at else None for n in xs])
+        riding = 512 if 512 in chunks else chunks[0]
+        for column in sorted((k for k in sim[0] if k.startswith("piggyback_b")), key=lambda k: int(k[11:-3])):
+            keys.append(f"{column} C={riding}")
+            ys.append([at[(riding, n)][column] if (riding, n) in at else None for n in xs])
         for column in ("transfer_ms", "exposed_transfer_ms"):
             keys.append(column)
             ys.append([at[(chunks[0], n)][column] if (chunks[0], n) in at else None for n in xs])
