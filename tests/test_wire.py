@@ -61,6 +61,8 @@ def test_a_request_crosses_the_wire_as_the_same_request():
     (msgpack.packb(["add", ["r", [1, "x"], 4, 0.0, 0.0, 1.0, 0, True, None]]), "add.request.prompt: expected a list of integ"),
     (msgpack.packb(["add", "r1"]), "add.request: expected a RequestMsg as a list"),
     (msgpack.packb(["finished", "r", "finished", None, "soon", None, 0]), "finished.finish_s: .* is not a"),
+    # found by experiments/fuzz/fuzz_wire.py: a NaN top_p decoded, and NaN != NaN broke the round trip
+    (msgpack.packb(["add", ["r", [1], 4, 0.0, 0.0, float("nan"), 0, True, None]]), "add.request.top_p: NaN"),
 ])
 def test_the_decoder_says_what_is_wrong(raw, why):
     with pytest.raises(WireError, match=why):

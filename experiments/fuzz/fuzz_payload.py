@@ -20,11 +20,7 @@ and exits 1 if there was any crash. Arguments it does not know go to libFuzzer.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import os
 import sys
-import time
-import tracemalloc
 from pathlib import Path
 
 # heavy modules first, outside the instrumented import: only testbed's own code is instrumented
@@ -32,77 +28,28 @@ import msgpack
 import torch  # noqa: F401
 import xxhash  # noqa: F401
 
+from campaign import Campaign, printable_error  # noqa: E402  (this folder)
+
 MAX_HEADER = 64 * 1024
 MAX_MESSAGE = 1 << 30
 
 
-class Campaign:
-    """Counts executions and distinct crashes; saves each crash's input."""
-
-    def __init__(self, crash_dir: Path, seconds: float, decode, payload_error, shown) -> None:
-        self.crash_dir = crash_dir
-        self.decode, self.payload_error, self.shown = decode, payload_error, shown
-        self.executions = 0
-        self.crashes: dict[str, Path] = {}      # signature -> saved input
-        self.t0 = time.monotonic()
-        self.deadline = self.t0 + seconds
-
-    def one_input(self, data: bytes) -> None:
-        self.executions += 1
-        if self.executions % 1024 == 0 and time.monotonic() >= self.deadline:
-            # libFuzzer's own -max_total_time leaves by _exit, skipping atexit: report here
-            self.report()
-            os._exit(1 if self.crashes else 0)
-        measure = self.executions % 64 == 0
+def payload_check(decode, payload_error, shown):
+    """The promise of decode_header: a consistent KVPayload, or a PayloadError
+    that is one printable line naming its request when it knows it."""
+    def check(data: bytes) -> None:
         try:
-            if measure:
-                tracemalloc.start()
-            try:
-                self._check(data)
-            finally:
-                if measure:
-                    peak = tracemalloc.get_traced_memory()[1]
-                    tracemalloc.stop()
-            if measure and peak > 100 * len(data) + (64 << 10):
-                raise AssertionError(f"decoding {len(data)} bytes allocated {peak} bytes")
-        except Exception as e:      # a crash: record it and keep fuzzing
-            self._record(e, data)
-
-    def _check(self, data: bytes) -> None:
-        try:
-            p = self.decode(data, MAX_HEADER, MAX_MESSAGE)
-        except self.payload_error as e:
+            p = decode(data, MAX_HEADER, MAX_MESSAGE)
+        except payload_error as e:
             message = str(e)
-            if not message.isprintable() or len(message) > 1000:
-                raise AssertionError(f"unprintable or long PayloadError: {message[:200]!r}") from None
-            if e.request_id is not None and not message.startswith(f"request {self.shown(e.request_id)}: "):
+            printable_error(message)
+            if e.request_id is not None and not message.startswith(f"request {shown(e.request_id)}: "):
                 raise AssertionError(f"PayloadError does not name its request: {message[:200]!r}") from None
             return
         if not (0 < p.nbytes <= MAX_MESSAGE and len(p.shape) == 6 and p.shape[2] == len(p.block_ids)
                 and p.shape[0] == p.layer_end - p.layer_start >= 0):
             raise AssertionError(f"inconsistent payload accepted: shape={p.shape} nbytes={p.nbytes}")
-
-    def _record(self, e: Exception, data: bytes) -> None:
-        tb = e.__traceback__
-        while tb is not None and tb.tb_next is not None:
-            tb = tb.tb_next
-        where = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else "?"
-        signature = f"{type(e).__name__} at {where}"
-        if signature in self.crashes:
-            return
-        self.crash_dir.mkdir(parents=True, exist_ok=True)
-        path = self.crash_dir / f"crash-{hashlib.sha1(data).hexdigest()[:16]}"
-        path.write_bytes(data)
-        self.crashes[signature] = path
-        print(f"\nCRASH {signature}: {str(e)[:300]} (input: {path})", file=sys.stderr, flush=True)
-
-    def report(self) -> None:
-        elapsed = time.monotonic() - self.t0
-        print(f"\nfuzz_payload: {self.executions:,} executions in {elapsed:.0f} s "
-              f"({self.executions / max(elapsed, 1e-9):,.0f}/s), {len(self.crashes)} distinct crash(es)",
-              flush=True)
-        for signature, path in self.crashes.items():
-            print(f"  {signature}  input: {path}", flush=True)
+    return check
 
 
 def seed_corpus(directory: Path) -> None:
@@ -134,7 +81,9 @@ def main() -> None:
 
     corpus = args.work_dir / "corpus"
     seed_corpus(corpus)
-    campaign = Campaign(args.work_dir / "crashes", args.minutes * 60, decode_header, PayloadError, shown)
+    campaign = Campaign("fuzz_payload", args.work_dir / "crashes", args.minutes * 60,
+                        payload_check(decode_header, PayloadError, shown))
+    campaign.warm(corpus)
     atheris.Setup([sys.argv[0], f"-max_len={MAX_HEADER + 16}", *libfuzzer_args, str(corpus)],
                   campaign.one_input)
     atheris.Fuzz()

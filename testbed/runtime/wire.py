@@ -134,6 +134,8 @@ def _checker(tp: Any) -> Callable[[Any, str], Any]:
         def a_float(v, where):
             if type(v) not in (float, int):
                 raise WireError(f"{where}: expected a number, got {type(v).__name__}")
+            if v != v:
+                raise WireError(f"{where}: NaN is not a value here")
             return float(v)
         return a_float
     if tp in (int, str, bool):
