@@ -23,6 +23,7 @@ def _hydra_run(argv: list[str]) -> int:
     from omegaconf import DictConfig, OmegaConf
 
     from testbed.config import RunConfig, register_configs
+    from testbed.interrupts import Interrupts
     from testbed.model.config import CONF_DIR
     from testbed.run import execute
 
@@ -41,11 +42,17 @@ def _hydra_run(argv: list[str]) -> int:
             if multirun:
                 _name_sweep_point(cfg, hc, argv)
                 _stdlib_start_method()
-            summary = execute(cfg, out_dir)
+            signals = Interrupts()
+            try:
+                with signals.terminate_as_interrupt():      # SIGTERM stops a run as Ctrl-C does
+                    summary = execute(cfg, out_dir)
+            except KeyboardInterrupt:
+                print(f"interrupted: whatever was written is in {out_dir}", file=sys.stderr)
+                raise SystemExit(signals.exit_code) from None
             if summary.get("interrupted"):
                 # what was measured is written; a sweep stops here too, as Ctrl-C means
                 print(f"interrupted: partial results in {out_dir}", file=sys.stderr)
-                raise SystemExit(130)
+                raise SystemExit(signals.exit_code)
             return summary
         except (ValueError, TimeoutError, RuntimeError) as e:
             print(f"error: {e}", file=sys.stderr)

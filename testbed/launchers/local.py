@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 
+from testbed.interrupts import deferred
 from testbed.launchers.base import Launcher, WorkerSpec
 
 
@@ -24,7 +25,8 @@ class LocalLauncher(Launcher):
 
     def start(self, spec: WorkerSpec) -> None:
         p = self._mp.Process(target=run_entry, args=(spec,), name=spec.worker_id, daemon=True)
-        p.start()
+        with deferred():        # born ignoring SIGINT/SIGTERM: the frontend stops its workers itself
+            p.start()
         self._procs[spec.worker_id] = p
 
     def alive(self, worker_id: str) -> bool:

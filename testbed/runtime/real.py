@@ -23,6 +23,7 @@ from testbed.engine import WallClock
 from testbed.launchers import WorkerSpec, make_launcher
 from testbed.modes.base import ModeController
 from testbed.modes.registry import get_role
+from testbed.interrupts import deferred
 from testbed.request import Request
 from testbed.runtime.deployment import RunResult, build_mode
 from testbed.runtime.messages import (Command, Connect, Event, IterationDone, Ping, Pong, Ready, Stats, Stop,
@@ -194,11 +195,20 @@ class RealRuntime:
         """Serve `requests`; whatever goes wrong (a start-up failure, a crashed
         worker, an error in a hook), the workers are stopped before it propagates."""
         try:
-            self.start()
+            try:
+                self.start()
+            except KeyboardInterrupt:      # Ctrl-C or SIGTERM (testbed/interrupts.py) before serving began
+                with deferred():
+                    self.launcher.join(0.0)     # nothing served yet: a worker still starting is killed, not awaited
+                self.shutdown()
+                # no request had arrived (their clock starts with serving): none is recorded, as
+                # when a run is interrupted before a later request's arrival
+                return RunResult([], [], self.stats, 0.0, True, self.store_stats)
             return self._serve(requests)
         except BaseException:
             self.shutdown()
             raise
+
 
     def _serve(self, requests: list[Request]) -> RunResult:
         ctl = self.controller
@@ -274,9 +284,14 @@ class RealRuntime:
 
     def shutdown(self) -> None:
         """Stop every worker, collect their final stats, leave no process or port behind.
-        Safe to call twice, and before start() got far."""
+        Safe to call twice, and before start() got far. Bounded (STOP_TIMEOUT_S):
+        a Ctrl-C or SIGTERM meanwhile is ignored rather than cutting it short."""
         if self.ctx.closed:
             return
+        with deferred():
+            self._shutdown()
+
+    def _shutdown(self) -> None:
         from testbed.kv_transfer.curve import stop_authenticator
         if not hasattr(self, "events"):         # start() failed before its sockets existed
             self.launcher.join(0.0)

@@ -17,6 +17,7 @@ log = logging.getLogger(__name__)
 def store_main(spec) -> None:
     """The store process: serve until the frontend says Stop (or kills it)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # the frontend owns shutdown, as for workers
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from testbed.config import from_dict
     from testbed.runtime.messages import Ping, Pong, Ready, Stop, StoreStats, WorkerError
     from testbed.runtime.wire import WireError

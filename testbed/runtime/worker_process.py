@@ -32,6 +32,7 @@ class WorkerProcess:
         # die with a traceback and never report its final block counts.
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)     # the same for a SIGTERM to the process group
         import torch
 
         from testbed.config import from_dict
