@@ -13,8 +13,8 @@ long as its roles are registered here."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Callable, ClassVar
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar, Mapping
 
 from testbed.kv_transfer.store_config import KVStoreConfig
 from testbed.modes.base import ModeController, Send, WorkerInfo
@@ -44,6 +44,8 @@ class ModeSettings:
     slo_ttft_ms: float | None = None
     kv_bytes_per_token: int = 0
     router_context: Callable[[], RouterContext] | None = None    # built only for a router that needs it
+    # KV blocks of a worker of each pool with its own parallel config (WorkerService.pool), if not num_kv_blocks
+    pool_kv_blocks: Mapping[str, int] = field(default_factory=dict)
 
 
 class Mode(ABC):
@@ -64,7 +66,8 @@ class Mode(ABC):
 
     def workers(self) -> list[WorkerInfo]:
         s = self.settings
-        return [WorkerInfo(w, role, s.num_kv_blocks, s.block_size) for w, role in self.layout()]
+        return [WorkerInfo(w, role, s.pool_kv_blocks.get(get_role(role).pool, s.num_kv_blocks), s.block_size)
+                for w, role in self.layout()]
 
 
 class ColocatedMode(Mode):

@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 
 from testbed.config import RunConfig
 from testbed.metrics import IterationRecord, RequestRecord
-from testbed.modes.registry import Mode, ModeSettings, get_mode
+from testbed.modes.registry import Mode, ModeSettings, get_mode, get_role
 from testbed.modes.routers import RouterContext
+from testbed.pool_config import POOLS
+from testbed.runtime.build import pool_config, pool_parallel
 
 
 @dataclass
@@ -27,7 +29,8 @@ def mode_settings(cfg: RunConfig) -> ModeSettings:
                         decode_router=cfg.decode_router, num_kv_blocks=cfg.num_kv_blocks, block_size=cfg.block_size,
                         kvstore=cfg.kvstore, slo_ttft_ms=cfg.slo.ttft_ms,
                         kv_bytes_per_token=cfg.model.kv_bytes_per_token,
-                        router_context=lambda: router_context(cfg))
+                        router_context=lambda: router_context(cfg),
+                        pool_kv_blocks={p: pool_config(cfg, p).num_kv_blocks for p in POOLS})
 
 
 def router_context(cfg: RunConfig) -> RouterContext:
@@ -42,3 +45,13 @@ def router_context(cfg: RunConfig) -> RouterContext:
 
 def build_mode(cfg: RunConfig) -> Mode:
     return get_mode(cfg.mode, mode_settings(cfg))
+
+
+def num_gpus(cfg: RunConfig) -> int:
+    """GPUs the deployment occupies: over its workers, tp x pp of each
+    worker's pool (prefill.parallel, decode.parallel, else parallel)."""
+    total = 0
+    for _, role in build_mode(cfg).layout():
+        p = pool_parallel(cfg, get_role(role).pool)
+        total += p.tp * p.pp
+    return total
