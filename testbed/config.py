@@ -162,6 +162,8 @@ def validate(cfg: RunConfig) -> None:
     for f in ("router", "prefill_router", "decode_router"):
         _one_of(f, getattr(cfg, f), ROUTERS)
     _one_of("kvstore.prefill_router", cfg.kvstore.prefill_router, ROUTERS)
+    from testbed.modes.hybrid_router import HYBRID_ROUTERS
+    _one_of("hybrid.router", cfg.hybrid.router, HYBRID_ROUTERS)
     if not cfg.runtime.host:
         raise ValueError(f"runtime.host: must name an address to bind, e.g. {RuntimeConfig.host}")
     if cfg.runtime.name == "real":      # (the registry imports torch; the simulator never needs it)

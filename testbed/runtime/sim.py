@@ -116,13 +116,18 @@ class SimRuntime:
         self.wakes_at: dict[str, float] = {}
         # one cost model per parallel config: each worker is priced with its pool's (runtime/build.py)
         costs: dict[str, CostModel] = {}
-        footprints = {}
+        footprints, printed = {}, set()
         for pool in sorted({get_role(w.role).pool or "" for w in self.workers}):
             pcfg = pool_config(cfg, pool or None)
             costs[pool] = CostModel(cfg.model, cfg.hardware, pcfg.parallel)
             footprints[pool] = kv_footprint(costs[pool], pcfg.num_kv_blocks, cfg.block_size,
                                             getattr(cfg, "hardware_defaults_note", ""))
-            (log or _stderr)((f"[{pool} pool] " if pool else "") + format_footprint(footprints[pool]))
+            # a pool with its own parallel config gets its own line; the run's is printed once
+            line = format_footprint(footprints[pool])
+            line = line if pcfg is cfg else f"[{pool} pool] {line}"
+            if line not in printed:
+                printed.add(line)
+                (log or _stderr)(line)
         self.footprint = footprints.get("", next(iter(footprints.values())))
         # a hand-off crosses from the prefill pool's layout to the decode pool's (sim/kv_sharding.py)
         links = handoff_links(cfg.model, pool_parallel(cfg, "prefill"), pool_parallel(cfg, "decode"))
