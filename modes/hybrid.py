@@ -10,12 +10,12 @@ replica's decodes for many chunks. The threshold is where the decision study
 measured the two to cross (`hybrid.threshold=auto`, modes/hybrid_threshold.py)."""
 from __future__ import annotations
 
+from testbed.modes.base import Send, WorkerInfo
 from testbed.modes.colocated import ReplicaRouting
 from testbed.modes.disagg import DisaggController
 from testbed.modes.hybrid_router import HybridRouter
 from testbed.modes.pool import PoolState
 from testbed.modes.routers import Router
-from testbed.modes.base import Send, WorkerInfo
 from testbed.request import Request
 
 
@@ -33,7 +33,8 @@ class HybridController(ReplicaRouting, DisaggController):
         self.hybrid_router, self.router = hybrid_router, router
 
     def route(self, req: Request, now: float) -> None:
-        if self.hybrid_router.disaggregates(req, self.pool):
+        # with every colocated replica dead, the P/D pools serve short prompts too
+        if self.hybrid_router.disaggregates(req, self.pool) or not self.alive(self.replicas):
             DisaggController.route(self, req, now)
         else:
             self._to_replica(req, self.router, now)

@@ -67,6 +67,21 @@ def test_hybrid_gpus_count_both_pools():
     assert num_gpus(cfg) == 2 + 2 + 1
 
 
+def test_with_every_replica_dead_short_prompts_are_disaggregated():
+    from testbed.runtime.messages import Add, Reserve
+    cfg = config("runtime=sim", "mode=hybrid", f"hybrid.threshold={THRESHOLD}")
+    mode = build_mode(cfg)
+    sent = []
+    ctl = mode.controller(mode.workers(), lambda w, c: sent.append((w, type(c))), copy_prompts=False)
+    ctl.on_arrival(Request("a", list(range(1, 20)), 4), 0.0)
+    ctl.on_arrival(Request("b", list(range(1, THRESHOLD + 1)), 4), 0.0)
+    assert sent == [("replica0", Add), ("decode0", Reserve)]
+    ctl.on_worker_died("replica0", 0.1)
+    assert ctl.records["a"].status == "failed" and "replica0 died" in ctl.records["a"].error
+    ctl.on_arrival(Request("c", list(range(1, 20)), 4), 0.2)
+    assert ctl.queue and list(ctl.queue) == ["c"]      # behind b's reservation in flight, on the P/D pools
+
+
 # -- hybrid.threshold=auto ------------------------------------------------------------------------
 
 GPU = ["runtime=sim", "mode=hybrid", "model=llama3-8b", "hardware=h100-sxm", "link=rdma-400"]   # 3 GPUs
