@@ -219,4 +219,7 @@ def from_dict(d: dict) -> RunConfig:
     if isinstance(hardware, dict):
         hardware = HardwareConfig(**hardware)
     schema = RunConfig(hardware=hardware) if isinstance(hardware, HardwareConfig) else RunConfig
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), d))
+    node = OmegaConf.structured(schema)
+    for name in POOLS:      # as register_configs: a pool's unset fields follow `parallel`
+        node[name].parallel = ParallelOverride()
+    return OmegaConf.to_object(OmegaConf.merge(node, d))

@@ -34,6 +34,15 @@ def test_pool_parallel_is_set_field_by_field_and_follows_the_run_parallel_otherw
     assert mixed.prefill.parallel is None
 
 
+def test_from_dict_reads_pool_parallel_as_the_command_line_does_and_round_trips():
+    from testbed.config import from_dict, to_dict
+    cfg = from_dict({"runtime": {"name": "sim"}, "parallel": {"tp": 8, "intra_node": "pcie5"},
+                     "decode": {"parallel": {"tp": 2}}})
+    assert cfg.decode.parallel == ParallelConfig(tp=2, intra_node="pcie5") and cfg.prefill.parallel is None
+    again = from_dict(to_dict(cfg))
+    assert (again.prefill.parallel, again.decode.parallel) == (None, ParallelConfig(tp=2, intra_node="pcie5"))
+
+
 @pytest.mark.parametrize("override,field", [("prefill.parallel.tp=0", "prefill.parallel.tp"),
                                             ("decode.parallel.pp=-1", "decode.parallel.pp")])
 def test_a_bad_pool_parallel_names_its_field(override, field):
