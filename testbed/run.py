@@ -14,6 +14,7 @@ from testbed.forked import Forked
 from testbed.metrics import summarize, write_jsonl
 from testbed.prefix_metrics import prefix_cache_summary
 from testbed.runtime.build import apply_sampling
+from testbed.runtime.deployment import num_gpus
 from testbed.workloads.build import build_workload
 
 
@@ -47,6 +48,7 @@ def execute(cfg: RunConfig, out_dir: str | Path) -> dict:
             "mode": cfg.mode, "runtime": cfg.runtime.name, "scheduler": cfg.scheduler, "model": cfg.model.name,
             "workload": cfg.workload.name, "token_budget": cfg.token_budget,
             "interrupted": result.interrupted,
+            "num_gpus": num_gpus(cfg),          # per-GPU figures (testbed report SWEEP_DIR) divide by this
             "hardware": {"name": cfg.hardware.name, "provenance": cfg.hardware.provenance,
                          "defaults": getattr(cfg, "hardware_defaults_note", "")},
             "kv_blocks_leaked": {w: s["num_blocks"] - s["num_free_blocks"]
