@@ -5,8 +5,9 @@ routes them through the mode controller, and timestamps every streamed token
 on arrival (testbed/clock.py says why those times stay comparable).
 
 Sockets (bound on `runtime.host`, 127.0.0.1 by default): the frontend binds a
-ROUTER for commands and a PULL for events; each worker connects a DEALER
-(identity = worker id) and a PUSH. Messages are typed dataclasses in their one
+ROUTER for commands and a ROUTER for events; each worker connects a DEALER to
+each, its identity its worker id, so every event names its sender
+(testbed/runtime/event_gate.py refuses the ones it did not earn). Messages are typed dataclasses in their one
 msgpack encoding (testbed/runtime/wire.py). KV moves worker to worker over the
 configured transport, never through the frontend."""
 from __future__ import annotations
@@ -25,14 +26,17 @@ from testbed.modes.base import ModeController
 from testbed.modes.registry import get_role
 from testbed.request import Request
 from testbed.runtime.deployment import RunResult, build_mode
+from testbed.runtime.event_gate import EventGate
 from testbed.runtime.messages import (Command, Connect, Event, IterationDone, Ping, Pong, Ready, Stats, Stop,
                                       StoreStats, WorkerError)
-from testbed.runtime.wire import WireError, decode, encode
+from testbed.runtime.wire import MAX_MESSAGE_BYTES, WireError, decode, encode
+from testbed.wire_text import shown
 
 READY_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
 STORE_ID = "kvstore"          # the KV store service's id (a mode that needs_store)
 STORE_ENTRY = "testbed.runtime.store_process:store_main"
+MAX_CMD_REPLY_BYTES = 4096    # nothing is sent to the frontend's command socket: whatever comes is dropped
 
 
 class RealRuntime:
@@ -55,11 +59,13 @@ class RealRuntime:
         self._auth = None           # the ZAP authenticator when runtime.curve (kv_transfer/curve.py)
         self._last_seen: dict[str, float] = {}    # worker -> time.monotonic() of its last event
         self._next_ping = 0.0
+        self.gate = EventGate([*(w.worker_id for w in self.workers), *([STORE_ID] if self.mode.needs_store else [])])
 
     # -- sockets -------------------------------------------------------------------
     def _send(self, worker_id: str, msg: Command) -> None:
         if self.controller is not None and worker_id in self.controller.dead:
             return
+        self.gate.on_command(worker_id, msg)
         try:
             self.cmd.send_multipart([worker_id.encode(), encode(msg)], flags=zmq.NOBLOCK)
         except zmq.ZMQError:
@@ -67,22 +73,52 @@ class RealRuntime:
 
     def _recv(self, timeout_ms: int) -> list[Event]:
         out = []
-        if self.events.poll(timeout_ms):
+        ready = dict(self.poller.poll(timeout_ms))
+        if self.cmd in ready:
+            self._drain_cmd()
+        if self.events in ready:
             while True:
                 try:
-                    raw = self.events.recv(zmq.NOBLOCK)
+                    frames = self.events.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                try:
-                    ev = decode(raw)
-                except WireError as e:     # a malformed frame: dropped, the run goes on
-                    print(f"frontend: dropped an event: {e}", file=sys.stderr)
-                    continue
-                out.append(ev)
-                worker = getattr(ev, "worker", None)
-                if worker in self._last_seen:
-                    self._last_seen[worker] = time.monotonic()
+                ev = self._checked(frames)
+                if ev is not None:
+                    out.append(ev)
+                    sender = frames[0].decode()         # the gate checked it is one of the run's
+                    if sender in self._last_seen:
+                        self._last_seen[sender] = time.monotonic()
         return out
+
+    def _checked(self, frames: list[bytes]) -> Event | None:
+        """The event in `frames` ([sender, message]), or None (dropped, one log line)."""
+        sender, why = frames[0], None
+        if len(frames) != 2:
+            why = f"a message of {len(frames) - 1} frames from {shown(sender)}, expected 1"
+        else:
+            try:
+                ev = decode(frames[1])
+            except WireError as e:
+                why = f"a frame from {shown(sender)}: {e}"
+            else:
+                if not isinstance(ev, Event):
+                    why = f"a '{ev.kind}' command sent as an event by {shown(sender)}"
+                else:
+                    why = self.gate.refusal(sender, ev)
+        if why is None:
+            return ev
+        print(f"frontend: dropped {why}", file=sys.stderr)
+        return None
+
+    def _drain_cmd(self) -> None:
+        """Workers never send on the command socket: anything there is a stranger's."""
+        while True:
+            try:
+                frames = self.cmd.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            print(f"frontend: dropped a message from {shown(frames[0])} on the command socket (which takes none)",
+                  file=sys.stderr)
 
     def _heartbeat(self, targets) -> None:
         """Ping `targets` once every runtime.heartbeat_s: they answer Pong (the
@@ -108,12 +144,17 @@ class RealRuntime:
         self.cmd = self.ctx.socket(zmq.ROUTER)
         self.cmd.setsockopt(zmq.LINGER, 0)
         self.cmd.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.cmd.setsockopt(zmq.MAXMSGSIZE, MAX_CMD_REPLY_BYTES)    # a bigger frame: ZMQ drops its peer unread
         self._auth = server_keys(self.cmd, keys, host, "runtime.host")
         cmd_port = self.cmd.bind_to_random_port(f"tcp://{host}")
-        self.events = self.ctx.socket(zmq.PULL)
+        self.events = self.ctx.socket(zmq.ROUTER)
         self.events.setsockopt(zmq.LINGER, 0)
+        self.events.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         server_keys(self.events, keys, host, "runtime.host", auth=self._auth)
         ev_port = self.events.bind_to_random_port(f"tcp://{host}")
+        self.poller = zmq.Poller()
+        self.poller.register(self.cmd, zmq.POLLIN)
+        self.poller.register(self.events, zmq.POLLIN)
         cfg_dict = to_dict(self.cfg)
         dist_addr = None
         if self.mode.needs_kv_port:

@@ -22,7 +22,7 @@ POLL_IDLE_MS = 5
 
 class FrontendGone(Exception):
     """No word from the frontend for runtime.frontend_timeout_s, or an event it
-    could not take for as long (a PUSH to a dead peer blocks): the worker exits."""
+    could not take for as long (a DEALER with no peer blocks): the worker exits."""
 
 
 class WorkerProcess:
@@ -42,8 +42,10 @@ class WorkerProcess:
 
         self.spec = spec
         self.ctx = zmq.Context()
-        self.push = self.ctx.socket(zmq.PUSH)
+        # events go on a DEALER of their own whose identity names the sender (runtime/event_gate.py)
+        self.push = self.ctx.socket(zmq.DEALER)
         self.push.setsockopt(zmq.LINGER, 2000)
+        self.push.setsockopt(zmq.IDENTITY, spec.worker_id.encode())
         self.dealer = self.ctx.socket(zmq.DEALER)
         self.dealer.setsockopt(zmq.LINGER, 0)
         self.dealer.setsockopt(zmq.IDENTITY, spec.worker_id.encode())
