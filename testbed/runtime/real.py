@@ -102,7 +102,7 @@ class RealRuntime:
                 why = f"a frame from {shown(sender)}: {e}"
             else:
                 if not isinstance(ev, Event):
-                    why = f"a '{ev.kind}' command sent as an event by {shown(sender)}"
+                    why = f"a '{ev.kind}' command from {shown(sender)}, sent as an event"
                 else:
                     why = self.gate.refusal(sender, ev)
         if why is None:
@@ -178,6 +178,7 @@ class RealRuntime:
         for spec in specs:
             self.launcher.start(spec)
         addresses = self._wait_ready()
+        self.kv_addresses = {w: a for w, a in addresses.items() if a}    # where each KV receiver listens
         self.controller = self.mode.controller(self.workers, self._send, copy_prompts=True)
         # every worker that sends KV learns where each receiver listens
         for w in self.workers:
