@@ -41,11 +41,14 @@ MAX_CMD_REPLY_BYTES = 4096    # nothing is sent to the frontend's command socket
 
 class RealRuntime:
     """`on_event(runtime, event)` is a hook for tests that cause faults at
-    precise moments (kill a worker when its KV is in flight, abort a request)."""
+    precise moments (kill a worker when its KV is in flight, abort a request);
+    `on_send(worker_id, command)` returning False loses that command (a
+    dropped acknowledgement)."""
 
     def __init__(self, cfg: RunConfig, on_event: Callable[["RealRuntime", Event], None] | None = None,
-                 progress: Callable[[int, int], None] | None = None):
-        self.cfg, self.on_event, self.progress = cfg, on_event, progress
+                 progress: Callable[[int, int], None] | None = None,
+                 on_send: Callable[[str, Command], bool] | None = None):
+        self.cfg, self.on_event, self.progress, self.on_send = cfg, on_event, progress, on_send
         self.mode = build_mode(cfg)
         self.workers = self.mode.workers()
         self.clock = WallClock()
@@ -66,6 +69,8 @@ class RealRuntime:
         if self.controller is not None and worker_id in self.controller.dead:
             return
         self.gate.on_command(worker_id, msg)
+        if self.on_send is not None and not self.on_send(worker_id, msg):
+            return
         try:
             self.cmd.send_multipart([worker_id.encode(), encode(msg)], flags=zmq.NOBLOCK)
         except zmq.ZMQError:

@@ -53,6 +53,7 @@ class WorkerProcess:
         try:
             cfg = from_dict(spec.cfg)
             self.frontend_timeout_s = cfg.runtime.frontend_timeout_s
+            self.lease_s = cfg.transfer.lease_s
             self.push.setsockopt(zmq.SNDTIMEO, int(self.frontend_timeout_s * 1000))
             from testbed.kv_transfer.curve import client_keys
             for sock in (self.push, self.dealer):
@@ -103,6 +104,7 @@ class WorkerProcess:
         from testbed.runtime.wire import WireError, decode
         service, dealer, kv_port = self.service, self.dealer, self.kv_port
         last_heard = time.monotonic()       # the frontend pings every runtime.heartbeat_s
+        next_lease_check = 0.0
         try:
             while not service.stopping:
                 timeout = 0 if service.engine.has_work() else (1 if service.awaits_kv() else POLL_IDLE_MS)
@@ -123,8 +125,12 @@ class WorkerProcess:
                                   file=sys.stderr)
                             continue
                         service.handle(msg)          # Ping included: answered with Pong
-                if time.monotonic() - last_heard > self.frontend_timeout_s:
+                now = time.monotonic()
+                if now - last_heard > self.frontend_timeout_s:
                     raise FrontendGone(f"no word from the frontend for {self.frontend_timeout_s:g} s")
+                if now >= next_lease_check:
+                    next_lease_check = now + min(0.1, self.lease_s / 10)
+                    service.expire_leases(service.engine.clock.now(), self.lease_s)
                 if not service.stopping:
                     if kv_port is not None:
                         kv_port.pump(service)
