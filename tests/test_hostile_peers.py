@@ -21,11 +21,15 @@ import time
 import msgpack
 import zmq
 
+from testbed.runtime.build import apply_sampling
 from testbed.runtime.event_gate import EventGate
-from testbed.runtime.messages import Finished, Prefill, RequestMsg, Reserve, Reserved, Tokens
+from testbed.runtime.messages import Finished, Prefill, PrefixFetched, RequestMsg, Reserve, Reserved, Tokens
 from testbed.runtime.real import RealRuntime
 from testbed.runtime.wire import encode
+from testbed.workloads.build import build_workload
 from tests.test_disagg_faults import Watch, check, config, run
+from tests.test_kvstore import colocated  # noqa: F401  (a fixture: the colocated run's tokens)
+from tests.test_kvstore import config as kvstore_config
 
 TERABYTE = 1 << 40
 
@@ -166,3 +170,36 @@ def test_gate_refuses_an_event_naming_another_worker_or_about_a_request_not_sent
     assert gate.refusal(b"\x00k\x8bEg", Finished.failed("r0", "x")) == \
         "an event 'finished' from 0x006b8b4567, not one of the run's workers"
     assert gate.num_refused == 5
+
+
+def test_hostile_peer_on_the_kv_store_socket(colocated, capfd):
+    """mode=kvstore, 2P1D: the store's socket gets an empty message, garbage,
+    a truncated header, an unknown op and a terabyte frame announced; the run
+    serves every request with the colocated tokens and the store answers on."""
+    cfg = kvstore_config(prefill_workers=2, decode_workers=1)
+    ctx, attacked, closed = zmq.Context(), [], []
+
+    def hook(rt: RealRuntime, ev) -> None:
+        if type(ev) is PrefixFetched and not attacked:
+            attacked.append(ev.id)
+            peer = dealer(ctx, rt.store_addr)
+            peer.send(b"")
+            peer.send_multipart([b"\x00\x01", b"x"])
+            peer.send_multipart([msgpack.packb({"id": 1, "op": "get"})[:3], b"x"])
+            peer.send(msgpack.packb({"id": 2, "op": "format_disk"}))
+            time.sleep(0.3)
+            closed.append(zmtp_oversized(rt.store_addr))
+
+    requests = build_workload(cfg.workload, cfg.model.vocab_size, cfg.seed)
+    apply_sampling(cfg, requests)
+    try:
+        result = RealRuntime(cfg, on_event=hook).run(requests)
+    finally:
+        ctx.destroy(linger=0)
+    assert attacked and closed == [True]
+    assert {r.request_id: (r.status, r.error) for r in result.records} == {rid: ("finished", None) for rid in colocated}
+    assert {r.request_id: r.output_token_ids for r in result.records} == colocated
+    assert all(s["all_free"] for s in result.worker_stats.values()) and len(result.worker_stats) == 3
+    assert result.store_stats is not None            # it served to the end and said goodbye
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("kv store: bad request")]
+    assert len(lines) == 4 and all("\\x" not in line for line in lines), lines
