@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from testbed.runtime.messages import Abort, Release
+from testbed.config import validate
 from tests.test_disagg_faults import LONG, Watch, check, config, long_request, run
 
 LEASE_S = 3.0
@@ -57,3 +60,8 @@ def test_expired_leases_free_the_blocks_of_lost_acknowledgements(capfd):
     assert f"worker prefill0: no release of {lost['release']} within transfer.lease_s=3 s" in err
     assert f"worker decode0: {long_rid}: no KV within transfer.lease_s=3 s of its reservation: lease expired, " \
            f"freed its 65 blocks" in err
+
+
+def test_a_lease_must_be_positive():
+    with pytest.raises(ValueError, match=r"transfer\.lease_s: must be > 0 seconds, got 0"):
+        validate(config(transfer={"lease_s": 0}))
