@@ -26,6 +26,11 @@ class TransferConfig:
     max_header_bytes: int = 64 * 1024     # a header (or ack) frame larger than this is rejected
     max_message_bytes: int = 1024 * MiB   # a payload declaring more bytes than this is rejected
     timeout_s: float = 30.0               # blocking sends, rendezvous, waits for data after its header
+    # blocks held for a hand-off whose acknowledgement never comes are freed after this long
+    # (vLLM's NIXL connector: 30 s): the prefill side's from sending the KV to `release`, the
+    # decode side's from reserving to the KV's arrival, so it also bounds the prompt's wait
+    # and prefill at its prefill worker (raise it for long queues); real runtime only
+    lease_s: float = 30.0
     # shaped: a real transport behind an emulated link
     shaped_inner: str = "zmq"
     rate_gbps: float = 25.0               # gigabits per second
@@ -59,6 +64,8 @@ class TransferConfig:
             raise bad("max_message_bytes", f"{self.max_message_bytes} must be >= frame_bytes={self.frame_bytes}")
         if not self.timeout_s > 0:
             raise bad("timeout_s", f"must be > 0, got {self.timeout_s}")
+        if not self.lease_s > 0:
+            raise bad("lease_s", f"must be > 0 seconds, got {self.lease_s}")
         if not self.rate_gbps > 0:
             raise bad("rate_gbps", f"must be > 0, got {self.rate_gbps}")
         if not self.latency_ms >= 0:

@@ -20,8 +20,10 @@ import zmq
 from testbed.kv_transfer import store_wire as wire
 from testbed.kv_transfer.store_config import KVStoreConfig
 from testbed.kv_transfer.store_index import StoreIndex
+from testbed.wire_text import shown
 
 log = logging.getLogger(__name__)
+MAX_FRAME_BYTES = 256 << 20     # a header (4 MiB at most) or one block of KV (5 MiB for llama2-70b in fp16)
 
 
 class DiskTier:
@@ -60,6 +62,8 @@ class StoreServer:
         self.index = StoreIndex(cfg.capacity_bytes, cfg.disk_capacity_bytes, disk)
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # a bigger frame than a header or a block could be: ZMQ drops its peer before allocating it
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         port = self.sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self._sending: list[tuple[zmq.MessageTracker, list[int]]] = []   # gets in flight and their pins
@@ -71,6 +75,8 @@ class StoreServer:
         while self.sock.poll(0):
             frames = self.sock.recv_multipart(copy=False)
             if len(frames) < 2:
+                self.num_bad_requests += 1
+                log.warning("kv store: bad request: an empty message from %s", shown(frames[0].bytes))
                 continue
             ident, header, data = frames[0].bytes, frames[1], frames[2:]
             request_id, pins = -1, []
@@ -81,7 +87,7 @@ class StoreServer:
                 reply, out, pins = getattr(self, f"_{op}")(h, data)
             except wire.StoreWireError as e:
                 self.num_bad_requests += 1
-                log.warning("kv store: bad request: %s", e)
+                log.warning("kv store: bad request from %s: %s", shown(ident), e)
                 reply, out = {"id": request_id, "ok": False, "error": str(e)}, []
             self._reply(ident, reply, out, pins)
         self._unpin_sent()

@@ -67,7 +67,7 @@ class ModeController(ABC):
         kind = type(ev)
         if kind is Tokens:
             for rid, token, _engine_t, index in ev.items:
-                if self.records[rid].status not in ("aborted", "failed"):
+                if rid in self.unresolved:
                     # else produced before the worker heard of the end: never delivered to the client
                     self._deliver(rid, index, token, now)
         elif kind is IterationDone:

@@ -9,6 +9,8 @@
   there looks a prefix up, so its blocks are not hashed."""
 from __future__ import annotations
 
+import sys
+
 from testbed.batch import Batch
 from testbed.engine import StepOutput
 from testbed.kv_transfer.base import TransferError
@@ -29,7 +31,7 @@ class PrefillWorker(WorkerService):
         super().__init__(*args, **kwargs)
         self.num_layers = getattr(self.engine.executor, "num_layers", 1)
         self.handoff: dict[str, tuple[str, list[int]]] = {}     # id -> (decode peer, its block ids)
-        self.awaiting_release: set[str] = set()                  # KV sent, waiting for the ack
+        self.awaiting_release: dict[str, float] = {}             # KV sent (at engine time), waiting for the ack
         self.streamed: dict[str, tuple[float, int]] = {}         # layer-wise: id -> (first layer left, bytes so far)
         self.send_failed: dict[str, str] = {}                    # layer-wise: id -> why a layer did not go
         self._handlers[Prefill] = self._prefill
@@ -41,7 +43,7 @@ class PrefillWorker(WorkerService):
 
     def _release(self, request_id: str) -> None:
         """The decode side has the KV (or the request ended)."""
-        self.awaiting_release.discard(request_id)
+        self.awaiting_release.pop(request_id, None)
         self.handoff.pop(request_id, None)
         self.streamed.pop(request_id, None)
         self.send_failed.pop(request_id, None)
@@ -53,6 +55,14 @@ class PrefillWorker(WorkerService):
     def _forget(self, request_id: str) -> None:
         self.handoff.pop(request_id, None)
         self.streamed.pop(request_id, None)
+
+    def expire_leases(self, now: float, lease_s: float) -> None:
+        for rid in [r for r, sent in self.awaiting_release.items() if now - sent > lease_s]:
+            n = len(self.engine.bm.block_table(rid))
+            self._release(rid)
+            self.num_leases_expired += 1
+            print(f"worker {self.worker_id}: no release of {rid} within transfer.lease_s={lease_s:g} s of "
+                  f"sending its KV: lease expired, freed its {n} blocks", file=sys.stderr)
 
     def _layer_hook(self):
         return self._send_layer if self.layerwise else None
@@ -96,7 +106,7 @@ class PrefillWorker(WorkerService):
             self._release(req.request_id)
             self.emit(Finished.failed(req.request_id, f"KV transfer failed: {why}"))
             return
-        self.awaiting_release.add(req.request_id)
+        self.awaiting_release[req.request_id] = now
         self.emit(Prefilled(req.request_id, self.worker_id, now, sent, start_s))
 
     def _send(self, req: Request, layers: tuple[int, int], last: bool, meta: dict) -> int:
@@ -115,6 +125,7 @@ class DecodeWorker(WorkerService):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.reserved: dict[str, Request] = {}                   # blocks held, KV not yet complete
+        self.reserved_s: dict[str, float] = {}                   # id -> engine time of the reservation or its last layer
         self._handlers[Reserve] = lambda m: self._reserve(m.request.to_request())
 
     def _reserve(self, req: Request) -> None:
@@ -122,6 +133,7 @@ class DecodeWorker(WorkerService):
         # room for the prompt's KV and the first decoded token
         if bm.allocate(req, req.prompt_len + 1):
             self.reserved[req.request_id] = req
+            self.reserved_s[req.request_id] = self.engine.clock.now()
             self.emit(Reserved(req.request_id, self.worker_id, list(bm.block_table(req.request_id)),
                                bm.num_free_blocks))
         else:
@@ -130,6 +142,7 @@ class DecodeWorker(WorkerService):
     def _release(self, request_id: str) -> None:
         """Drop a reservation whose KV will never come (or a finished request's blocks)."""
         self.reserved.pop(request_id, None)
+        self.reserved_s.pop(request_id, None)
         super()._release(request_id)
         # an idle decode worker reports no iteration: without this the router would
         # keep waiting for blocks that are already free
@@ -137,6 +150,16 @@ class DecodeWorker(WorkerService):
 
     def _holds(self, request_id: str) -> bool:
         return request_id in self.reserved
+
+    def expire_leases(self, now: float, lease_s: float) -> None:
+        for rid in [r for r, since in self.reserved_s.items() if now - since > lease_s]:
+            n = len(self.engine.bm.block_table(rid))
+            self._release(rid)
+            self.num_leases_expired += 1
+            why = (f"no KV within transfer.lease_s={lease_s:g} s of its reservation: lease expired, "
+                   f"freed its {n} blocks")
+            print(f"worker {self.worker_id}: {rid}: {why}", file=sys.stderr)
+            self.emit(Finished.failed(rid, why))     # a request whose KV was lost gets a status
 
     def has_work(self) -> bool:
         return self.engine.has_work() or bool(self.reserved)
@@ -158,6 +181,7 @@ class DecodeWorker(WorkerService):
                 self.emit(Finished.failed(a.request_id, f"KV transfer failed: {a.error}"))
                 continue
             if not a.last:
+                self.reserved_s[a.request_id] = self.engine.clock.now()     # layer-wise: progress renews
                 continue
             try:
                 meta = hand_off_meta(a.meta)
@@ -166,6 +190,7 @@ class DecodeWorker(WorkerService):
                 self.emit(Finished.failed(a.request_id, f"KV transfer failed: bad hand-off metadata ({e})"))
                 continue
             del self.reserved[a.request_id]
+            del self.reserved_s[a.request_id]
             req.output_token_ids.append(meta.first_token)
             req.token_times_s.append(meta.first_token_s)
             req.first_scheduled_s = meta.first_scheduled_s

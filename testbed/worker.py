@@ -37,6 +37,7 @@ class WorkerService:
         self.worker_id, self.engine, self.emit = worker_id, engine, emit
         self.kv_port, self.layerwise, self.store = kv_port, layerwise, store
         self.stopping = False
+        self.num_leases_expired = 0
         self._handlers: dict[type[Command], Callable] = {
             Add: lambda m: self.engine.add_request(m.request.to_request()),
             Release: lambda m: self._release(m.id),
@@ -79,6 +80,11 @@ class WorkerService:
         """Blocks are reserved for KV still on its way (the loop polls faster)."""
         return False
 
+    def expire_leases(self, now: float, lease_s: float) -> None:
+        """Free blocks held for a hand-off whose acknowledgement is older than
+        `lease_s` (transfer.lease_s). Only the real runtime's loop calls it: a
+        message is lost only on a real wire."""
+
     def _layer_hook(self) -> Callable[[int, Batch], None] | None:
         return None
 
@@ -114,4 +120,4 @@ class WorkerService:
     def stats(self) -> Stats:
         bm = self.engine.bm
         return Stats(self.worker_id, self.role, bm.num_free_blocks, bm.num_blocks, bm.all_free(),
-                     self.engine.scheduler.num_preemptions)
+                     self.engine.scheduler.num_preemptions, self.num_leases_expired)

@@ -138,14 +138,15 @@ class Watch:
         return sum(ev.kind == kind and all(getattr(ev, k, None) == v for k, v in match.items()) for ev in self.events)
 
 
-def run(cfg: RunConfig, watch: Watch, hook) -> RunResult:
+def run(cfg: RunConfig, watch: Watch, hook, on_send=None) -> RunResult:
+    """`on_send(worker_id, command)` returning False loses that command."""
     before = children(os.getpid())
 
     def on_event(rt: RealRuntime, ev: Event) -> None:
         watch.see(rt, ev)
         hook(rt, ev)
 
-    result = RealRuntime(cfg, on_event=on_event).run(workload(cfg))
+    result = RealRuntime(cfg, on_event=on_event, on_send=on_send).run(workload(cfg))
     assert children(os.getpid()) <= before, "worker processes outlived the run"
     still = set(_listening().values()) & watch.ports
     assert not still, f"ports still listening after the run: {sorted(still)}"

@@ -17,7 +17,7 @@ class WorkerSpec:
     rank: int
     world_size: int
     cmd_addr: str              # the frontend's ROUTER (commands)
-    event_addr: str            # the frontend's PULL (events)
+    event_addr: str            # the frontend's event ROUTER
     t0: float                  # the frontend's clock origin (testbed/clock.py)
     dist_addr: str | None      # torch.distributed rendezvous, when the transport uses it
     cfg: dict                  # the resolved RunConfig as plain values

@@ -243,10 +243,12 @@ class Stats(Event):
     num_blocks: int
     all_free: bool
     num_preemptions: int
+    num_leases_expired: int = 0     # hand-offs whose blocks were freed by transfer.lease_s, no ack
 
     def to_dict(self) -> dict:
         return {"worker": self.worker, "role": self.role, "num_free_blocks": self.num_free_blocks,
-                "num_blocks": self.num_blocks, "all_free": self.all_free, "num_preemptions": self.num_preemptions}
+                "num_blocks": self.num_blocks, "all_free": self.all_free, "num_preemptions": self.num_preemptions,
+                "num_leases_expired": self.num_leases_expired}
 
 
 @dataclass(slots=True)

@@ -5,8 +5,9 @@ routes them through the mode controller, and timestamps every streamed token
 on arrival (testbed/clock.py says why those times stay comparable).
 
 Sockets (bound on `runtime.host`, 127.0.0.1 by default): the frontend binds a
-ROUTER for commands and a PULL for events; each worker connects a DEALER
-(identity = worker id) and a PUSH. Messages are typed dataclasses in their one
+ROUTER for commands and a ROUTER for events; each worker connects a DEALER to
+each, its identity its worker id, so every event names its sender
+(testbed/runtime/event_gate.py refuses the ones it did not earn). Messages are typed dataclasses in their one
 msgpack encoding (testbed/runtime/wire.py). KV moves worker to worker over the
 configured transport, never through the frontend."""
 from __future__ import annotations
@@ -26,23 +27,29 @@ from testbed.modes.registry import get_role
 from testbed.interrupts import deferred
 from testbed.request import Request
 from testbed.runtime.deployment import RunResult, build_mode
+from testbed.runtime.event_gate import EventGate
 from testbed.runtime.messages import (Command, Connect, Event, IterationDone, Ping, Pong, Ready, Stats, Stop,
                                       StoreStats, WorkerError)
-from testbed.runtime.wire import WireError, decode, encode
+from testbed.runtime.wire import MAX_MESSAGE_BYTES, WireError, decode, encode
+from testbed.wire_text import shown
 
 READY_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
 STORE_ID = "kvstore"          # the KV store service's id (a mode that needs_store)
 STORE_ENTRY = "testbed.runtime.store_process:store_main"
+MAX_CMD_REPLY_BYTES = 4096    # nothing is sent to the frontend's command socket: whatever comes is dropped
 
 
 class RealRuntime:
     """`on_event(runtime, event)` is a hook for tests that cause faults at
-    precise moments (kill a worker when its KV is in flight, abort a request)."""
+    precise moments (kill a worker when its KV is in flight, abort a request);
+    `on_send(worker_id, command)` returning False loses that command (a
+    dropped acknowledgement)."""
 
     def __init__(self, cfg: RunConfig, on_event: Callable[["RealRuntime", Event], None] | None = None,
-                 progress: Callable[[int, int], None] | None = None):
-        self.cfg, self.on_event, self.progress = cfg, on_event, progress
+                 progress: Callable[[int, int], None] | None = None,
+                 on_send: Callable[[str, Command], bool] | None = None):
+        self.cfg, self.on_event, self.progress, self.on_send = cfg, on_event, progress, on_send
         self.mode = build_mode(cfg)
         self.workers = self.mode.workers()
         self.clock = WallClock()
@@ -56,10 +63,14 @@ class RealRuntime:
         self._auth = None           # the ZAP authenticator when runtime.curve (kv_transfer/curve.py)
         self._last_seen: dict[str, float] = {}    # worker -> time.monotonic() of its last event
         self._next_ping = 0.0
+        self.gate = EventGate([*(w.worker_id for w in self.workers), *([STORE_ID] if self.mode.needs_store else [])])
 
     # -- sockets -------------------------------------------------------------------
     def _send(self, worker_id: str, msg: Command) -> None:
         if self.controller is not None and worker_id in self.controller.dead:
+            return
+        self.gate.on_command(worker_id, msg)
+        if self.on_send is not None and not self.on_send(worker_id, msg):
             return
         try:
             self.cmd.send_multipart([worker_id.encode(), encode(msg)], flags=zmq.NOBLOCK)
@@ -68,22 +79,52 @@ class RealRuntime:
 
     def _recv(self, timeout_ms: int) -> list[Event]:
         out = []
-        if self.events.poll(timeout_ms):
+        ready = dict(self.poller.poll(timeout_ms))
+        if self.cmd in ready:
+            self._drain_cmd()
+        if self.events in ready:
             while True:
                 try:
-                    raw = self.events.recv(zmq.NOBLOCK)
+                    frames = self.events.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                try:
-                    ev = decode(raw)
-                except WireError as e:     # a malformed frame: dropped, the run goes on
-                    print(f"frontend: dropped an event: {e}", file=sys.stderr)
-                    continue
-                out.append(ev)
-                worker = getattr(ev, "worker", None)
-                if worker in self._last_seen:
-                    self._last_seen[worker] = time.monotonic()
+                ev = self._checked(frames)
+                if ev is not None:
+                    out.append(ev)
+                    sender = frames[0].decode()         # the gate checked it is one of the run's
+                    if sender in self._last_seen:
+                        self._last_seen[sender] = time.monotonic()
         return out
+
+    def _checked(self, frames: list[bytes]) -> Event | None:
+        """The event in `frames` ([sender, message]), or None (dropped, one log line)."""
+        sender, why = frames[0], None
+        if len(frames) != 2:
+            why = f"a message of {len(frames) - 1} frames from {shown(sender)}, expected 1"
+        else:
+            try:
+                ev = decode(frames[1])
+            except WireError as e:
+                why = f"a frame from {shown(sender)}: {e}"
+            else:
+                if not isinstance(ev, Event):
+                    why = f"a '{ev.kind}' command from {shown(sender)}, sent as an event"
+                else:
+                    why = self.gate.refusal(sender, ev)
+        if why is None:
+            return ev
+        print(f"frontend: dropped {why}", file=sys.stderr)
+        return None
+
+    def _drain_cmd(self) -> None:
+        """Workers never send on the command socket: anything there is a stranger's."""
+        while True:
+            try:
+                frames = self.cmd.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            print(f"frontend: dropped a message from {shown(frames[0])} on the command socket (which takes none)",
+                  file=sys.stderr)
 
     def _heartbeat(self, targets) -> None:
         """Ping `targets` once every runtime.heartbeat_s: they answer Pong (the
@@ -109,12 +150,17 @@ class RealRuntime:
         self.cmd = self.ctx.socket(zmq.ROUTER)
         self.cmd.setsockopt(zmq.LINGER, 0)
         self.cmd.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.cmd.setsockopt(zmq.MAXMSGSIZE, MAX_CMD_REPLY_BYTES)    # a bigger frame: ZMQ drops its peer unread
         self._auth = server_keys(self.cmd, keys, host, "runtime.host")
         cmd_port = self.cmd.bind_to_random_port(f"tcp://{host}")
-        self.events = self.ctx.socket(zmq.PULL)
+        self.events = self.ctx.socket(zmq.ROUTER)
         self.events.setsockopt(zmq.LINGER, 0)
+        self.events.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         server_keys(self.events, keys, host, "runtime.host", auth=self._auth)
         ev_port = self.events.bind_to_random_port(f"tcp://{host}")
+        self.poller = zmq.Poller()
+        self.poller.register(self.cmd, zmq.POLLIN)
+        self.poller.register(self.events, zmq.POLLIN)
         cfg_dict = to_dict(self.cfg)
         dist_addr = None
         if self.mode.needs_kv_port:
@@ -138,6 +184,7 @@ class RealRuntime:
         for spec in specs:
             self.launcher.start(spec)
         addresses = self._wait_ready()
+        self.kv_addresses = {w: a for w, a in addresses.items() if a}    # where each KV receiver listens
         self.controller = self.mode.controller(self.workers, self._send, copy_prompts=True)
         # every worker that sends KV learns where each receiver listens
         for w in self.workers:

@@ -25,12 +25,16 @@ def store_main(spec) -> None:
     from testbed.runtime.wire import encode as encode_msg
 
     ctx = zmq.Context()
-    push = ctx.socket(zmq.PUSH)
+    from testbed.kv_transfer.curve import client_keys
+    push = ctx.socket(zmq.DEALER)           # events: the identity names the sender (runtime/event_gate.py)
     push.setsockopt(zmq.LINGER, 2000)
-    push.connect(spec.event_addr)
+    push.setsockopt(zmq.IDENTITY, spec.worker_id.encode())
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.setsockopt(zmq.IDENTITY, spec.worker_id.encode())
+    for sock in (push, dealer):
+        client_keys(sock, spec.curve)
+    push.connect(spec.event_addr)
     dealer.connect(spec.cmd_addr)
     server = None
     try:

@@ -22,7 +22,7 @@ POLL_IDLE_MS = 5
 
 class FrontendGone(Exception):
     """No word from the frontend for runtime.frontend_timeout_s, or an event it
-    could not take for as long (a PUSH to a dead peer blocks): the worker exits."""
+    could not take for as long (a DEALER with no peer blocks): the worker exits."""
 
 
 class WorkerProcess:
@@ -43,8 +43,10 @@ class WorkerProcess:
 
         self.spec = spec
         self.ctx = zmq.Context()
-        self.push = self.ctx.socket(zmq.PUSH)
+        # events go on a DEALER of their own whose identity names the sender (runtime/event_gate.py)
+        self.push = self.ctx.socket(zmq.DEALER)
         self.push.setsockopt(zmq.LINGER, 2000)
+        self.push.setsockopt(zmq.IDENTITY, spec.worker_id.encode())
         self.dealer = self.ctx.socket(zmq.DEALER)
         self.dealer.setsockopt(zmq.LINGER, 0)
         self.dealer.setsockopt(zmq.IDENTITY, spec.worker_id.encode())
@@ -52,6 +54,7 @@ class WorkerProcess:
         try:
             cfg = from_dict(spec.cfg)
             self.frontend_timeout_s = cfg.runtime.frontend_timeout_s
+            self.lease_s = cfg.transfer.lease_s
             self.push.setsockopt(zmq.SNDTIMEO, int(self.frontend_timeout_s * 1000))
             from testbed.kv_transfer.curve import client_keys
             for sock in (self.push, self.dealer):
@@ -102,6 +105,7 @@ class WorkerProcess:
         from testbed.runtime.wire import WireError, decode
         service, dealer, kv_port = self.service, self.dealer, self.kv_port
         last_heard = time.monotonic()       # the frontend pings every runtime.heartbeat_s
+        next_lease_check = 0.0
         try:
             while not service.stopping:
                 timeout = 0 if service.engine.has_work() else (1 if service.awaits_kv() else POLL_IDLE_MS)
@@ -122,8 +126,12 @@ class WorkerProcess:
                                   file=sys.stderr)
                             continue
                         service.handle(msg)          # Ping included: answered with Pong
-                if time.monotonic() - last_heard > self.frontend_timeout_s:
+                now = time.monotonic()
+                if now - last_heard > self.frontend_timeout_s:
                     raise FrontendGone(f"no word from the frontend for {self.frontend_timeout_s:g} s")
+                if now >= next_lease_check:
+                    next_lease_check = now + min(0.1, self.lease_s / 10)
+                    service.expire_leases(service.engine.clock.now(), self.lease_s)
                 if not service.stopping:
                     if kv_port is not None:
                         kv_port.pump(service)
