@@ -109,6 +109,9 @@ class RealRuntime:
             else:
                 if not isinstance(ev, Event):
                     why = f"a '{ev.kind}' command from {shown(sender)}, sent as an event"
+                elif self.controller is not None and sender.decode(errors="replace") in self.controller.dead:
+                    # sent before it died, read after its requests were resolved or moved: stale
+                    why = f"a late '{ev.kind}' from {shown(sender)}, a worker already declared dead"
                 else:
                     why = self.gate.refusal(sender, ev)
         if why is None:
@@ -326,8 +329,11 @@ class RealRuntime:
             self.on_event(self, ev)
 
     def kill(self, worker_id: str) -> None:
-        """Kill a worker process for real (fault tests)."""
+        """Kill a worker process for real (fault tests), and act on its death at
+        once: what it sent before dying and this process has not read yet is stale."""
         self.launcher.kill(worker_id)
+        if self.controller is not None and worker_id not in self.controller.dead:
+            self.controller.on_worker_died(worker_id, self.clock.now())
 
     def shutdown(self) -> None:
         """Stop every worker, collect their final stats, leave no process or port behind.
