@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-EXPERIMENTS = ("crossover", "capacity", "stall", "chunk_overhead", "hybrid_batch")
+EXPERIMENTS = ("crossover", "capacity", "stall", "chunk_overhead", "hybrid_batch", "decision")
+DECISION_COLOCATED = ("sarathi", "adaptive")
 
 
 @dataclass
@@ -47,6 +48,21 @@ class ExperimentConfig:
     num_decodes: int = 16                    # hybrid_batch: running decodes in every batch
     decode_context_len: int = 1024           # hybrid_batch: each decode's context (prompt + outputs)
     repeats: int = 3                         # timing repetitions per real measurement
+    # decision (testbed/experiments/decision.py): models x hardware x links x num_gpus x context_lens
+    decision_num_gpus: list[int] = field(default_factory=lambda: [2])
+    decision_tbt_slos_ms: list[int] = field(default_factory=lambda: [50, 100])
+    decision_smoothness: list[str] = field(default_factory=lambda: ["p99_tbt", "fluidity"])
+    decision_fluidity_min: float = 0.99
+    decision_ttft_k: float = 5.0             # TTFT SLO = k x one GPU's whole-prefill time of an L prompt
+    decision_output_len: int = 128
+    decision_prompt_sigma: float = 0.1       # lognormal shape of the prompt lengths around L
+    decision_reuse: float = 0.0              # > 0: multi-turn prompts reusing this share; adds kvstore
+    decision_turns: int = 2                  # turns per conversation when decision_reuse > 0
+    decision_colocated: list[str] = field(default_factory=lambda: ["sarathi", "adaptive"])
+    decision_tp: dict[str, int] = field(default_factory=dict)   # model name -> tp (default: the run's parallel.tp)
+    decision_span_factor: float = 10.0       # steady state: arrivals span this many longest service times
+    decision_min_judged: int = 20            # steady state: requests judged per probe at least
+    decision_max_requests: int = 4000        # a probe's requests at most
 
     def validate(self) -> None:
         if self.name is not None and self.name not in EXPERIMENTS:
@@ -68,6 +84,43 @@ class ExperimentConfig:
             parse_split(s)
         if self.repeats < 1:
             raise ValueError(f"experiment.repeats: must be >= 1, got {self.repeats}")
+        self._validate_decision()
+
+    def _validate_decision(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"experiment.{name}: {why}")
+        for f in ("decision_num_gpus", "decision_tbt_slos_ms"):
+            if not getattr(self, f) or any(v < 1 for v in getattr(self, f)):
+                raise bad(f, f"give one or more values >= 1, got {getattr(self, f)}")
+        from testbed.experiments.decision_slo import SMOOTHNESS
+        unknown = [s for s in self.decision_smoothness if s not in SMOOTHNESS]
+        if unknown or not self.decision_smoothness:
+            raise bad("decision_smoothness", f"{unknown or 'empty'}: choose from {', '.join(SMOOTHNESS)}")
+        unknown = [s for s in self.decision_colocated if s not in DECISION_COLOCATED]
+        if unknown:
+            raise bad("decision_colocated", f"{unknown} not known: choose from {', '.join(DECISION_COLOCATED)}")
+        if not 0 < self.decision_fluidity_min <= 1:
+            raise bad("decision_fluidity_min", f"a fraction in (0, 1], got {self.decision_fluidity_min}")
+        for f in ("decision_ttft_k", "decision_prompt_sigma"):
+            if not getattr(self, f) > 0:
+                raise bad(f, f"must be > 0, got {getattr(self, f)}")
+        for f in ("decision_output_len", "decision_min_judged"):
+            if getattr(self, f) < 1:
+                raise bad(f, f"must be >= 1, got {getattr(self, f)}")
+        if self.decision_turns < 2:
+            raise bad("decision_turns", f"a conversation reuses its prompt from the 2nd turn on: >= 2, got "
+                                        f"{self.decision_turns}")
+        if not 0 <= self.decision_reuse < 1:
+            raise bad("decision_reuse", f"a fraction in [0, 1) (0: no prefix reuse), got {self.decision_reuse}")
+        if not self.decision_span_factor > 2:
+            raise bad("decision_span_factor", f"must be > 2 (warm-up and drain each take one longest service "
+                                              f"time), got {self.decision_span_factor}")
+        if self.decision_max_requests < self.decision_min_judged:
+            raise bad("decision_max_requests", f"{self.decision_max_requests} is below decision_min_judged="
+                                               f"{self.decision_min_judged}")
+        bad_tp = {m: tp for m, tp in self.decision_tp.items() if not isinstance(tp, int) or tp < 1}
+        if bad_tp:
+            raise bad("decision_tp", f"model name -> tp >= 1, got {bad_tp}")
 
 
 def parse_split(split: str) -> tuple[int, int]:
