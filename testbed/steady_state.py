@@ -6,7 +6,9 @@ judged.
 
 With S the longest service time of the probe's finished requests (first
 scheduled to finished; queueing excluded, so an overloaded probe is not
-mistaken for a long one), the judged window is the arrivals in
+mistaken for a long one; taken as the p99, `service_quantile`, so that one
+outlier, whose size grows with the number of requests, does not move the
+target further away every time a probe is lengthened), the judged window is the arrivals in
 [first + S, last - S]: a request arriving before first + S shares the
 machine with fewer requests than in steady state (warm-up), one arriving
 after last - S finishes while arrivals have stopped (drain). The probe is
@@ -22,6 +24,8 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 from testbed.metrics import RequestRecord
 
 
@@ -30,6 +34,7 @@ class SteadyRule:
     span_factor: float = 10.0        # arrivals span at least this many longest service times
     min_judged: int = 20             # requests in the judged window at least
     max_requests: int = 4000         # a probe never gets more requests than this
+    service_quantile: float = 0.99   # of the finished requests' service times: "the longest"
 
     def __post_init__(self) -> None:
         if not self.span_factor > 2:
@@ -37,6 +42,8 @@ class SteadyRule:
                              f"got {self.span_factor}")
         if self.min_judged < 1:
             raise ValueError(f"min_judged: must be >= 1, got {self.min_judged}")
+        if not 0 < self.service_quantile <= 1:
+            raise ValueError(f"service_quantile: a fraction in (0, 1], got {self.service_quantile}")
         if self.max_requests < self.min_judged:
             raise ValueError(f"max_requests: {self.max_requests} is below min_judged={self.min_judged}")
 
@@ -60,7 +67,7 @@ class Window:
     steady: bool
     reason: str                      # why not steady, or "ok"
     span_s: float                    # last arrival - first arrival
-    service_s: float                 # S: the longest service time among finished requests
+    service_s: float                 # S: the longest (service_quantile) service time of finished requests
 
 
 def service_time_s(record: RequestRecord) -> float | None:
@@ -77,7 +84,7 @@ def judged_window(records: Sequence[RequestRecord], rule: SteadyRule) -> Window:
     first, last = min(arrivals), max(arrivals)
     span = last - first
     services = [s for s in map(service_time_s, records) if s is not None]
-    service = max(services, default=0.0)
+    service = float(np.quantile(services, rule.service_quantile)) if services else 0.0
     judged = [r for r in records if first + service <= r.arrival_s <= last - service]
     if not services:
         return Window(judged, False, "no request finished", span, service)

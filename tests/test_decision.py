@@ -112,6 +112,9 @@ def test_a_probe_too_short_for_its_service_time_is_flagged_not_steady():
     long = judged_window([record(t, t + 0.5, t + 2.5) for t in range(100)], rule)
     assert long.steady and long.reason == "ok"
     assert [r.arrival_s for r in long.judged] == list(range(2, 98))
+    # one outlier among 100 one-second services does not set S (its p99 does)
+    outlier = judged_window([record(t, t, t + 1.0) for t in range(100)] + [record(50, 50, 100.0)], rule)
+    assert outlier.service_s == 1.0 and outlier.steady
     # a long span but too few requests in the window
     sparse = judged_window([record(t, t, t + 1.0) for t in (0, 5, 10, 15)], rule)
     assert not sparse.steady and "min_judged" in sparse.reason

@@ -42,6 +42,10 @@ class ExperimentConfig:
     capacity_rate_start: float = 1.0         # requests/s per GPU where the search starts doubling or halving
     capacity_rel_tol: float = 0.1            # stop when the bracket's hi/lo - 1 is below this
     capacity_max_probes: int = 10            # runs per search at most
+    # capacity's real-engine point: steady-state probes (testbed/steady_state.py), at most this many requests
+    capacity_span_factor: float = 10.0
+    capacity_min_judged: int = 20
+    capacity_max_requests: int = 400
     real_capacity_policies: list[str] = field(default_factory=lambda: ["sarathi"])
     real_capacity_workload: dict[str, Any] = field(default_factory=dict)
     # prefill studies (chunk_overhead, hybrid_batch)
@@ -80,6 +84,12 @@ class ExperimentConfig:
         if self.capacity_max_probes < 2:
             raise ValueError(f"experiment.capacity_max_probes: at least 2 to bracket a rate, got "
                              f"{self.capacity_max_probes}")
+        if not self.capacity_span_factor > 2:
+            raise ValueError(f"experiment.capacity_span_factor: must be > 2 (warm-up and drain each take one "
+                             f"longest service time), got {self.capacity_span_factor}")
+        if self.capacity_min_judged < 1 or self.capacity_max_requests < self.capacity_min_judged:
+            raise ValueError(f"experiment.capacity_max_requests: need capacity_max_requests >= capacity_min_judged"
+                             f" >= 1, got {self.capacity_max_requests} and {self.capacity_min_judged}")
         for s in self.disagg_splits:
             parse_split(s)
         if self.repeats < 1:
