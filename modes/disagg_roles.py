@@ -21,6 +21,7 @@ from testbed.worker import WorkerService
 
 class PrefillWorker(WorkerService):
     role = "prefill"
+    pool = "prefill"
     prefill_only = True
     sends_kv = True
 
@@ -107,6 +108,7 @@ class PrefillWorker(WorkerService):
 
 class DecodeWorker(WorkerService):
     role = "decode"
+    pool = "decode"
     prefix_caching = False
     receives_kv = True
 

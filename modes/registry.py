@@ -13,8 +13,8 @@ long as its roles are registered here."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Callable, ClassVar
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar, Mapping
 
 from testbed.kv_transfer.store_config import KVStoreConfig
 from testbed.modes.base import ModeController, Send, WorkerInfo
@@ -22,6 +22,8 @@ from testbed.modes.cache_aware import PrefixPool, TTFTEstimator
 from testbed.modes.colocated import ColocatedController
 from testbed.modes.disagg import DisaggController
 from testbed.modes.disagg_roles import DecodeWorker, PrefillWorker
+from testbed.modes.hybrid import HybridController
+from testbed.modes.hybrid_router import make_hybrid_router
 from testbed.modes.kvstore import KVStoreController
 from testbed.modes.kvstore_roles import KVStorePrefillWorker
 from testbed.modes.routers import RouterContext, make_router
@@ -44,6 +46,12 @@ class ModeSettings:
     slo_ttft_ms: float | None = None
     kv_bytes_per_token: int = 0
     router_context: Callable[[], RouterContext] | None = None    # built only for a router that needs it
+    # KV blocks of a worker of each pool with its own parallel config (WorkerService.pool), if not num_kv_blocks
+    pool_kv_blocks: Mapping[str, int] = field(default_factory=dict)
+    # mode=hybrid: its colocated pool, and its threshold (resolved when first asked: auto reads a file)
+    colocated_replicas: int = 1
+    hybrid_router: str = "length_threshold"
+    hybrid_threshold: Callable[[], int] | None = None
 
 
 class Mode(ABC):
@@ -62,9 +70,13 @@ class Mode(ABC):
     def controller(self, workers: list[WorkerInfo], send: Send, copy_prompts: bool) -> ModeController:
         """The frontend's controller over `workers` (layout() as WorkerInfos)."""
 
+    def check(self) -> None:
+        """Resolve and check what the mode reads before any worker starts (a mode's errors at start-up)."""
+
     def workers(self) -> list[WorkerInfo]:
         s = self.settings
-        return [WorkerInfo(w, role, s.num_kv_blocks, s.block_size) for w, role in self.layout()]
+        return [WorkerInfo(w, role, s.pool_kv_blocks.get(get_role(role).pool, s.num_kv_blocks), s.block_size)
+                for w, role in self.layout()]
 
 
 class ColocatedMode(Mode):
@@ -115,6 +127,30 @@ class KVStoreMode(DisaggMode):
                                  copy_prompts)
 
 
+class HybridMode(DisaggMode):
+    """A colocated pool beside P/D pools (modes/hybrid.py)."""
+    name = "hybrid"
+
+    def layout(self):
+        return [(f"replica{i}", "colocated") for i in range(self.settings.colocated_replicas)] + super().layout()
+
+    def check(self) -> None:
+        self.threshold()
+
+    def threshold(self) -> int:
+        if self.settings.hybrid_threshold is None:
+            raise ValueError("mode=hybrid: no hybrid.threshold given")
+        return self.settings.hybrid_threshold()
+
+    def controller(self, workers, send, copy_prompts):
+        s = self.settings
+        by_role = {role: [w for w in workers if w.role == role] for role in ("colocated", "prefill", "decode")}
+        return HybridController(by_role["colocated"], by_role["prefill"], by_role["decode"], send,
+                                make_hybrid_router(s.hybrid_router, self.threshold()),
+                                make_router(s.router, "router"), make_router(s.prefill_router, "prefill_router"),
+                                make_router(s.decode_router, "decode_router"), copy_prompts)
+
+
 MODES: dict[str, type[Mode]] = {}
 ROLES: dict[str, type[WorkerService]] = {}
 
@@ -129,7 +165,7 @@ def register_role(cls: type[WorkerService]) -> type[WorkerService]:
     return cls
 
 
-for _mode in (ColocatedMode, DisaggMode, KVStoreMode):
+for _mode in (ColocatedMode, DisaggMode, KVStoreMode, HybridMode):
     register_mode(_mode)
 for _role in (WorkerService, PrefillWorker, DecodeWorker, KVStorePrefillWorker):
     register_role(_role)

@@ -16,6 +16,8 @@ from testbed.kv_transfer.config import TransferConfig
 from testbed.kv_transfer.store_config import KVStoreConfig
 from testbed.launchers.config import RayConfig
 from testbed.model.config import ModelConfig
+from testbed.modes.hybrid_config import HybridConfig
+from testbed.pool_config import POOLS, ParallelOverride, PoolConfig
 from testbed.schedulers.adaptive_config import AdaptiveConfig
 from testbed.sim.config import HardwareConfig, LinkConfig, ParallelConfig, load_hardware_preset, load_link_preset
 from testbed.workloads.config import WorkloadConfig
@@ -51,7 +53,7 @@ class WandbConfig:
 
 @dataclass
 class RunConfig:
-    mode: str = "colocated"        # a name in modes.registry.MODES: colocated | disagg | kvstore
+    mode: str = "colocated"        # a name in modes.registry.MODES: colocated | disagg | kvstore | hybrid
     scheduler: str = "sarathi"     # request_level | vllm_v0 | orca | sarathi | adaptive
     # two budgets because they bound different things: token_budget caps every token of a
     # chunking policy's iteration (decodes included; a prompt is cut to fit), while
@@ -80,6 +82,10 @@ class RunConfig:
     decode_workers: int = 1
     prefill_router: str = "least_prompt_tokens"
     decode_router: str = "most_free_blocks"
+    # each pool's own split of the model (None: `parallel`), testbed/pool_config.py
+    prefill: PoolConfig = field(default_factory=PoolConfig)
+    decode: PoolConfig = field(default_factory=PoolConfig)
+    hybrid: HybridConfig = field(default_factory=HybridConfig)     # mode=hybrid
     timeout_s: float = 120.0       # a run (or a worker that stops answering) fails after this
     progress: bool = True
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
@@ -100,6 +106,8 @@ class RunConfig:
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
 
     def __post_init__(self) -> None:
+        for name in POOLS:
+            getattr(self, name).resolve(name, self.parallel)
         self.hardware_defaults_note = self._resolve_hardware_defaults()    # not a field: the run header's line
 
     def _resolve_hardware_defaults(self) -> str:
@@ -115,22 +123,26 @@ class RunConfig:
             notes.append(f"token_budget={self.token_budget} ({self.hardware.name}'s default)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization: a fraction in (0, 1], got {self.gpu_memory_utilization}")
+        # not a field: a pool with its own parallel config re-derives its blocks (runtime/build.py)
+        self.num_kv_blocks_from_memory = self.num_kv_blocks == AUTO and not self.hardware.kv_blocks_default
         if self.num_kv_blocks == AUTO:
             if self.hardware.kv_blocks_default:
                 self.num_kv_blocks = self.hardware.kv_blocks_default
                 notes.append(f"num_kv_blocks=auto -> {self.num_kv_blocks} ({self.hardware.name}'s default)")
             else:
-                from testbed.sim.defaults import kv_blocks_from_memory
-                max_tokens = max(self.token_budget if isinstance(self.token_budget, int) else 0,
-                                 self.max_num_batched_tokens)
-                self.num_kv_blocks = kv_blocks_from_memory(self.model, self.hardware, self.parallel,
-                                                           self.block_size, self.gpu_memory_utilization,
-                                                           max_tokens, self.max_num_seqs)
+                self.num_kv_blocks = self.kv_blocks_from_memory(self.parallel)
                 notes.append(f"num_kv_blocks=auto -> {self.num_kv_blocks} (the KV memory left after weights and "
                              f"activations at gpu_memory_utilization={self.gpu_memory_utilization})")
         elif isinstance(self.num_kv_blocks, (str, bool)):
             raise ValueError(f"num_kv_blocks: expected a number of blocks or 'auto', got '{self.num_kv_blocks}'")
         return "; ".join(notes)
+
+    def kv_blocks_from_memory(self, parallel: ParallelConfig) -> int:
+        """num_kv_blocks=auto for one GPU of a replica split as `parallel`."""
+        from testbed.sim.defaults import kv_blocks_from_memory
+        max_tokens = max(self.token_budget if isinstance(self.token_budget, int) else 0, self.max_num_batched_tokens)
+        return kv_blocks_from_memory(self.model, self.hardware, parallel, self.block_size,
+                                     self.gpu_memory_utilization, max_tokens, self.max_num_seqs)
 
 
 def _one_of(field_name: str, value: str, choices) -> None:
@@ -150,6 +162,8 @@ def validate(cfg: RunConfig) -> None:
     for f in ("router", "prefill_router", "decode_router"):
         _one_of(f, getattr(cfg, f), ROUTERS)
     _one_of("kvstore.prefill_router", cfg.kvstore.prefill_router, ROUTERS)
+    from testbed.modes.hybrid_router import HYBRID_ROUTERS
+    _one_of("hybrid.router", cfg.hybrid.router, HYBRID_ROUTERS)
     if not cfg.runtime.host:
         raise ValueError(f"runtime.host: must name an address to bind, e.g. {RuntimeConfig.host}")
     if cfg.runtime.name == "real":      # (the registry imports torch; the simulator never needs it)
@@ -167,8 +181,12 @@ def validate(cfg: RunConfig) -> None:
     if not 0.0 < cfg.top_p <= 1.0:
         raise ValueError(f"top_p: must be in (0, 1], got {cfg.top_p}")
     for sub in (cfg.model, cfg.workload, cfg.transfer, cfg.kvstore, cfg.hardware, cfg.link, cfg.parallel,
-                cfg.experiment, cfg.adaptive, cfg.ray):
+                cfg.experiment, cfg.adaptive, cfg.ray, cfg.hybrid):
         sub.validate()
+    for name in POOLS:
+        getattr(cfg, name).validate(name)
+        if cfg.runtime.name == "real":
+            getattr(cfg, name).check_runs_on_real_engine(name)
 
 
 def register_configs() -> None:
@@ -181,6 +199,8 @@ def register_configs() -> None:
     schema = RunConfig()
     schema.token_budget, schema.num_kv_blocks = None, "auto"      # resolved per run, after the presets merge
     schema.hardware = dataclasses.replace(schema.hardware, gemm_profile=[], attention_profile=[], step_jitter_ms=[])
+    for name in POOLS:     # settable field by field from the command line (pool_config.py)
+        setattr(schema, name, PoolConfig(parallel=ParallelOverride()))
     ConfigStore.instance().store(name="run_schema", node=schema)
 
 

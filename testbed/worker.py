@@ -29,6 +29,8 @@ class WorkerService:
     sends_kv: ClassVar[bool] = False          # it learns its KV peers' addresses (Connect) and sends KV
     receives_kv: ClassVar[bool] = False       # it binds a KV receiver whose address it reports
     uses_store: ClassVar[bool] = False        # it reads and writes the shared KV store (mode=kvstore)
+    # the RunConfig section (testbed/pool_config.py) whose parallel config it runs with; None: the run's
+    pool: ClassVar[str | None] = None
 
     def __init__(self, worker_id: str, engine: Engine, emit: Emit, kv_port: KVPort | None = None,
                  layerwise: bool = False, store: StorePort | None = None):

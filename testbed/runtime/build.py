@@ -4,6 +4,8 @@ engine, and the WorkerService of its role (modes/registry.py). Both runtimes
 build their workers here and nowhere else."""
 from __future__ import annotations
 
+import copy
+
 from testbed.block_manager import BlockManager
 from testbed.config import RunConfig
 from testbed.engine import Clock, Engine
@@ -14,7 +16,29 @@ from testbed.runtime.kv_port import KVPort
 from testbed.runtime.store_port import StorePort
 from testbed.schedulers import SchedulerConfig, SchedulerContext, make_scheduler, scheduler_class
 from testbed.schedulers.budget import resolve_token_budget
+from testbed.sim.config import ParallelConfig
 from testbed.worker import Emit, WorkerService
+
+
+def pool_parallel(cfg: RunConfig, pool: str | None) -> ParallelConfig:
+    """The parallel config of a worker of `pool` (a WorkerService.pool: a
+    PoolConfig section of the run config, or None for the run's own)."""
+    own = getattr(cfg, pool).parallel if pool is not None else None
+    return own if own is not None else cfg.parallel
+
+
+def pool_config(cfg: RunConfig, pool: str | None) -> RunConfig:
+    """The run config a worker of `pool` is built with: the run's, with the
+    pool's parallel config, and (num_kv_blocks=auto) the KV blocks that one
+    GPU of that split holds."""
+    parallel = pool_parallel(cfg, pool)
+    if parallel == cfg.parallel:
+        return cfg
+    out = copy.copy(cfg)
+    out.parallel = parallel
+    if getattr(cfg, "num_kv_blocks_from_memory", False):
+        out.num_kv_blocks = cfg.kv_blocks_from_memory(parallel)
+    return out
 
 
 def scheduler_config(cfg: RunConfig) -> SchedulerConfig:
@@ -43,6 +67,7 @@ def build_engine(cfg: RunConfig, role: str, clock: Clock, executor_factory=None)
     The role's class says whether its blocks are hashed for prefix reuse and
     whether requests leave after their first token."""
     worker_cls = get_role(role)
+    cfg = pool_config(cfg, worker_cls.pool)
     bm = BlockManager(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching and worker_cls.prefix_caching)
     scheduler = make_scheduler(cfg.scheduler, scheduler_config(cfg), bm, scheduler_context(cfg, clock))
     if executor_factory is None:

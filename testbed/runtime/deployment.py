@@ -3,12 +3,18 @@ controller, from modes/registry.py) and the result of a run. runtime/real.py
 and runtime/sim.py both import this module and never each other."""
 from __future__ import annotations
 
+import functools
+import sys
 from dataclasses import dataclass, field
 
 from testbed.config import RunConfig
 from testbed.metrics import IterationRecord, RequestRecord
-from testbed.modes.registry import Mode, ModeSettings, get_mode
+from testbed.modes.hybrid_config import AUTO as HYBRID_AUTO
+from testbed.modes.hybrid_threshold import threshold_from_summary
+from testbed.modes.registry import Mode, ModeSettings, get_mode, get_role
 from testbed.modes.routers import RouterContext
+from testbed.pool_config import POOLS
+from testbed.runtime.build import pool_config, pool_parallel
 
 
 @dataclass
@@ -27,18 +33,47 @@ def mode_settings(cfg: RunConfig) -> ModeSettings:
                         decode_router=cfg.decode_router, num_kv_blocks=cfg.num_kv_blocks, block_size=cfg.block_size,
                         kvstore=cfg.kvstore, slo_ttft_ms=cfg.slo.ttft_ms,
                         kv_bytes_per_token=cfg.model.kv_bytes_per_token,
-                        router_context=lambda: router_context(cfg))
+                        router_context=lambda: router_context(cfg),
+                        pool_kv_blocks={p: pool_config(cfg, p).num_kv_blocks for p in POOLS},
+                        colocated_replicas=cfg.hybrid.colocated_replicas, hybrid_router=cfg.hybrid.router,
+                        hybrid_threshold=functools.cache(lambda: hybrid_threshold(cfg)))
 
 
 def router_context(cfg: RunConfig) -> RouterContext:
-    """The cost model as step-time predictor (a GPU preset on runtime=sim, this
-    CPU's `testbed profile` tables on runtime=real) and the link to the store."""
+    """The cost model as step-time predictor of the prefill pool it routes
+    over (a GPU preset on runtime=sim, this CPU's `testbed profile` tables on
+    runtime=real) and the link to the store."""
     from testbed.sim.cost_model import CostModel
     from testbed.sim.link_model import LinkModel
     link = LinkModel(cfg.link)
-    return RouterContext(CostModel(cfg.model, cfg.hardware, cfg.parallel), link.transfer_time_s,
+    return RouterContext(CostModel(cfg.model, cfg.hardware, pool_parallel(cfg, "prefill")), link.transfer_time_s,
                          cfg.model.kv_bytes_per_token, cfg.token_budget)
 
 
+def hybrid_threshold(cfg: RunConfig) -> int:
+    """hybrid.threshold, or with `auto` the decision study's L* for this
+    model, hardware, link and GPU count (modes/hybrid_threshold.py)."""
+    h = cfg.hybrid
+    if h.threshold != HYBRID_AUTO:
+        return h.threshold
+    threshold, note = threshold_from_summary(h.decision_summary, cfg.model.name, cfg.hardware.name, cfg.link.name,
+                                             num_gpus(cfg), h.slo, cfg.slo.tpot_ms)
+    print(note, file=sys.stderr)
+    return threshold
+
+
 def build_mode(cfg: RunConfig) -> Mode:
-    return get_mode(cfg.mode, mode_settings(cfg))
+    """The run's mode, checked (Mode.check) before any worker is built."""
+    mode = get_mode(cfg.mode, mode_settings(cfg))
+    mode.check()
+    return mode
+
+
+def num_gpus(cfg: RunConfig) -> int:
+    """GPUs the deployment occupies: over its workers, tp x pp of each
+    worker's pool (prefill.parallel, decode.parallel, else parallel)."""
+    total = 0
+    for _, role in get_mode(cfg.mode, mode_settings(cfg)).layout():
+        p = pool_parallel(cfg, get_role(role).pool)
+        total += p.tp * p.pp
+    return total

@@ -27,13 +27,14 @@ from testbed.config import RunConfig
 from testbed.engine import VirtualClock
 from testbed.modes.registry import get_role
 from testbed.request import Request
-from testbed.runtime.build import build_engine, build_worker
+from testbed.runtime.build import build_engine, build_worker, pool_config, pool_parallel
 from testbed.runtime.deployment import RunResult, build_mode
 from testbed.runtime.kv_port import KVArrival, KVPort
 from testbed.runtime.messages import Command, Event, RequestMsg
 from testbed.sim.cost_executor import CostModelExecutor
 from testbed.sim.cost_model import CostModel
 from testbed.sim.jitter import StepJitter
+from testbed.sim.kv_sharding import handoff_links
 from testbed.sim.link_model import LinkModel
 from testbed.sim.memory import format_footprint, kv_footprint
 from testbed.runtime.sim_store import SimStoreNode, SimStorePort
@@ -56,10 +57,11 @@ def materialize_prompt(request_msg: RequestMsg) -> RequestMsg:
 
 class SimKVPort(KVPort):
     """KV over a modeled link. A prefill worker's egress is one LinkModel, so
-    concurrent hand-offs queue behind each other. With tensor parallelism each
-    of the `shards` GPUs sends its own slice of the KV heads over its own NIC
-    (one per GPU, as in a DGX) at the same time, so the link carries
-    1/shards of the bytes; the bytes reported are the whole request's. With
+    concurrent hand-offs queue behind each other. With tensor or pipeline
+    parallelism the KV is sharded over GPUs that each send over their own NIC
+    (one per GPU, as in a DGX) at the same time: `shards` links carry it in
+    parallel, each 1/shards of the bytes (sim/kv_sharding.py says how many
+    when the pools differ); the bytes reported are the whole request's. With
     layer-wise streaming all but the last layer were sent while the final
     chunk computed: only what the link could not hide arrives after the
     first token."""
@@ -112,10 +114,23 @@ class SimRuntime:
         # when an idle worker, woken by a command, reads its socket: the hop is
         # mostly that wake-up, so commands sent before it are read with the first
         self.wakes_at: dict[str, float] = {}
-        cost = CostModel(cfg.model, cfg.hardware, cfg.parallel)
-        self.footprint = kv_footprint(cost, cfg.num_kv_blocks, cfg.block_size,
-                                      getattr(cfg, "hardware_defaults_note", ""))
-        (log or _stderr)(format_footprint(self.footprint))
+        # one cost model per parallel config: each worker is priced with its pool's (runtime/build.py)
+        costs: dict[str, CostModel] = {}
+        footprints, printed = {}, set()
+        for pool in sorted({get_role(w.role).pool or "" for w in self.workers}):
+            pcfg = pool_config(cfg, pool or None)
+            costs[pool] = CostModel(cfg.model, cfg.hardware, pcfg.parallel)
+            footprints[pool] = kv_footprint(costs[pool], pcfg.num_kv_blocks, cfg.block_size,
+                                            getattr(cfg, "hardware_defaults_note", ""))
+            # a pool with its own parallel config gets its own line; the run's is printed once
+            line = format_footprint(footprints[pool])
+            line = line if pcfg is cfg else f"[{pool} pool] {line}"
+            if line not in printed:
+                printed.add(line)
+                (log or _stderr)(line)
+        self.footprint = footprints.get("", next(iter(footprints.values())))
+        # a hand-off crosses from the prefill pool's layout to the decode pool's (sim/kv_sharding.py)
+        links = handoff_links(cfg.model, pool_parallel(cfg, "prefill"), pool_parallel(cfg, "decode"))
         self.services: dict[str, WorkerService] = {}
         self.ports: dict[str, SimKVPort] = {}
         self.busy_until: dict[str, float] = {}
@@ -129,12 +144,13 @@ class SimRuntime:
         for index, w in enumerate(self.workers):
             jitter = (StepJitter(cfg.hardware.step_jitter_ms, stream_key(cfg.seed, _JITTER_STREAM, index))
                       if cfg.hardware.step_jitter_ms else None)
+            cost = costs[get_role(w.role).pool or ""]
             engine = build_engine(cfg, w.role, self.clock,
-                                  executor_factory=lambda _bt, j=jitter: CostModelExecutor(cost, j))
+                                  executor_factory=lambda _bt, j=jitter, c=cost: CostModelExecutor(c, j))
             port = None
             if self.mode.needs_kv_port:
                 port = SimKVPort(self, w.worker_id, LinkModel(cfg.link), cfg.model.kv_bytes_per_token,
-                                 cfg.model.num_layers, cfg.parallel.tp)
+                                 cfg.model.num_layers, links)
                 self.ports[w.worker_id] = port
             self.outbox[w.worker_id] = []
             store = (SimStorePort(self.store, self, w.worker_id)

@@ -1,0 +1,118 @@
+"""Per-pool parallel configs (`prefill.parallel`, `decode.parallel`): set from
+the command line field by field, validated with the field's name, counted in
+num_gpus, priced per worker by the simulator (iteration times and KV memory of
+the pool's split), and the KV hand-off between pools of different TP priced
+by the links that carry it in parallel (testbed/sim/kv_sharding.py). The real
+engine has no tensor parallelism and says so."""
+from __future__ import annotations
+
+import pytest
+
+from test_seams import config
+from testbed.config import validate
+from testbed.model.config import load_model_preset
+from testbed.request import Request
+from testbed.runtime.build import pool_config
+from testbed.runtime.deployment import num_gpus
+from testbed.runtime.sim import SimRuntime
+from testbed.sim.config import ParallelConfig
+from testbed.sim.cost_model import CostModel
+from testbed.sim.kv_sharding import handoff_links, kv_slices
+
+GPU = ["runtime=sim", "model=llama3-8b", "hardware=h100-sxm", "link=rdma-400"]
+
+
+def test_pool_parallel_is_set_field_by_field_and_follows_the_run_parallel_otherwise():
+    cfg = config(*GPU, "mode=disagg", "prefill.parallel.tp=2", "decode.parallel.tp=1")
+    assert cfg.prefill.parallel == ParallelConfig(tp=2)
+    assert cfg.decode.parallel == ParallelConfig(tp=1)
+    unset = config(*GPU, "mode=disagg")
+    assert unset.prefill.parallel is None and unset.decode.parallel is None
+    # a field the pool leaves unset is the run's
+    mixed = config(*GPU, "parallel=tp8", "parallel.intra_node=pcie5", "decode.parallel.tp=2")
+    assert mixed.decode.parallel == ParallelConfig(tp=2, intra_node="pcie5")
+    assert mixed.prefill.parallel is None
+
+
+@pytest.mark.parametrize("override,field", [("prefill.parallel.tp=0", "prefill.parallel.tp"),
+                                            ("decode.parallel.pp=-1", "decode.parallel.pp")])
+def test_a_bad_pool_parallel_names_its_field(override, field):
+    with pytest.raises(Exception, match=rf"{field}: must be an integer >= 1"):
+        config(*GPU, "mode=disagg", override)
+
+
+def test_the_real_engine_refuses_a_pool_parallel_it_cannot_run():
+    cfg = config("runtime=real", "mode=disagg", "prefill.parallel.tp=2")
+    with pytest.raises(ValueError, match=r"^prefill\.parallel: tp=2 pp=1 needs tensor or pipeline parallelism, "
+                                         r"which runtime=real does not have .* unset prefill\.parallel"):
+        validate(cfg)
+    validate(config("runtime=real", "mode=disagg", "decode.parallel.tp=1"))     # tp=1 is what it runs
+
+
+@pytest.mark.parametrize("overrides,gpus", [
+    (["mode=colocated", "replicas=3"], 3),
+    (["mode=colocated", "replicas=3", "parallel=tp2"], 6),
+    (["mode=disagg", "prefill_workers=2", "decode_workers=1", "prefill.parallel.tp=2"], 5),
+    (["mode=disagg", "parallel=tp2", "decode.parallel.tp=1", "decode_workers=3"], 5),
+    (["mode=disagg", "prefill.parallel.pp=2", "prefill.parallel.tp=2", "decode.parallel.tp=4"], 8),
+    (["mode=kvstore", "prefill.parallel.tp=2", "decode_workers=2"], 4),
+])
+def test_num_gpus_sums_tp_times_pp_of_each_workers_pool(overrides, gpus):
+    assert num_gpus(config(*GPU, *overrides)) == gpus
+
+
+def test_kv_slices_by_heads_and_stages():
+    llama = load_model_preset("llama3-8b")            # 8 KV heads
+    assert llama.num_kv_heads == 8
+    assert kv_slices(llama, ParallelConfig(tp=1)) == 1
+    assert kv_slices(llama, ParallelConfig(tp=4)) == 4
+    assert kv_slices(llama, ParallelConfig(tp=2, pp=2)) == 4
+    tiny = load_model_preset("tiny")                  # 2 KV heads: at tp=4 each is held twice
+    assert kv_slices(tiny, ParallelConfig(tp=4)) == 2
+    mla = load_model_preset("deepseek-v2-lite")       # the latent KV is whole on every TP rank
+    assert mla.attention == "mla"
+    assert kv_slices(mla, ParallelConfig(tp=4)) == 1
+    assert handoff_links(llama, ParallelConfig(tp=2), ParallelConfig(tp=1)) == 1
+    assert handoff_links(llama, ParallelConfig(tp=1), ParallelConfig(tp=4)) == 1
+    assert handoff_links(llama, ParallelConfig(tp=4), ParallelConfig(tp=2)) == 2
+    assert handoff_links(llama, ParallelConfig(tp=8), ParallelConfig(tp=8)) == 8
+
+
+def _one_request(cfg, prompt_len: int, outputs: int = 4):
+    rt = SimRuntime(cfg, log=lambda line: None)
+    result = rt.run([Request("r0", list(range(1, prompt_len + 1)), outputs)])
+    assert [r.status for r in result.records] == ["finished"]
+    return rt, result
+
+
+def test_each_worker_is_priced_with_its_pools_parallel_config():
+    cfg = config(*GPU, "mode=disagg", "prefill.parallel.tp=2", "decode.parallel.tp=1", "transfer.layerwise=false")
+    rt, result = _one_request(cfg, 1024)
+    by_worker = {w: [it for it in result.iterations if it.worker == w] for w in ("prefill0", "decode0")}
+    prefill_it, = by_worker["prefill0"]           # one whole prompt within the 2,048-token budget
+    tp2 = CostModel(cfg.model, cfg.hardware, ParallelConfig(tp=2))
+    tp1 = CostModel(cfg.model, cfg.hardware, ParallelConfig(tp=1))
+    assert prefill_it.duration_s == pytest.approx(tp2.iteration_time_s([(1024, 1024)], 1), rel=1e-12)
+    assert tp2.iteration_time_s([(1024, 1024)], 1) < 0.8 * tp1.iteration_time_s([(1024, 1024)], 1)
+    # decode steps at contexts 1025.. on tp=1
+    first_decode = by_worker["decode0"][0]
+    assert first_decode.duration_s == pytest.approx(tp1.iteration_time_s([(1, 1025)], 1), rel=1e-12)
+    # each pool's KV memory is what one GPU of its split holds (num_kv_blocks=auto)
+    blocks = {w.worker_id: w.num_blocks for w in rt.workers}
+    assert blocks["prefill0"] == cfg.kv_blocks_from_memory(ParallelConfig(tp=2)) == pool_config(cfg, "prefill").num_kv_blocks
+    assert blocks["decode0"] == cfg.num_kv_blocks < blocks["prefill0"]
+    assert {w: s["num_blocks"] for w, s in result.worker_stats.items()} == blocks
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp,links", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 2), (4, 2, 2)])
+def test_the_hand_off_between_pools_of_different_tp_takes_min_slices_links(prefill_tp, decode_tp, links):
+    prompt = 4096
+    cfg = config(*GPU, "mode=disagg", f"prefill.parallel.tp={prefill_tp}", f"decode.parallel.tp={decode_tp}",
+                 "transfer.layerwise=false")
+    _, result = _one_request(cfg, prompt)
+    rec, = result.records
+    nbytes = prompt * cfg.model.kv_bytes_per_token
+    assert rec.kv_bytes_sent == nbytes                 # the whole request's KV, however many links
+    link = cfg.link
+    expected = link.latency_us * 1e-6 + link.per_message_us * 1e-6 + nbytes / links / link.bytes_per_s
+    assert rec.transfer_end_s - rec.transfer_start_s == pytest.approx(expected, rel=1e-9)
