@@ -182,3 +182,23 @@ def test_the_default_decision_config_validates():
         validate(cfg)
         assert cfg.experiment.name == "decision" and cfg.runtime.name == "sim"
         assert cfg.experiment.context_lens[0] == 1024 and cfg.experiment.context_lens[-1] == 1048576
+
+
+def test_every_deployment_occupies_the_gpu_count_it_is_compared_at():
+    from testbed.experiments.deployments import deployments
+    cfg = from_dict({"runtime": {"name": "sim"}, "model": {"name": "tiny"}, "wandb": {"mode": "disabled"}})
+    e = ExperimentConfig(name="decision", token_budgets=[512], decision_pool_tp=[1, 2])
+    deps = deployments(e, 4, 1, reuse=True)
+    labels = [d.label for d in deps]
+    assert labels[:2] == ["sarathi-512", "adaptive"]
+    assert {"disagg-1P3D", "disagg-2P2D", "disagg-3P1D", "disagg-2P1D-p_tp1-d_tp2", "disagg-1P2D-p_tp2-d_tp1",
+            "disagg-1P1D-p_tp2-d_tp2", "kvstore-1P3D"} <= set(labels)
+    assert {d.family for d in deps} == {"colocated", "disaggregated"}
+    for d in deps:
+        assert d.num_gpus(cfg) == 4, d.label
+    applied = next(d for d in deps if d.label == "disagg-1P2D-p_tp2-d_tp1").apply(cfg)
+    assert (applied.prefill.parallel.tp, applied.decode.parallel.tp) == (2, 1)
+    assert (applied.prefill_workers, applied.decode_workers) == (1, 2)
+    # a model that needs tp=4 has no deployment on 2 GPUs, and only tp >= 4 pools on 8
+    assert deployments(e, 2, 4, reuse=False) == []
+    assert [d.label for d in deployments(e, 8, 4, reuse=False)][-1] == "disagg-1P1D-p_tp4-d_tp4"

@@ -64,6 +64,7 @@ class ExperimentConfig:
     decision_turns: int = 2                  # turns per conversation when decision_reuse > 0
     decision_colocated: list[str] = field(default_factory=lambda: ["sarathi", "adaptive"])
     decision_tp: dict[str, int] = field(default_factory=dict)   # model name -> tp (default: the run's parallel.tp)
+    decision_pool_tp: list[int] = field(default_factory=lambda: [1, 2, 4, 8])   # disagg: each pool's tp searched
     decision_span_factor: float = 10.0       # steady state: arrivals span this many longest service times
     decision_min_judged: int = 20            # steady state: requests judged per probe at least
     decision_max_requests: int = 4000        # a probe's requests at most
@@ -128,6 +129,8 @@ class ExperimentConfig:
         if self.decision_max_requests < self.decision_min_judged:
             raise bad("decision_max_requests", f"{self.decision_max_requests} is below decision_min_judged="
                                                f"{self.decision_min_judged}")
+        if not self.decision_pool_tp or any(t < 1 for t in self.decision_pool_tp):
+            raise bad("decision_pool_tp", f"give one or more tp values >= 1, got {self.decision_pool_tp}")
         bad_tp = {m: tp for m, tp in self.decision_tp.items() if not isinstance(tp, int) or tp < 1}
         if bad_tp:
             raise bad("decision_tp", f"model name -> tp >= 1, got {bad_tp}")

@@ -33,7 +33,7 @@ from testbed.config import RunConfig, validate
 from testbed.experiments import save_figure
 from testbed.experiments.decision_slo import SLOTargets, Smoothness, get_smoothness
 from testbed.experiments.decision_summary import crossovers, definition_changes
-from testbed.experiments.deployments import Deployment, deployments
+from testbed.experiments.deployments import Deployment, deployments, replace_run
 from testbed.model.config import load_model_preset
 from testbed.sim.config import ParallelConfig, load_hardware_preset, load_link_preset
 from testbed.steady_state import SteadyRule, Window
@@ -95,7 +95,7 @@ class Prober:
         from testbed.workloads.build import build_workload
         w = cfg.workload
         turns = max(1, w.conversation_turns)         # multi-turn: rate counts conversations
-        run_cfg = dataclasses.replace(cfg, workload=dataclasses.replace(w, rate=rate / turns, num_requests=n))
+        run_cfg = replace_run(cfg, workload=dataclasses.replace(w, rate=rate / turns, num_requests=n))
         requests = build_workload(run_cfg.workload, cfg.model.vocab_size, cfg.seed)
         apply_sampling(run_cfg, requests)
         result = SimRuntime(run_cfg, log=lambda *_: None).run(requests)
@@ -150,17 +150,16 @@ def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targe
 
 def _point_cfg(cfg: RunConfig, model_name: str, hardware_name: str) -> RunConfig:
     """The run on the simulator with this model and hardware, its tp from
-    decision_tp, the KV memory one worker has after its weights, and prefix
-    caching only where the workload reuses prefixes."""
-    from testbed.sim.cost_model import CostModel
+    decision_tp, num_kv_blocks=auto (the KV memory one GPU of each pool's split
+    has after weights and activations), and prefix caching only where the
+    workload reuses prefixes."""
     e = cfg.experiment
     model, hardware = load_model_preset(model_name), load_hardware_preset(hardware_name)
     parallel = dataclasses.replace(cfg.parallel, tp=e.decision_tp.get(model_name, cfg.parallel.tp))
-    tokens = CostModel(model, hardware, parallel).kv_capacity_tokens(cfg.gpu_memory_utilization)
     # without shared prefixes the prefix cache never hits, and its block hashing was ~2/3 of a
     # long-context probe's time (131K tokens, sarathi-512: 3.96 s -> 1.34 s, the same service times)
     return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, name="sim"), model=model,
-                               hardware=hardware, parallel=parallel, num_kv_blocks=tokens // cfg.block_size,
+                               hardware=hardware, parallel=parallel, num_kv_blocks="auto",
                                token_budget=hardware.token_budget_default, progress=False,
                                enable_prefix_caching=e.decision_reuse > 0)
 
@@ -192,13 +191,12 @@ def run_decision(cfg: RunConfig, out: Path, log=print) -> dict:
     for model_name in e.models:
         for hardware_name in e.hardware:
             point = _point_cfg(cfg, model_name, hardware_name)
-            gpus_per_worker = point.parallel.tp * point.parallel.pp
             for num_gpus in e.decision_num_gpus:
-                for dep in deployments(e, num_gpus, gpus_per_worker, e.decision_reuse > 0):
+                for dep in deployments(e, num_gpus, point.parallel.tp * point.parallel.pp, e.decision_reuse > 0):
                     # a colocated deployment never touches the link: one sweep, its rows under every link
                     for link in (links if dep.family != "colocated" else links[:1]):
                         row_links = [link] if dep.family != "colocated" else links
-                        rows += _sweep(prober, e, dataclasses.replace(point, link=link), dep, num_gpus, row_links,
+                        rows += _sweep(prober, e, replace_run(point, link=link), dep, num_gpus, row_links,
                                        smooths, log)
     summary = _summary(cfg, rows, rule)
     elapsed = time.monotonic() - started
@@ -244,7 +242,7 @@ def _sweep(prober: Prober, e, point: RunConfig, dep: Deployment, num_gpus: int, 
         for tbt in e.decision_tbt_slos_ms:
             targets = SLOTargets(e.decision_ttft_k * one_gpu.iteration_time_s([(L, L)]) * 1e3, float(tbt),
                                  e.decision_fluidity_min)
-            run_cfg = dataclasses.replace(base, workload=_workload(e, L), slo=dataclasses.replace(
+            run_cfg = replace_run(base, workload=_workload(e, L), slo=dataclasses.replace(
                 base.slo, ttft_ms=targets.ttft_ms, tpot_ms=float(tbt)))
             key = (point.model.name, point.hardware.name, num_gpus, dep.label,
                    point.link.name if dep.family != "colocated" else "-", L, tbt if dep.reads_slo else "-")
