@@ -193,9 +193,9 @@ def run_decision(cfg: RunConfig, out: Path, log=print) -> dict:
             point = _point_cfg(cfg, model_name, hardware_name)
             for num_gpus in e.decision_num_gpus:
                 for dep in deployments(e, num_gpus, point.parallel.tp * point.parallel.pp, e.decision_reuse > 0):
-                    # a colocated deployment never touches the link: one sweep, its rows under every link
-                    for link in (links if dep.family != "colocated" else links[:1]):
-                        row_links = [link] if dep.family != "colocated" else links
+                    # a deployment that never touches the link: one sweep, its rows under every link
+                    for link in (links if dep.uses_link else links[:1]):
+                        row_links = [link] if dep.uses_link else links
                         rows += _sweep(prober, e, replace_run(point, link=link), dep, num_gpus, row_links,
                                        smooths, log)
     summary = _summary(cfg, rows, rule)
@@ -245,7 +245,7 @@ def _sweep(prober: Prober, e, point: RunConfig, dep: Deployment, num_gpus: int, 
             run_cfg = replace_run(base, workload=_workload(e, L), slo=dataclasses.replace(
                 base.slo, ttft_ms=targets.ttft_ms, tpot_ms=float(tbt)))
             key = (point.model.name, point.hardware.name, num_gpus, dep.label,
-                   point.link.name if dep.family != "colocated" else "-", L, tbt if dep.reads_slo else "-")
+                   point.link.name if dep.uses_link else "-", L, tbt if dep.reads_slo else "-")
             for smooth in smooths:
                 t0 = time.monotonic()
                 res = search(prober, key, run_cfg, smooth, targets, start, service_s, e.capacity_rel_tol,
@@ -254,7 +254,7 @@ def _sweep(prober: Prober, e, point: RunConfig, dep: Deployment, num_gpus: int, 
                 rows += [_row(point, link, num_gpus, smooth.name, tbt, targets, L, dep, gpus, res)
                          for link in row_links]
                 per_gpu = "-" if res.capacity is None else f"{res.capacity / gpus:.4g}"
-                where = point.link.name if dep.family != "colocated" else "any link"
+                where = point.link.name if dep.uses_link else "any link"
                 log(f"decision {key[0]}/{key[1]}/N{num_gpus} {dep.label} {where} {smooth.name}@{tbt}ms L={L}: "
                     f"{per_gpu} req/s/GPU ({res.bound}{', ' + res.limited_by if res.limited_by else ''}"
                     f"{'' if res.steady else ', NOT steady'}; {res.probes} probes, {time.monotonic() - t0:.1f} s)")

@@ -31,6 +31,7 @@ class Deployment:
     # its runs read the SLOs (adaptive plans each iteration from the TBT target, the KV
     # store's router rejects by the TTFT target): probe runs are not shared across SLOs
     reads_slo: bool = False
+    uses_link: bool = True           # False: its workers never send KV (its runs are the same on every link)
 
     def apply(self, cfg: RunConfig) -> RunConfig:
         """`cfg` served by this deployment, as a plain run (no experiment, no W&B run of its own)."""
@@ -67,11 +68,11 @@ def deployments(e: ExperimentConfig, num_gpus: int, tp: int, reuse: bool) -> lis
     out = []
     if num_gpus % tp == 0:
         replicas = num_gpus // tp
-        out += [Deployment(f"sarathi-{c}", "colocated", "colocated", "sarathi", c, replicas=replicas)
-                for c in e.token_budgets]
+        out += [Deployment(f"sarathi-{c}", "colocated", "colocated", "sarathi", c, replicas=replicas,
+                           uses_link=False) for c in e.token_budgets]
         if "adaptive" in e.decision_colocated:
             out.append(Deployment("adaptive", "colocated", "colocated", "adaptive", replicas=replicas,
-                                  reads_slo=True))
+                                  reads_slo=True, uses_link=False))
     tps = sorted({t for t in e.decision_pool_tp if t >= tp} | {tp})
     splits = [(x, tp_p, (num_gpus - x * tp_p) // tp_d, tp_d) for tp_p, tp_d in product(tps, tps)
               for x in range(1, num_gpus // tp_p + 1)
