@@ -202,3 +202,18 @@ def test_every_deployment_occupies_the_gpu_count_it_is_compared_at():
     # a model that needs tp=4 has no deployment on 2 GPUs, and only tp >= 4 pools on 8
     assert deployments(e, 2, 4, reuse=False) == []
     assert [d.label for d in deployments(e, 8, 4, reuse=False)][-1] == "disagg-1P1D-p_tp4-d_tp4"
+
+
+def test_the_winner_changes_with_the_definition_only_when_no_winner_is_shared():
+    from testbed.experiments.decision_summary import definition_changes
+
+    def row(slo, dep, cap):
+        return {"model": "m", "hardware": "h", "link": "l", "num_gpus": 2, "tbt_slo_ms": 100, "context_len": 1024,
+                "slo": slo, "deployment": dep, "capacity_per_gpu": cap, "steady": True}
+    tied = [row("p99_tbt", "adaptive", 2.0), row("p99_tbt", "sarathi-2048", 1.0),
+            row("fluidity", "adaptive", 2.0), row("fluidity", "sarathi-2048", 2.0)]
+    assert definition_changes(tied) == []
+    tied[2]["capacity_per_gpu"] = 1.5
+    tied[3]["capacity_per_gpu"] = 3.0
+    (change,) = definition_changes(tied)
+    assert change["winners"] == {"p99_tbt": ["adaptive"], "fluidity": ["sarathi-2048"]}

@@ -53,13 +53,16 @@ class ProbeRun:
 class Prober:
     """Runs probes on the simulator, each sized by the steady-state rule from
     the longest service time of the last passing probe; a probe that passed
-    but came out too short is re-run once, as long as the rule asks (a short
-    burst that passes is the false answer to guard against). A failing one is
-    re-run only when at most 3x longer would do: an overloaded probe has no
+    but came out too short is re-run as long as the rule asks, at most twice
+    (a short burst that passes is the false answer to guard against; a longer
+    probe sees a longer service-time tail, so the target moves). A failing one
+    is lengthened only when at most 3x longer would do: an overloaded probe has no
     steady state to reach (its service times grow with the queue), and stays
     flagged when too short. Remembers every run by
     (deployment, link, L, SLO the run reads, rate) so SLO definitions share them.
     `passes(run)` says whether a run meets the SLOs of the search asking."""
+
+    MAX_LENGTHENINGS = 2    # a service time that still grows after two is the rate's, not the probe's
 
     def __init__(self, rule: SteadyRule, log):
         self.rule, self.log = rule, log
@@ -76,8 +79,11 @@ class Prober:
         n = self.rule.num_requests(rate, service)
         run = self._run(cfg, rate, n)
         passed = passes(run)
-        needed = self.rule.num_requests(rate, run.window.service_s)
-        if not run.window.steady and run.num_finished and n < needed and (passed or needed <= 3 * n):
+        for _ in range(self.MAX_LENGTHENINGS):
+            needed = self.rule.num_requests(rate, run.window.service_s)
+            if run.window.steady or not run.num_finished or needed <= run.num_requests \
+                    or not (passed or needed <= 3 * run.num_requests):
+                break
             run = self._run(cfg, rate, needed)
             passed = passes(run)
         if passed and run.window.service_s > 0:

@@ -51,10 +51,12 @@ def l_star(lengths: list[int], colocated: dict[int, float], disaggregated: dict[
     return answer
 
 
-def winner(rows: Iterable[dict]) -> str | None:
-    """The label of the highest steady capacity per GPU among rows (one L), or None."""
-    best = max(((_capacity(r), r["deployment"]) for r in rows if _capacity(r) is not None), default=None)
-    return None if best is None else best[1]
+def winners(rows: Iterable[dict]) -> set[str]:
+    """The labels of the highest steady capacity per GPU among rows (one L;
+    several when tied), empty when none is steady."""
+    caps = {r["deployment"]: _capacity(r) for r in rows if _capacity(r) is not None}
+    best = max(caps.values(), default=None)
+    return {label for label, cap in caps.items() if cap >= best * (1 - 1e-9)} if caps else set()
 
 
 def crossovers(rows: list[dict]) -> list[dict]:
@@ -78,16 +80,17 @@ def crossovers(rows: list[dict]) -> list[dict]:
 
 
 def definition_changes(rows: list[dict]) -> list[dict]:
-    """Where the winner (the best steady deployment) differs between the two
-    smoothness definitions at the same model, hardware, link, N, TBT and L."""
+    """Where the winner (the best steady deployment; ties count as either)
+    differs between the smoothness definitions at the same model, hardware,
+    link, N, TBT and L."""
     cells: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
         cell = tuple(r[k] for k in ("model", "hardware", "link", "num_gpus", "tbt_slo_ms", "context_len"))
         cells[cell][r["slo"]].append(r)
     out = []
     for cell, by_slo in cells.items():
-        winners = {slo: winner(rs) for slo, rs in by_slo.items()}
-        if len(set(winners.values())) > 1:
+        best = {slo: winners(rs) for slo, rs in by_slo.items()}
+        if len(best) > 1 and not set.intersection(*best.values()):
             out.append({**dict(zip(("model", "hardware", "link", "num_gpus", "tbt_slo_ms", "context_len"), cell)),
-                        "winners": winners})
+                        "winners": {slo: sorted(labels) for slo, labels in best.items()}})
     return out
