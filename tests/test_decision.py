@@ -217,3 +217,23 @@ def test_the_winner_changes_with_the_definition_only_when_no_winner_is_shared():
     tied[3]["capacity_per_gpu"] = 3.0
     (change,) = definition_changes(tied)
     assert change["winners"] == {"p99_tbt": ["adaptive"], "fluidity": ["sarathi-2048"]}
+
+
+def test_find_capacity_with_the_steady_rule_lengthens_a_short_probe_and_judges_the_window(tmp_path):
+    from testbed.capacity import find_capacity
+    from omegaconf import OmegaConf
+    hardware = OmegaConf.to_container(OmegaConf.load(DATA / "decision_hardware.yaml"))
+    cfg = from_dict({"runtime": {"name": "sim"}, "model": {"name": "tiny"}, "wandb": {"mode": "disabled"},
+                     "progress": False, "hardware": hardware,
+                     "slo": {"ttft_ms": 35.0, "tpot_ms": 50.0}, "token_budget": 1100,
+                     "workload": {"name": "w", "arrival": "poisson", "rate": 50.0, "num_requests": 10,
+                                  "prompt_dist": "fixed", "prompt_len": 512, "output_dist": "fixed",
+                                  "output_len": 16}})
+    rule = SteadyRule(span_factor=10, min_judged=20, max_requests=2000)
+    res = find_capacity(cfg, tmp_path, rel_tol=0.2, max_probes=6, log=lambda *_: None, steady=rule)
+    first = res.probes[0]
+    # 10 requests at 50 req/s span 0.2 s, far below 10 service times (>= 0.17 s each): re-run longer
+    assert first.num_requests > 10 and first.steady
+    assert res.rate is not None and res.first_failing_rate is not None and res.steady
+    saved = json.loads((tmp_path / "capacity.json").read_text())
+    assert saved["steady"] is True and all("steady" in p for p in saved["probes"])
