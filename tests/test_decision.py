@@ -217,6 +217,9 @@ def test_the_winner_changes_with_the_definition_only_when_no_winner_is_shared():
     tied[3]["capacity_per_gpu"] = 3.0
     (change,) = definition_changes(tied)
     assert change["winners"] == {"p99_tbt": ["adaptive"], "fluidity": ["sarathi-2048"]}
+    for r in tied:                   # nothing served under either definition: no change to report
+        r["capacity_per_gpu"] = None
+    assert definition_changes(tied) == []
 
 
 def test_find_capacity_with_the_steady_rule_lengthens_a_short_probe_and_judges_the_window(tmp_path):

@@ -82,7 +82,8 @@ def crossovers(rows: list[dict]) -> list[dict]:
 def definition_changes(rows: list[dict]) -> list[dict]:
     """Where the winner (the best steady deployment; ties count as either)
     differs between the smoothness definitions at the same model, hardware,
-    link, N, TBT and L."""
+    link, N, TBT and L (a cell where one definition has no steady winner
+    says nothing)."""
     cells: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
         cell = tuple(r[k] for k in ("model", "hardware", "link", "num_gpus", "tbt_slo_ms", "context_len"))
@@ -90,7 +91,7 @@ def definition_changes(rows: list[dict]) -> list[dict]:
     out = []
     for cell, by_slo in cells.items():
         best = {slo: winners(rs) for slo, rs in by_slo.items()}
-        if len(best) > 1 and not set.intersection(*best.values()):
+        if len(best) > 1 and all(best.values()) and not set.intersection(*best.values()):
             out.append({**dict(zip(("model", "hardware", "link", "num_gpus", "tbt_slo_ms", "context_len"), cell)),
                         "winners": {slo: sorted(labels) for slo, labels in best.items()}})
     return out
