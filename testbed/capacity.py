@@ -7,8 +7,15 @@ A probe meets the SLOs when every request finished, p99 TTFT <= slo.ttft_ms
 and p99 TBT <= the summary's TBT SLO (slo.tpot_ms, as summarize applies it).
 The search assumes that holds below some rate and fails above it: it doubles
 or halves from the configured rate until it brackets the answer, then bisects
-until the bracket is within `rel_tol`. `capacity.json` holds every probe and
-the answer.
+until the bracket is within `rel_tol` (`search_rate`, shared with the
+`decision` study). `capacity.json` holds every probe and the answer.
+
+With a `SteadyRule` (testbed/steady_state.py) every probe is sized from the
+longest service time seen so far so that its arrivals span many of them, the
+SLOs are judged on the requests of the steady window only (warm-up and drain
+excluded), and a probe still too short is flagged `steady: false`; the
+result's `steady` says whether the deciding probes (the answer and the first
+failing rate) were steady.
 
     testbed capacity [--out DIR] [--rel-tol 0.05] [--max-probes 16] [hydra overrides]
 """
@@ -22,7 +29,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from typing import Callable
+
 from testbed.config import RunConfig
+from testbed.steady_state import SteadyRule
 
 RATE_ARRIVALS = ("poisson", "gamma", "constant")
 
@@ -38,6 +48,8 @@ class Probe:
     num_requests: int
     goodput: float
     out_dir: str
+    steady: bool = True               # False: too short to say (steady_state.py); its verdict does not count
+    steady_reason: str = "ok"
 
 
 @dataclass
@@ -48,6 +60,10 @@ class CapacityResult:
     slo_tbt_ms: float
     runtime: str
     probes: list[Probe] = field(default_factory=list)
+    steady: bool = True               # the probes at rate and first_failing_rate reached a steady state
+
+    def deciding_steady(self) -> bool:
+        return all(p.steady for p in self.probes if p.rate in (self.rate, self.first_failing_rate))
 
 
 def judge(summary: dict, slo_ttft_ms: float, slo_tbt_ms: float) -> tuple[bool, str]:
@@ -73,10 +89,37 @@ def _check(cfg: RunConfig, rel_tol: float, max_probes: int) -> None:
         raise ValueError(f"max_probes: need at least 2 probes to bracket a rate, got {max_probes}")
 
 
+def search_rate(probe: Callable[[float], bool], start: float, rel_tol: float, max_probes: int) -> None:
+    """Doubles or halves from `start` until one rate passes and a higher one
+    fails, then bisects geometrically (rates span orders of magnitude) until
+    hi/lo - 1 <= rel_tol or max_probes probes ran. probe(rate) says whether
+    the rate met the SLOs; the caller keeps the verdicts."""
+    lo = hi = None                     # highest passing, lowest failing
+    rate, n = start, 0
+    while n < max_probes and (lo is None or hi is None):
+        n += 1
+        if probe(rate):
+            lo = rate
+            rate *= 2
+        else:
+            hi = rate
+            rate /= 2
+    while n < max_probes and lo is not None and hi is not None and hi / lo - 1 > rel_tol:
+        n += 1
+        mid = (lo * hi) ** 0.5
+        if probe(mid):
+            lo = mid
+        else:
+            hi = mid
+
+
 def find_capacity(cfg: RunConfig, out_dir: str | Path, rel_tol: float = 0.05, max_probes: int = 16,
-                  log=print) -> CapacityResult:
+                  log=print, steady: SteadyRule | None = None) -> CapacityResult:
     """Binary-search workload.rate for `cfg`, starting from cfg.workload.rate;
-    writes out_dir/capacity.json and returns the result."""
+    writes out_dir/capacity.json and returns the result. With `steady`, the
+    first probe has cfg.workload.num_requests requests and every later one as
+    many as the rule asks for at its rate (a probe found too short is re-run
+    once, longer)."""
     from testbed.run import execute
     _check(cfg, rel_tol, max_probes)
     out = Path(out_dir)
@@ -84,40 +127,53 @@ def find_capacity(cfg: RunConfig, out_dir: str | Path, rel_tol: float = 0.05, ma
     slo_ttft = cfg.slo.ttft_ms
     slo_tbt = getattr(cfg.slo, "tbt_ms", None) or cfg.slo.tpot_ms
     result = CapacityResult(None, None, slo_ttft, slo_tbt, cfg.runtime.name)
+    service_s: list[float] = []        # the longest service time seen so far
+
+    def run(rate: float, num_requests: int) -> tuple[dict, Path]:
+        workload = dataclasses.replace(cfg.workload, rate=rate, num_requests=num_requests)
+        run_cfg = dataclasses.replace(cfg, workload=workload, progress=False)
+        run_dir = out / f"probe{len(result.probes):02d}-rate{rate:.4g}"
+        return execute(run_cfg, run_dir), run_dir
 
     def probe(rate: float) -> bool:
-        run_cfg = dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, rate=rate), progress=False)
-        run_dir = out / f"probe{len(result.probes):02d}-rate{rate:.4g}"
-        summary = execute(run_cfg, run_dir)
+        n = cfg.workload.num_requests if steady is None or not service_s else steady.num_requests(rate, service_s[0])
+        summary, run_dir = run(rate, n)
+        steady_ok, steady_why = True, "ok"
+        if steady is not None:
+            summary, window = _steady_summary(summary, run_dir, steady, slo_ttft, slo_tbt)
+            if not window.steady and window.service_s > 0 and steady.num_requests(rate, window.service_s) > n:
+                summary, run_dir = run(rate, steady.num_requests(rate, window.service_s))
+                summary, window = _steady_summary(summary, run_dir, steady, slo_ttft, slo_tbt)
+            service_s[:] = [max([window.service_s, *service_s])]
+            steady_ok, steady_why = window.steady, window.reason
         ok, why = judge(summary, slo_ttft, slo_tbt)
         result.probes.append(Probe(rate, ok, why, summary["ttft_ms"]["p99"], summary["tbt_ms"]["p99"],
                                    summary["num_finished"], summary["num_requests"], summary["goodput"],
-                                   str(run_dir)))
-        log(f"capacity probe {len(result.probes)}: rate {rate:.4g} req/s -> {'meets the SLOs' if ok else why}")
+                                   str(run_dir), steady_ok, steady_why))
+        flag = "" if steady_ok else f" (not steady: {steady_why})"
+        log(f"capacity probe {len(result.probes)}: rate {rate:.4g} req/s -> "
+            f"{'meets the SLOs' if ok else why}{flag}")
         if ok and (result.rate is None or rate > result.rate):
             result.rate = rate
         if not ok and (result.first_failing_rate is None or rate < result.first_failing_rate):
             result.first_failing_rate = rate
+        result.steady = result.deciding_steady()
         _write(out, result)
         return ok
 
-    lo = hi = None                     # highest passing, lowest failing
-    rate = cfg.workload.rate
-    while len(result.probes) < max_probes and (lo is None or hi is None):
-        if probe(rate):
-            lo = rate
-            rate *= 2
-        else:
-            hi = rate
-            rate /= 2
-    while len(result.probes) < max_probes and lo is not None and hi is not None and hi / lo - 1 > rel_tol:
-        mid = (lo * hi) ** 0.5         # geometric: rates span orders of magnitude
-        if probe(mid):
-            lo = mid
-        else:
-            hi = mid
+    search_rate(probe, cfg.workload.rate, rel_tol, max_probes)
     _write(out, result)
     return result
+
+
+def _steady_summary(summary: dict, run_dir: Path, rule: SteadyRule, slo_ttft: float, slo_tbt: float):
+    """The run's summary with its latencies over the steady window only (the
+    request counts stay the whole run's: an unfinished request fails the
+    probe wherever it arrived), and the window."""
+    from testbed.metrics import read_requests, summarize
+    window = rule.window(read_requests(run_dir / "requests.jsonl"))
+    judged = summarize(window.judged, [], slo_ttft, slo_tbt)
+    return {**summary, "ttft_ms": judged["ttft_ms"], "tbt_ms": judged["tbt_ms"]}, window
 
 
 def _write(out: Path, result: CapacityResult) -> None:

@@ -20,6 +20,7 @@ _STUDIES = {
     "stall": "testbed.experiments.serving:run_stall",
     "chunk_overhead": "testbed.experiments.prefill:run_chunk_overhead",
     "hybrid_batch": "testbed.experiments.prefill:run_hybrid_batch",
+    "decision": "testbed.experiments.decision:run_decision",
 }
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-EXPERIMENTS = ("crossover", "capacity", "stall", "chunk_overhead", "hybrid_batch")
+EXPERIMENTS = ("crossover", "capacity", "stall", "chunk_overhead", "hybrid_batch", "decision")
+DECISION_COLOCATED = ("sarathi", "adaptive")
 
 
 @dataclass
@@ -41,6 +42,10 @@ class ExperimentConfig:
     capacity_rate_start: float = 1.0         # requests/s per GPU where the search starts doubling or halving
     capacity_rel_tol: float = 0.1            # stop when the bracket's hi/lo - 1 is below this
     capacity_max_probes: int = 10            # runs per search at most
+    # capacity's real-engine point: steady-state probes (testbed/steady_state.py), at most this many requests
+    capacity_span_factor: float = 10.0
+    capacity_min_judged: int = 20
+    capacity_max_requests: int = 400
     real_capacity_policies: list[str] = field(default_factory=lambda: ["sarathi"])
     real_capacity_workload: dict[str, Any] = field(default_factory=dict)
     # prefill studies (chunk_overhead, hybrid_batch)
@@ -48,6 +53,22 @@ class ExperimentConfig:
     decode_context_len: int = 1024           # hybrid_batch, crossover's piggyback tax: each decode's context D
     piggyback_decodes: list[int] = field(default_factory=lambda: [0, 8, 32, 128])  # crossover: decodes B per batch
     repeats: int = 3                         # timing repetitions per real measurement
+    # decision (testbed/experiments/decision.py): models x hardware x links x num_gpus x context_lens
+    decision_num_gpus: list[int] = field(default_factory=lambda: [2])
+    decision_tbt_slos_ms: list[int] = field(default_factory=lambda: [50, 100])
+    decision_smoothness: list[str] = field(default_factory=lambda: ["p99_tbt", "fluidity"])
+    decision_fluidity_min: float = 0.99
+    decision_ttft_k: float = 5.0             # TTFT SLO = k x one GPU's whole-prefill time of an L prompt
+    decision_output_len: int = 128
+    decision_prompt_sigma: float = 0.1       # lognormal shape of the prompt lengths around L
+    decision_reuse: float = 0.0              # > 0: multi-turn prompts reusing this share; adds kvstore
+    decision_turns: int = 2                  # turns per conversation when decision_reuse > 0
+    decision_colocated: list[str] = field(default_factory=lambda: ["sarathi", "adaptive"])
+    decision_tp: dict[str, int] = field(default_factory=dict)   # model name -> tp (default: the run's parallel.tp)
+    decision_pool_tp: list[int] = field(default_factory=lambda: [1, 2, 4, 8])   # disagg: each pool's tp searched
+    decision_span_factor: float = 10.0       # steady state: arrivals span this many longest service times
+    decision_min_judged: int = 20            # steady state: requests judged per probe at least
+    decision_max_requests: int = 4000        # a probe's requests at most
 
     def validate(self) -> None:
         if self.name is not None and self.name not in EXPERIMENTS:
@@ -68,10 +89,55 @@ class ExperimentConfig:
         if self.capacity_max_probes < 2:
             raise ValueError(f"experiment.capacity_max_probes: at least 2 to bracket a rate, got "
                              f"{self.capacity_max_probes}")
+        if not self.capacity_span_factor > 2:
+            raise ValueError(f"experiment.capacity_span_factor: must be > 2 (warm-up and drain each take one "
+                             f"longest service time), got {self.capacity_span_factor}")
+        if self.capacity_min_judged < 1 or self.capacity_max_requests < self.capacity_min_judged:
+            raise ValueError(f"experiment.capacity_max_requests: need capacity_max_requests >= capacity_min_judged"
+                             f" >= 1, got {self.capacity_max_requests} and {self.capacity_min_judged}")
         for s in self.disagg_splits:
             parse_split(s)
         if self.repeats < 1:
             raise ValueError(f"experiment.repeats: must be >= 1, got {self.repeats}")
+        self._validate_decision()
+
+    def _validate_decision(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"experiment.{name}: {why}")
+        for f in ("decision_num_gpus", "decision_tbt_slos_ms"):
+            if not getattr(self, f) or any(v < 1 for v in getattr(self, f)):
+                raise bad(f, f"give one or more values >= 1, got {getattr(self, f)}")
+        from testbed.experiments.decision_slo import SMOOTHNESS
+        unknown = [s for s in self.decision_smoothness if s not in SMOOTHNESS]
+        if unknown or not self.decision_smoothness:
+            raise bad("decision_smoothness", f"{unknown or 'empty'}: choose from {', '.join(SMOOTHNESS)}")
+        unknown = [s for s in self.decision_colocated if s not in DECISION_COLOCATED]
+        if unknown:
+            raise bad("decision_colocated", f"{unknown} not known: choose from {', '.join(DECISION_COLOCATED)}")
+        if not 0 < self.decision_fluidity_min <= 1:
+            raise bad("decision_fluidity_min", f"a fraction in (0, 1], got {self.decision_fluidity_min}")
+        for f in ("decision_ttft_k", "decision_prompt_sigma"):
+            if not getattr(self, f) > 0:
+                raise bad(f, f"must be > 0, got {getattr(self, f)}")
+        for f in ("decision_output_len", "decision_min_judged"):
+            if getattr(self, f) < 1:
+                raise bad(f, f"must be >= 1, got {getattr(self, f)}")
+        if self.decision_turns < 2:
+            raise bad("decision_turns", f"a conversation reuses its prompt from the 2nd turn on: >= 2, got "
+                                        f"{self.decision_turns}")
+        if not 0 <= self.decision_reuse < 1:
+            raise bad("decision_reuse", f"a fraction in [0, 1) (0: no prefix reuse), got {self.decision_reuse}")
+        if not self.decision_span_factor > 2:
+            raise bad("decision_span_factor", f"must be > 2 (warm-up and drain each take one longest service "
+                                              f"time), got {self.decision_span_factor}")
+        if self.decision_max_requests < self.decision_min_judged:
+            raise bad("decision_max_requests", f"{self.decision_max_requests} is below decision_min_judged="
+                                               f"{self.decision_min_judged}")
+        if not self.decision_pool_tp or any(t < 1 for t in self.decision_pool_tp):
+            raise bad("decision_pool_tp", f"give one or more tp values >= 1, got {self.decision_pool_tp}")
+        bad_tp = {m: tp for m, tp in self.decision_tp.items() if not isinstance(tp, int) or tp < 1}
+        if bad_tp:
+            raise bad("decision_tp", f"model name -> tp >= 1, got {bad_tp}")
 
 
 def parse_split(split: str) -> tuple[int, int]:

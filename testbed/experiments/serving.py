@@ -151,6 +151,7 @@ def _capacity_rows(cfg: RunConfig, source: str, labels: list[str] | None, out: P
     policies, at one GPU), by testbed.capacity.find_capacity with Poisson
     arrivals at the probed rate. Returns (capacity rows, probe rows)."""
     from testbed.capacity import find_capacity
+    from testbed.steady_state import SteadyRule
     e = cfg.experiment
     rows, probe_rows = [], []
     gpu_counts = sorted({sum(parse_split(s)) for s in e.disagg_splits}) if labels is None else [1]
@@ -158,6 +159,10 @@ def _capacity_rows(cfg: RunConfig, source: str, labels: list[str] | None, out: P
         specs = list(e.capacity_workloads.items())
     else:
         specs = [(e.real_capacity_workload.get("name", "small"), e.real_capacity_workload)]
+    # the real-engine point's probes reach a steady state (testbed/steady_state.py): a burst of a
+    # dozen requests measures nothing; the simulator's workloads are fixed request sets
+    steady = (SteadyRule(e.capacity_span_factor, e.capacity_min_judged, e.capacity_max_requests)
+              if source == "real" else None)
     for name, spec in specs:
         slo, workload = dict(spec["slo"]), _workload(name, spec)
         start = spec.get("rate_start", e.capacity_rate_start)
@@ -168,7 +173,7 @@ def _capacity_rows(cfg: RunConfig, source: str, labels: list[str] | None, out: P
                     cfg, workload=dataclasses.replace(workload, arrival="poisson", time_scale=1.0,
                                                       rate=start * policy.num_gpus), slo=_slo(cfg, slo))
                 res = find_capacity(run_cfg, out / "probes" / name / f"{policy.label}-{policy.num_gpus}gpu",
-                                    e.capacity_rel_tol, max_probes, log=lambda *_: None)
+                                    e.capacity_rel_tol, max_probes, log=lambda *_: None, steady=steady)
                 bound = ("below_lowest" if res.rate is None else "no_failure" if res.first_failing_rate is None
                          else "found")
                 at = next((p for p in res.probes if p.meets_slo and p.rate == res.rate), None)
@@ -181,11 +186,13 @@ def _capacity_rows(cfg: RunConfig, source: str, labels: list[str] | None, out: P
                              "bound": bound, "first_failing_rps": res.first_failing_rate,
                              "ttft_p99_ms": at and at.ttft_p99_ms, "tbt_p99_ms": at and at.tbt_p99_ms,
                              "slo_ttft_ms": slo["ttft_ms"], "slo_tbt_ms": slo["tbt_ms"],
-                             "num_probes": len(res.probes)})
+                             "num_probes": len(res.probes),
+                             "steady": res.steady if steady is not None else None})
                 probe_rows += [{"source": source, "workload": name, "policy": policy.label,
                                 "num_gpus": policy.num_gpus, "rate": p.rate, "meets_slo": p.meets_slo,
                                 "reason": p.reason, "ttft_p99_ms": p.ttft_p99_ms, "tbt_p99_ms": p.tbt_p99_ms,
                                 "num_finished": p.num_finished, "num_requests": p.num_requests,
+                                "steady": p.steady if steady is not None else None,
                                 "run_dir": str(Path(p.out_dir).relative_to(out))} for p in res.probes]
                 per_gpu = "-" if res.rate is None else f"{res.rate / policy.num_gpus:.3g}"
                 log(f"capacity {source} {name} {policy.label} ({policy.num_gpus} GPU): {per_gpu} req/s/GPU "

@@ -1,0 +1,242 @@
+"""The decision study (testbed/experiments/decision.py) on a constructed case
+whose L* follows by hand, the steady-state rule of a capacity probe
+(testbed/steady_state.py), the summary's format and L* rule, and the
+validation of the study's config fields.
+
+The constructed case (tests/data/decision_*.yaml): every iteration takes
+exactly 10 ms whatever its batch, and KV crosses the link at once. The TTFT
+SLO is k = 3.5 times one GPU's whole prefill of L, i.e. 35 ms at every L; the
+TBT SLO 50 ms; answers are 16 tokens; prompts are L within 0.5%.
+- sarathi with a 1,100-token budget on 2 replicas prefills an L-token prompt
+  in ceil(L / (1,100 - running decodes)) iterations. From L = 4,096 on that is
+  at least 4 iterations, a TTFT of at least 40 ms > 35 ms even on an idle
+  machine: no rate passes. At L <= 1,024 a prompt takes one iteration, and
+  each replica prefills 1,100 tokens' worth of prompts per 10 ms.
+- disagg 1P1D prefills whole prompts, up to max_num_batched_tokens = 1,100
+  per 10 ms iteration (a longer one alone): it passes at every L (TTFT 10 ms
+  plus the wait) and its decode worker decodes every running request every
+  10 ms. Below 1,100 tokens its one prefill worker has half the prefill
+  throughput of colocation's two replicas, and prefill is what binds both
+  (decodes are free in a fixed-cost iteration): about half the capacity.
+So disaggregation wins from L = 4,096 on and loses below: L* = 4,096."""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from testbed.config import from_dict, validate
+from testbed.experiments.config import ExperimentConfig
+from testbed.experiments.decision_summary import crossovers, l_star
+from testbed.metrics import RequestRecord
+from testbed.run import execute
+from testbed.steady_state import SteadyRule, judged_window
+
+DATA = Path(__file__).resolve().parent / "data"
+GRID = [512, 1024, 4096, 8192]
+
+
+def constructed(**experiment) -> object:
+    e = dict(name="decision", models=["tiny"], hardware=[str(DATA / "decision_hardware.yaml")],
+             links=[str(DATA / "decision_link.yaml")], context_lens=GRID, token_budgets=[1100],
+             decision_colocated=["sarathi"], decision_ttft_k=3.5, decision_tbt_slos_ms=[50],
+             decision_smoothness=["p99_tbt", "fluidity"], decision_output_len=16, decision_prompt_sigma=0.001,
+             decision_num_gpus=[2], capacity_rate_start=20.0, capacity_rel_tol=0.1, capacity_max_probes=10,
+             decision_span_factor=10.0, decision_min_judged=20, decision_max_requests=2000, real=False)
+    e.update(experiment)
+    return from_dict({"runtime": {"name": "sim"}, "model": {"name": "tiny"}, "max_num_batched_tokens": 1100, "wandb": {"mode": "disabled"}, "progress": False,
+                      "experiment": e})
+
+
+def read_rows(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.slow
+def test_the_study_finds_the_crossover_the_arithmetic_gives(tmp_path):
+    cfg = constructed()
+    result = execute(cfg, tmp_path)
+    summary = json.loads((tmp_path / "decision_summary.json").read_text())
+    rows = read_rows(tmp_path / "decision.csv")
+    assert list(rows[0]) == ["model", "hardware", "link", "link_gbps", "num_gpus", "slo", "tbt_slo_ms", "ttft_slo_ms",
+                             "context_len", "deployment", "family", "capacity_per_gpu", "bound", "limited_by",
+                             "steady", "probes", "source"]
+    assert len(rows) == len(GRID) * 2 * 2                 # L x (sarathi-1100, disagg-1P1D) x 2 definitions
+    assert {r["ttft_slo_ms"] for r in rows} == {"35.0"}
+    by = {(r["slo"], r["deployment"], int(r["context_len"])): r for r in rows}
+    for slo in ("p99_tbt", "fluidity"):
+        for L in (4096, 8192):           # 4 chunks of 10 ms: no rate meets a 35 ms TTFT
+            col = by[(slo, "sarathi-1100", L)]
+            assert (col["capacity_per_gpu"], col["bound"], col["limited_by"]) == ("", "none", "ttft")
+        for L in GRID:
+            dis = by[(slo, "disagg-1P1D", L)]
+            assert dis["bound"] == "bracketed" and dis["steady"] == "True" and float(dis["capacity_per_gpu"]) > 0
+        for L in (512, 1024):            # twice the prefill throughput: ~2x, at least 1.4x
+            col, dis = by[(slo, "sarathi-1100", L)], by[(slo, "disagg-1P1D", L)]
+            assert col["steady"] == "True" and col["bound"] == "bracketed"
+            assert float(col["capacity_per_gpu"]) > 1.4 * float(dis["capacity_per_gpu"])
+        # below the prefill throughput bounds, per GPU of 2: prompts per 10 ms iteration x 100 / 2
+        # (colocation: 2 replicas of 1,100 // L prompts; disagg: one worker of max(1, 1,100 // L))
+        for L in GRID:
+            per_iteration = max(1, 1100 // L)
+            assert float(by[(slo, "disagg-1P1D", L)]["capacity_per_gpu"]) <= per_iteration * 100 / 2
+            if L <= 1024:
+                assert float(by[(slo, "sarathi-1100", L)]["capacity_per_gpu"]) <= 2 * per_iteration * 100 / 2
+    assert {c["slo"]: c["l_star"] for c in summary["crossovers"]} == {"p99_tbt": 4096, "fluidity": 4096}
+    c = summary["crossovers"][0]
+    assert c["best_colocated"] == {"512": "sarathi-1100", "1024": "sarathi-1100"}
+    assert c["best_disaggregated"] == {str(L): "disagg-1P1D" for L in GRID}
+    assert summary["assumptions"]["ttft_k"] == 3.5
+    assert result["tables"]["lstar"][0]["l_star"] == 4096
+    series = result["series"][0]
+    assert series["xs"] == GRID and series["keys"] == ["sarathi-1100", "disagg-1P1D"]
+    assert series["ys"][0][2:] == [None, None] and all(y > 0 for y in series["ys"][1])
+    assert (tmp_path / "decision_capacity.png").stat().st_size > 0
+    assert json.loads((tmp_path / "experiment.json").read_text())["experiment"] == "decision"
+
+
+def record(arrival: float, start: float, finish: float) -> RequestRecord:
+    return RequestRecord("r", "finished", 16, [0, 0], arrival, start, start + 0.01, [start + 0.01, finish], finish)
+
+
+def test_a_probe_too_short_for_its_service_time_is_flagged_not_steady():
+    rule = SteadyRule(span_factor=10, min_judged=5)
+    # 10 arrivals over 9 s, each served for 2 s: the span is 4.5 service times, not 10
+    short = judged_window([record(t, t, t + 2.0) for t in range(10)], rule)
+    assert not short.steady and "span" in short.reason and short.service_s == 2.0
+    # 100 arrivals over 99 s: steady; the first and last 2 s of arrivals are warm-up and drain
+    long = judged_window([record(t, t + 0.5, t + 2.5) for t in range(100)], rule)
+    assert long.steady and long.reason == "ok"
+    assert [r.arrival_s for r in long.judged] == list(range(2, 98))
+    # one outlier among 100 one-second services does not set S (its p99 does)
+    outlier = judged_window([record(t, t, t + 1.0) for t in range(100)] + [record(50, 50, 100.0)], rule)
+    assert outlier.service_s == 1.0 and outlier.steady
+    # a long span but too few requests in the window
+    sparse = judged_window([record(t, t, t + 1.0) for t in (0, 5, 10, 15)], rule)
+    assert not sparse.steady and "min_judged" in sparse.reason
+
+
+def test_a_probe_is_sized_to_reach_steady_state():
+    rule = SteadyRule(span_factor=10, min_judged=20, max_requests=4000)
+    assert rule.num_requests(10.0, 2.0) == 220                      # 1.1 x 10 req/s x 20 s
+    assert rule.num_requests(0.01, 2.0) == 30                       # at least min_judged in the window
+    assert rule.num_requests(1000.0, 10.0) == 4000
+
+
+def test_an_unsteady_row_does_not_count_for_the_winner_or_l_star():
+    def row(L, dep, fam, cap, steady=True):
+        return {"model": "m", "hardware": "h", "link": "l", "link_gbps": 1.0, "num_gpus": 2, "slo": "p99_tbt",
+                "tbt_slo_ms": 100, "context_len": L, "deployment": dep, "family": fam, "capacity_per_gpu": cap,
+                "steady": steady}
+    rows = [row(1024, "sarathi-2048", "colocated", 10.0), row(1024, "disagg-1P1D", "disaggregated", 5.0),
+            row(2048, "sarathi-2048", "colocated", 4.0), row(2048, "disagg-1P1D", "disaggregated", 5.0),
+            row(4096, "sarathi-2048", "colocated", 9.0, steady=False), row(4096, "disagg-1P1D", "disaggregated", 3.0)]
+    (c,) = crossovers(rows)
+    assert c["l_star"] == 2048 and c["best_colocated"] == {"1024": "sarathi-2048", "2048": "sarathi-2048"}
+    assert set(c) >= {"model", "hardware", "link", "link_gbps", "num_gpus", "slo", "tbt_slo_ms", "l_star",
+                      "best_colocated", "best_disaggregated"}
+    # counted, the unsteady 9.0 would have beaten disagg at 4096 and left no L*
+    rows[4]["steady"] = True
+    assert crossovers(rows)[0]["l_star"] is None
+
+
+def test_l_star_must_hold_at_every_larger_length():
+    assert l_star([1, 2, 4, 8], {1: 5, 2: 1, 4: 5, 8: 1}, {1: 1, 2: 5, 4: 1, 8: 5}) == 8
+    assert l_star([1, 2, 4], {1: 5, 2: 5, 4: 5}, {1: 1, 2: 1, 4: 1}) is None
+    assert l_star([1, 2, 4], {1: 5}, {1: 1, 2: 1, 4: 1}) == 2          # colocation serves nothing from 2 on
+    assert l_star([1, 2, 4], {1: 5}, {1: 1, 2: 1}) == 2                # nothing fits at 4: no winner there
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("decision_smoothness", ["p95_tbt"], "experiment.decision_smoothness"),
+    ("decision_tbt_slos_ms", [], "experiment.decision_tbt_slos_ms"),
+    ("decision_num_gpus", [0], "experiment.decision_num_gpus"),
+    ("decision_fluidity_min", 1.5, "experiment.decision_fluidity_min"),
+    ("decision_ttft_k", 0.0, "experiment.decision_ttft_k"),
+    ("decision_reuse", 1.0, "experiment.decision_reuse"),
+    ("decision_span_factor", 2.0, "experiment.decision_span_factor"),
+    ("decision_colocated", ["orca"], "experiment.decision_colocated"),
+    ("decision_max_requests", 5, "experiment.decision_max_requests"),
+    ("decision_tp", {"llama2-70b": 0}, "experiment.decision_tp"),
+    ("decision_turns", 1, "experiment.decision_turns"),
+])
+def test_bad_decision_fields_name_the_field(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(ExperimentConfig(name="decision"), **{field: value}).validate()
+
+
+def test_the_default_decision_config_validates():
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from testbed.config import register_configs
+    from testbed.model.config import CONF_DIR
+    register_configs()
+    for name in ("decision", "decision-full"):
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            cfg = OmegaConf.to_object(compose("config", [f"experiment={name}"]))
+        validate(cfg)
+        assert cfg.experiment.name == "decision" and cfg.runtime.name == "sim"
+        assert cfg.experiment.context_lens[0] == 1024 and cfg.experiment.context_lens[-1] == 1048576
+
+
+def test_every_deployment_occupies_the_gpu_count_it_is_compared_at():
+    from testbed.experiments.deployments import deployments
+    cfg = from_dict({"runtime": {"name": "sim"}, "model": {"name": "tiny"}, "wandb": {"mode": "disabled"}})
+    e = ExperimentConfig(name="decision", token_budgets=[512], decision_pool_tp=[1, 2])
+    deps = deployments(e, 4, 1, reuse=True)
+    labels = [d.label for d in deps]
+    assert labels[:2] == ["sarathi-512", "adaptive"]
+    assert {"disagg-1P3D", "disagg-2P2D", "disagg-3P1D", "disagg-2P1D-p_tp1-d_tp2", "disagg-1P2D-p_tp2-d_tp1",
+            "disagg-1P1D-p_tp2-d_tp2", "kvstore-1P3D"} <= set(labels)
+    assert {d.family for d in deps} == {"colocated", "disaggregated"}
+    for d in deps:
+        assert d.num_gpus(cfg) == 4, d.label
+    applied = next(d for d in deps if d.label == "disagg-1P2D-p_tp2-d_tp1").apply(cfg)
+    assert (applied.prefill.parallel.tp, applied.decode.parallel.tp) == (2, 1)
+    assert (applied.prefill_workers, applied.decode_workers) == (1, 2)
+    # a model that needs tp=4 has no deployment on 2 GPUs, and only tp >= 4 pools on 8
+    assert deployments(e, 2, 4, reuse=False) == []
+    assert [d.label for d in deployments(e, 8, 4, reuse=False)][-1] == "disagg-1P1D-p_tp4-d_tp4"
+
+
+def test_the_winner_changes_with_the_definition_only_when_no_winner_is_shared():
+    from testbed.experiments.decision_summary import definition_changes
+
+    def row(slo, dep, cap):
+        return {"model": "m", "hardware": "h", "link": "l", "num_gpus": 2, "tbt_slo_ms": 100, "context_len": 1024,
+                "slo": slo, "deployment": dep, "capacity_per_gpu": cap, "steady": True}
+    tied = [row("p99_tbt", "adaptive", 2.0), row("p99_tbt", "sarathi-2048", 1.0),
+            row("fluidity", "adaptive", 2.0), row("fluidity", "sarathi-2048", 2.0)]
+    assert definition_changes(tied) == []
+    tied[2]["capacity_per_gpu"] = 1.5
+    tied[3]["capacity_per_gpu"] = 3.0
+    (change,) = definition_changes(tied)
+    assert change["winners"] == {"p99_tbt": ["adaptive"], "fluidity": ["sarathi-2048"]}
+    for r in tied:                   # nothing served under either definition: no change to report
+        r["capacity_per_gpu"] = None
+    assert definition_changes(tied) == []
+
+
+def test_find_capacity_with_the_steady_rule_lengthens_a_short_probe_and_judges_the_window(tmp_path):
+    from testbed.capacity import find_capacity
+    from omegaconf import OmegaConf
+    hardware = OmegaConf.to_container(OmegaConf.load(DATA / "decision_hardware.yaml"))
+    cfg = from_dict({"runtime": {"name": "sim"}, "model": {"name": "tiny"}, "wandb": {"mode": "disabled"},
+                     "progress": False, "hardware": hardware,
+                     "slo": {"ttft_ms": 35.0, "tpot_ms": 50.0}, "token_budget": 1100,
+                     "workload": {"name": "w", "arrival": "poisson", "rate": 50.0, "num_requests": 10,
+                                  "prompt_dist": "fixed", "prompt_len": 512, "output_dist": "fixed",
+                                  "output_len": 16}})
+    rule = SteadyRule(span_factor=10, min_judged=20, max_requests=2000)
+    res = find_capacity(cfg, tmp_path, rel_tol=0.2, max_probes=6, log=lambda *_: None, steady=rule)
+    first = res.probes[0]
+    # 10 requests at 50 req/s span 0.2 s, far below 10 service times (>= 0.17 s each): re-run longer
+    assert first.num_requests > 10 and first.steady
+    assert res.rate is not None and res.first_failing_rate is not None and res.steady
+    saved = json.loads((tmp_path / "capacity.json").read_text())
+    assert saved["steady"] is True and all("steady" in p for p in saved["probes"])
