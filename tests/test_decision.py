@@ -32,7 +32,7 @@ from testbed.config import from_dict, validate
 from testbed.experiments.config import ExperimentConfig
 from testbed.experiments.decision_summary import crossovers, l_star
 from testbed.metrics import RequestRecord
-from testbed.run import execute
+from testbed.experiments.decision import run_decision
 from testbed.steady_state import SteadyRule, judged_window
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -59,7 +59,8 @@ def read_rows(path: Path) -> list[dict]:
 @pytest.mark.slow
 def test_the_study_finds_the_crossover_the_arithmetic_gives(tmp_path):
     cfg = constructed()
-    result = execute(cfg, tmp_path)
+    # the study's own result: run_experiment pops its W&B series and tables (tests/test_wandb.py reads those back)
+    result = run_decision(cfg, tmp_path, print)
     summary = json.loads((tmp_path / "decision_summary.json").read_text())
     rows = read_rows(tmp_path / "decision.csv")
     assert list(rows[0]) == ["model", "hardware", "link", "link_gbps", "num_gpus", "slo", "tbt_slo_ms", "ttft_slo_ms",
@@ -95,8 +96,9 @@ def test_the_study_finds_the_crossover_the_arithmetic_gives(tmp_path):
     series = result["series"][0]
     assert series["xs"] == GRID and series["keys"] == ["sarathi-1100", "disagg-1P1D"]
     assert series["ys"][0][2:] == [None, None] and all(y > 0 for y in series["ys"][1])
-    assert (tmp_path / "decision_capacity.png").stat().st_size > 0
-    assert json.loads((tmp_path / "experiment.json").read_text())["experiment"] == "decision"
+    assert {p.name for p in tmp_path.glob("*.png")} == set(result["figures"]) and result["figures"]
+    assert any(name.startswith("phase_") for name in result["figures"])
+    assert result["experiment"] == "decision"
 
 
 def record(arrival: float, start: float, finish: float) -> RequestRecord:

@@ -16,13 +16,14 @@ repeat per link.
 
 Writes decision.csv (one row per model, hardware, link, N, SLO, L and
 deployment), decision_summary.json (L* and the best deployment of each family
-per L, decision_summary.py), decision_probes.csv and decision_capacity.png."""
+per L, decision_summary.py), decision_probes.csv, and the figures of
+decision_figures.py: a phase diagram per model/hardware/N/SLO (the winning
+family per L and link, L* drawn) and capacity per GPU against L per link."""
 from __future__ import annotations
 
 import csv
 import dataclasses
 import json
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ from typing import Callable
 
 from testbed.capacity import search_rate
 from testbed.config import RunConfig, validate
-from testbed.experiments import save_figure
+from testbed.experiments.decision_figures import capacity_series, decision_figures
 from testbed.experiments.decision_slo import SLOTargets, Smoothness, get_smoothness
 from testbed.experiments.decision_summary import crossovers, definition_changes
 from testbed.experiments.deployments import Deployment, deployments, replace_run
@@ -212,7 +213,7 @@ def run_decision(cfg: RunConfig, out: Path, log=print) -> dict:
     if prober.rows:
         _write_csv(out / "decision_probes.csv", prober.rows, tuple(prober.rows[0]))
     (out / "decision_summary.json").write_text(json.dumps(summary, indent=2))
-    figures = _figures(rows, summary, out)
+    figures = decision_figures(rows, summary["crossovers"], out)
     log(f"decision: {len(rows)} rows from {prober.num_runs} probe runs in {elapsed:.0f} s -> {out}/decision.csv")
     for c in summary["crossovers"]:
         log(f"  L* {c['model']}/{c['hardware']}/{c['link']}/N{c['num_gpus']} {c['slo']}@{c['tbt_slo_ms']}ms: "
@@ -221,7 +222,7 @@ def run_decision(cfg: RunConfig, out: Path, log=print) -> dict:
             "crossovers": [{k: c[k] for k in ("model", "hardware", "link", "num_gpus", "slo", "tbt_slo_ms",
                                                "l_star")} for c in summary["crossovers"]],
             "definition_changes_winner": bool(summary["definition_changes"]),
-            "figures": [p.name for p in figures], "series": _series(rows),
+            "figures": [p.name for p in figures], "series": capacity_series(rows),
             "tables": {"lstar": [{k: c[k] for k in ("model", "hardware", "link", "link_gbps", "num_gpus", "slo",
                                                      "tbt_slo_ms", "l_star")} for c in summary["crossovers"]]},
             "rows": rows}
@@ -304,67 +305,6 @@ def _summary(cfg: RunConfig, rows: list[dict], rule: SteadyRule) -> dict:
         "winner_changes_with_definition": bool(changes),
         "unsteady_rows": sum(not r["steady"] for r in rows),
     }
-
-
-def _series(rows: list[dict]) -> list[dict]:
-    """Capacity per GPU against L, one line per deployment, per model,
-    hardware, link, N and SLO (W&B line series)."""
-    groups: dict[tuple, list[dict]] = {}
-    for r in rows:
-        groups.setdefault((r["model"], r["hardware"], r["link"], r["num_gpus"], r["slo"], r["tbt_slo_ms"]),
-                          []).append(r)
-    out = []
-    for (model, hw, link, n, slo, tbt), grows in groups.items():
-        xs = sorted({r["context_len"] for r in grows})
-        labels = list(dict.fromkeys(r["deployment"] for r in grows))
-        cap = {(r["deployment"], r["context_len"]): r["capacity_per_gpu"] if r["steady"] else None for r in grows}
-        out.append({"key": f"decision/{model}/{hw}/{link}/N{n}/{slo}-{tbt}ms",
-                    "title": f"capacity per GPU vs L: {model} on {hw}, {link}, N={n}, {slo} {tbt} ms",
-                    "xname": "context length L (tokens)", "xs": xs,
-                    "ys": [[cap.get((d, x)) for x in xs] for d in labels], "keys": labels})
-    return out
-
-
-def _figures(rows: list[dict], summary: dict, out: Path) -> list[Path]:
-    """decision_capacity.png: capacity per GPU against L (log2 axis), one line
-    per deployment, one panel per model, hardware, link and N, at the first
-    SLO definition and TBT target; unsteady points hollow."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    if not rows:
-        return []
-    slo, tbt = rows[0]["slo"], rows[0]["tbt_slo_ms"]
-    sel = [r for r in rows if r["slo"] == slo and r["tbt_slo_ms"] == tbt]
-    panels = list(dict.fromkeys((r["model"], r["hardware"], r["link"], r["num_gpus"]) for r in sel))
-    cols = min(3, len(panels))
-    nrows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(5.2 * cols, 3.6 * nrows), squeeze=False)
-    lstar = {(c["model"], c["hardware"], c["link"], c["num_gpus"]): c["l_star"] for c in summary["crossovers"]
-             if c["slo"] == slo and c["tbt_slo_ms"] == tbt}
-    for ax, panel in zip(axes.flat, panels):
-        prow = [r for r in sel if (r["model"], r["hardware"], r["link"], r["num_gpus"]) == panel]
-        for label in dict.fromkeys(r["deployment"] for r in prow):
-            pts = sorted((r["context_len"], r["capacity_per_gpu"], r["steady"]) for r in prow
-                         if r["deployment"] == label and r["capacity_per_gpu"] is not None)
-            if not pts:
-                continue
-            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], "-", label=label)
-            for x, y, steady in pts:
-                ax.plot(x, y, "o", ms=4, color=line.get_color(), mfc=line.get_color() if steady else "none")
-        if lstar.get(panel):
-            ax.axvline(lstar[panel], color="black", ls="--", lw=0.8, label=f"L* = {lstar[panel]}")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("context length L (tokens)")
-        ax.set_ylabel("capacity, req/s per GPU")
-        ax.set_title(f"{panel[0]} / {panel[1]} / {panel[2]} / N={panel[3]}", fontsize=9)
-        ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.set_visible(False)
-    path = out / "decision_capacity.png"
-    save_figure(fig, path, f"Capacity per GPU within the SLOs ({slo}, TBT {tbt} ms, TTFT k x prefill)")
-    return [path]
 
 
 def _write_csv(path: Path, rows: list[dict], columns) -> None:
