@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from test_disagg_faults import Watch, check, config, run
-from test_serving import cmdline, in_process_group
+from test_serving import alive, cmdline, in_process_group
 from testbed.config import from_dict, validate
 from testbed.runtime.messages import Event
 from testbed.runtime.real import RealRuntime
@@ -91,7 +91,7 @@ def test_workers_exit_by_themselves_when_the_frontend_is_killed(tmp_path):
         proc.wait(10)
         killed = time.monotonic()
         while True:
-            left = [p for p in in_process_group(proc.pid) if _alive(p)]
+            left = [p for p in in_process_group(proc.pid) if alive(p)]
             if not left or time.monotonic() - killed > 3.0 + 10.0:
                 break
             time.sleep(0.1)
@@ -106,12 +106,3 @@ def test_workers_exit_by_themselves_when_the_frontend_is_killed(tmp_path):
             proc.kill()
             proc.wait()
         os.close(master)
-
-
-def _alive(pid: int) -> bool:
-    """Running or sleeping; a zombie waiting for init to reap it has exited."""
-    try:
-        state = Path("/proc", str(pid), "stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")

@@ -89,6 +89,15 @@ def in_process_group(pgid: int) -> list[int]:
     return out
 
 
+def alive(pid: int) -> bool:
+    """Running or sleeping; a zombie waiting for init to reap it has exited."""
+    try:
+        state = Path("/proc", str(pid), "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
 def cmdline(pid: int) -> str:
     try:
         return Path("/proc", str(pid), "cmdline").read_bytes().replace(b"\0", b" ").decode()

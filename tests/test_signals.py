@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from test_serving import cmdline, in_process_group
+from test_serving import alive, cmdline, in_process_group
 
 BOUND_S = 10.0
 SMALL = ["workload=chat", "workload.rate=4", "wandb.mode=disabled", "runtime.heartbeat_s=0.5"]
@@ -47,14 +47,6 @@ def cpu_hog():
     for h in hogs:
         h.kill()
         h.wait()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path("/proc", str(pid), "stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")
 
 
 def interrupt_at(tmp_path: Path, phase: str, signum: int) -> tuple[int, float, Path, str]:
@@ -99,7 +91,7 @@ def interrupt_at(tmp_path: Path, phase: str, signum: int) -> tuple[int, float, P
             proc.wait()
         os.close(master)
     grace = time.monotonic() + 5          # multiprocessing's resource tracker sees its pipe close
-    while (left := [p for p in in_process_group(proc.pid) if _alive(p)]) and time.monotonic() < grace:
+    while (left := [p for p in in_process_group(proc.pid) if alive(p)]) and time.monotonic() < grace:
         time.sleep(0.1)
     assert left == [], f"processes outlived the run: {[cmdline(p) for p in left]}"
     return rc, took, out, seen.decode(errors="replace")
