@@ -122,6 +122,24 @@ def test_a_probe_too_short_for_its_service_time_is_flagged_not_steady():
     assert not sparse.steady and "min_judged" in sparse.reason
 
 
+def test_a_probe_with_an_empty_judged_window_fails_instead_of_passing_vacuously():
+    """A burst whose services outlast its span leaves no arrival between the
+    warm-up and the drain; passing it let llama2-70b's disagg searches double
+    past 10^8 req/s per GPU. It fails as `unjudged`, the same probe's well
+    judged twin passes, and an unfinished request still says `unfinished`."""
+    from testbed.experiments.decision import ProbeRun, verdict
+    from testbed.experiments.decision_slo import SLOTargets, get_smoothness
+    rule, targets = SteadyRule(span_factor=10, min_judged=5), SLOTargets(ttft_ms=1e6, tbt_ms=1e6)
+    burst = judged_window([record(t * 0.01, 0.0, 30.0) for t in range(50)], rule)
+    assert burst.judged == [] and not burst.steady
+    spread = judged_window([record(t, t, t + 1.0) for t in range(100)], rule)
+    for name in ("p99_tbt", "fluidity"):
+        smooth = get_smoothness(name)
+        assert verdict(ProbeRun(burst, 50, 50), smooth, targets) == "unjudged"
+        assert verdict(ProbeRun(spread, 100, 100), smooth, targets) == ""
+        assert verdict(ProbeRun(spread, 100, 99), smooth, targets) == "unfinished"
+
+
 def test_a_probe_is_sized_to_reach_steady_state():
     rule = SteadyRule(span_factor=10, min_judged=20, max_requests=4000)
     assert rule.num_requests(10.0, 2.0) == 220                      # 1.1 x 10 req/s x 20 s

@@ -111,6 +111,18 @@ class Prober:
         return ProbeRun(self.rule.window(result.records), len(result.records), finished)
 
 
+def verdict(run: ProbeRun, smooth: Smoothness, targets: SLOTargets) -> str:
+    """The limit a probe failed ("" when it meets the SLOs). A probe whose
+    judged window is empty (every arrival inside the warm-up or the drain)
+    says nothing and fails as `unjudged`: passing it, every probe past some
+    rate would pass and the search would double without end."""
+    if run.num_finished < run.num_requests:
+        return "unfinished"
+    if not run.window.judged:
+        return "unjudged"
+    return smooth.judge(run.window.judged, targets)
+
+
 @dataclass
 class Search:
     capacity: float | None           # requests/s of the deployment
@@ -131,7 +143,7 @@ def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targe
         pass
 
     def limit_of(run: ProbeRun) -> str:
-        return "unfinished" if run.num_finished < run.num_requests else smooth.judge(run.window.judged, targets)
+        return verdict(run, smooth, targets)
 
     def probe(rate: float) -> bool:
         run = prober.probe(key, cfg, rate, first_service_s, lambda r: limit_of(r) == "")

@@ -17,7 +17,7 @@ import numpy as np
 
 from testbed.metrics import RequestRecord, fluidity_deadlines
 
-LIMITS = ("unfinished", "ttft", "tbt", "fluidity")
+LIMITS = ("unfinished", "unjudged", "ttft", "tbt", "fluidity")
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class Smoothness:
     name = ""
 
     def judge(self, judged: Sequence[RequestRecord], t: SLOTargets) -> str:
-        """The failed limit of LIMITS[1:] on the judged requests, or ""."""
+        """The failed limit of LIMITS[2:] on the judged requests, or ""."""
         ttft = [r.ttft_s for r in judged if r.ttft_s is not None]
         if ttft and np.percentile(ttft, 99) * 1e3 > t.ttft_ms:
             return "ttft"
