@@ -106,7 +106,9 @@ def print_summary(summary: dict, out: Path) -> None:
         rows.append(("kv_store", f"hits {ks['hits']}  misses {ks['misses']}  evictions {ks['evictions']}  {moved}"))
     if summary.get("kv_transfer"):
         kt = summary["kv_transfer"]
-        rows.append(("kv_transfer", f"{kt.get('bytes', 0) / 2**20:.1f} MiB  {kt.get('achieved_gb_per_s') or 0:.2f} GB/s, exposed p50 {kt['exposed_ms']['p50']:.1f} ms"))
+        exposed = kt["exposed_ms"]["p50"]
+        rows.append(("kv_transfer", f"{kt.get('bytes', 0) / 2**20:.1f} MiB  {kt.get('achieved_gb_per_s') or 0:.2f} GB/s"
+                     + ("" if exposed is None else f", exposed p50 {exposed:.1f} ms")))
     if summary["kv_blocks_leaked"]:
         rows.append(("KV BLOCKS LEAKED", str(summary["kv_blocks_leaked"])))
     width = max(len(k) for k, _ in rows)

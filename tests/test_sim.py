@@ -119,6 +119,18 @@ def test_disagg_completes_with_one_and_two_decode_workers(tmp_path, decode_worke
         assert r["token_times_s"][1] >= r["transfer_end_s"] >= r["token_times_s"][0]
 
 
+@pytest.mark.parametrize("model, parallel", [("deepseek-v2-lite", "default"), ("mixtral-8x7b", "tp2")])
+def test_disagg_serves_mixture_of_experts_models(tmp_path, model, parallel):
+    """An MoE's expert terms are numpy scalars; the first token's time rode in
+    the hand-off metadata as one and the decoder refused it, failing every
+    request (decision found deepseek-v2-lite's disagg serving nothing)."""
+    cfg = config("runtime=sim", "mode=disagg", f"model={model}", f"parallel={parallel}", "hardware=h100-sxm",
+                 "workload=mixed",
+                 "workload.num_requests=10", "workload.rate=5")
+    summary = execute(cfg, tmp_path)
+    assert summary["num_finished"] == 10 and summary["kv_blocks_leaked"] == {}
+
+
 @pytest.mark.parametrize("link", ["rdma-400", "tcp-25"])
 def test_layerwise_streaming_exposes_less_transfer_than_sending_the_whole_kv(tmp_path, link):
     # Requests 0.5 s apart, 2048-token prompts prefilled in one iteration

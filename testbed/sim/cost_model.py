@@ -110,7 +110,9 @@ class CostModel:
         """Seconds for one iteration over `slices`; `num_sampled` rows go
         through lm_head (default: one per slice, as when every slice is a
         decode or a prompt's last chunk)."""
-        return sum(self._terms(slices, num_sampled))
+        # a Python float: an MoE's expert terms come back as numpy scalars, and these times
+        # travel in messages whose decoder takes float and int only (runtime/wire.py)
+        return float(sum(self._terms(slices, num_sampled)))
 
     def breakdown(self, slices: Slices, num_sampled: int | None = None) -> dict[str, float]:
         """The iteration's seconds by part (keys ending in _s, and total_s),
