@@ -7,18 +7,13 @@ exit by themselves."""
 from __future__ import annotations
 
 import os
-import pty
-import re
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from test_disagg_faults import Watch, check, config, run
-from test_serving import alive, cmdline, in_process_group
+from test_serving import TerminalRun, alive, cmdline, in_process_group
 from testbed.config import from_dict, validate
 from testbed.runtime.messages import Event
 from testbed.runtime.real import RealRuntime
@@ -69,22 +64,12 @@ def test_workers_exit_by_themselves_when_the_frontend_is_killed(tmp_path):
     so that it shows progress; once requests finish (both workers serve), the
     frontend alone gets SIGKILL. Its workers see no heartbeat and exit within
     frontend_timeout_s (3 s) plus a step; nothing of the run is left."""
-    master, slave = pty.openpty()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).with_name("testbed")), "run", "replicas=2", "workload=chat",
-         "workload.num_requests=400", "workload.rate=4", "wandb.mode=disabled",
-         "runtime.heartbeat_s=0.25", "runtime.frontend_timeout_s=3", f"hydra.run.dir={tmp_path / 'run'}"],
-        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=slave, start_new_session=True)
-    os.close(slave)
+    term = TerminalRun(tmp_path, ["replicas=2", "workload=chat", "workload.num_requests=400", "workload.rate=4",
+                                 "wandb.mode=disabled", "runtime.heartbeat_s=0.25", "runtime.frontend_timeout_s=3",
+                                 f"hydra.run.dir={tmp_path / 'run'}"])
+    proc = term.proc
     try:
-        seen, deadline = b"", time.monotonic() + 90
-        while not re.search(rb"([1-9]\d*)/400 requests done", seen):
-            assert time.monotonic() < deadline and proc.poll() is None, seen.decode(errors="replace")[-2000:]
-            try:
-                seen += os.read(master, 4096)
-            except OSError:
-                pass
+        term.wait_until(lambda: term.requests_done() >= 1)
         workers = [p for p in in_process_group(proc.pid) if "spawn_main" in cmdline(p)]
         assert len(workers) == 2, [cmdline(p) for p in in_process_group(proc.pid)]
         proc.send_signal(signal.SIGKILL)
@@ -102,7 +87,4 @@ def test_workers_exit_by_themselves_when_the_frontend_is_killed(tmp_path):
     finally:
         for p in in_process_group(proc.pid):
             os.kill(p, signal.SIGKILL)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        os.close(master)
+        term.close()

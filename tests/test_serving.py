@@ -98,6 +98,49 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+class TerminalRun:
+    """`testbed run ARGS` in its own session (its own process group), stderr
+    on a pseudo-terminal so that it shows progress, as in a terminal."""
+
+    def __init__(self, cwd: Path, args: list[str], stdout=subprocess.DEVNULL):
+        self.master, slave = pty.openpty()
+        self.proc = subprocess.Popen([str(Path(sys.executable).with_name("testbed")), "run", *args], cwd=cwd,
+                                     env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=stdout, stderr=slave,
+                                     start_new_session=True)
+        os.close(slave)
+        self.seen = b""
+
+    def read(self, timeout_s: float = 0.05) -> None:
+        """What the run printed within timeout_s (without blocking past it)."""
+        import select
+        if select.select([self.master], [], [], timeout_s)[0]:
+            try:
+                self.seen += os.read(self.master, 4096)
+            except OSError:         # the run closed its terminal
+                time.sleep(timeout_s)
+
+    def requests_done(self) -> int:
+        done = re.findall(rb"(\d+)/\d+ requests done", self.seen)
+        return int(done[-1]) if done else 0
+
+    def wait_until(self, ready, timeout_s: float = 90.0) -> None:
+        """Read until ready() holds; fail if the run exits or timeout_s passes first."""
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            assert time.monotonic() < deadline and self.proc.poll() is None, self.text()[-2000:]
+            self.read()
+
+    def text(self) -> str:
+        return self.seen.decode(errors="replace")
+
+    def close(self) -> None:
+        """Kill whatever is left of the run's process group; close the terminal."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        os.close(self.master)
+
+
 def cmdline(pid: int) -> str:
     try:
         return Path("/proc", str(pid), "cmdline").read_bytes().replace(b"\0", b" ").decode()
@@ -234,32 +277,16 @@ def test_ctrl_c_writes_what_was_measured_and_leaves_no_process(tmp_path):
     shows progress); once 3 requests are done, SIGINT goes to its whole process
     group, as a terminal's Ctrl-C does."""
     out = tmp_path / "run"
-    master, slave = pty.openpty()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).with_name("testbed")), "run", "workload=chat", "workload.num_requests=400",
-         "workload.rate=4", "wandb.mode=disabled", f"hydra.run.dir={out}"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=slave, start_new_session=True)
-    os.close(slave)
-    seen, deadline = b"", time.monotonic() + 90
+    run = TerminalRun(tmp_path, ["workload=chat", "workload.num_requests=400", "workload.rate=4",
+                                 "wandb.mode=disabled", f"hydra.run.dir={out}"], stdout=subprocess.PIPE)
+    proc = run.proc
     try:
-        while True:
-            assert time.monotonic() < deadline and proc.poll() is None, seen.decode(errors="replace")[-2000:]
-            try:
-                seen += os.read(master, 4096)
-            except OSError:
-                pass
-            done = re.findall(rb"(\d+)/400 requests done", seen)
-            if done and int(done[-1]) >= 3:
-                break
+        run.wait_until(lambda: run.requests_done() >= 3)
         os.killpg(proc.pid, signal.SIGINT)
         stdout, _ = proc.communicate(timeout=60)
         assert proc.returncode == 130, f"an interrupted run exits 130, got {proc.returncode}"
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        os.close(master)
+        run.close()
     # multiprocessing's resource tracker exits when it sees its parent's pipe close: allow it a moment
     left, grace = in_process_group(proc.pid), time.monotonic() + 5
     while left and time.monotonic() < grace:

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import pty
-import re
 import signal
 import subprocess
 import sys
@@ -25,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from test_serving import alive, cmdline, in_process_group
+from test_serving import TerminalRun, alive, cmdline, in_process_group
 
 BOUND_S = 10.0
 SMALL = ["workload=chat", "workload.rate=4", "wandb.mode=disabled", "runtime.heartbeat_s=0.5"]
@@ -53,48 +51,27 @@ def interrupt_at(tmp_path: Path, phase: str, signum: int) -> tuple[int, float, P
     """Run, signal the group at `phase`; (exit code, seconds from signal to exit, run dir, stderr)."""
     extra, num_requests, wait_for = PHASES[phase]
     out = tmp_path / "run"
-    master, slave = pty.openpty()
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).with_name("testbed")), "run", *SMALL, f"workload.num_requests={num_requests}",
-         *extra, f"hydra.run.dir={out}"],
-        cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL, stderr=slave,
-        start_new_session=True)
-    os.close(slave)
-    seen, deadline = b"", time.monotonic() + 120
+    run = TerminalRun(tmp_path, [*SMALL, f"workload.num_requests={num_requests}", *extra, f"hydra.run.dir={out}"])
+    proc = run.proc
     try:
-        while True:
-            assert time.monotonic() < deadline and proc.poll() is None, seen.decode(errors="replace")[-2000:]
-            try:
-                seen += os.read(master, 4096)
-            except OSError:
-                pass
-            if wait_for == 0:
-                if sum("spawn_main" in cmdline(p) for p in in_process_group(proc.pid)) >= 1:
-                    break
-                time.sleep(0.05)
-            else:
-                done = re.findall(rb"(\d+)/%d requests done" % num_requests, seen)
-                if done and int(done[-1]) >= wait_for:
-                    break
+        if wait_for == 0:        # a worker process exists, and nothing is served yet
+            run.wait_until(lambda: any("spawn_main" in cmdline(p) for p in in_process_group(proc.pid)), 120)
+            assert run.requests_done() == 0, "the run was serving before the start-up signal"
+        else:
+            run.wait_until(lambda: run.requests_done() >= wait_for, 120)
         os.killpg(proc.pid, signum)
         sent = time.monotonic()
         while proc.poll() is None and time.monotonic() - sent < BOUND_S + 20:
-            try:
-                seen += os.read(master, 4096)
-            except OSError:
-                time.sleep(0.05)
+            run.read()
         took = time.monotonic() - sent
         rc = proc.wait(1)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        os.close(master)
+        run.close()
     grace = time.monotonic() + 5          # multiprocessing's resource tracker sees its pipe close
     while (left := [p for p in in_process_group(proc.pid) if alive(p)]) and time.monotonic() < grace:
         time.sleep(0.1)
     assert left == [], f"processes outlived the run: {[cmdline(p) for p in left]}"
-    return rc, took, out, seen.decode(errors="replace")
+    return rc, took, out, run.text()
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])

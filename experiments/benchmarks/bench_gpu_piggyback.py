@@ -53,12 +53,14 @@ def sampled_positions(num_chunks: int, max_samples: int) -> list[int]:
     return sorted({round(i * step) for i in range(max_samples)})
 
 
-def interpolated_sum(positions: list[int], values: list[float], num_chunks: int) -> float:
-    """The sum over every chunk index of the values, linear between the timed positions."""
-    total = 0.0
+def interpolated_sum(positions: list[int], values: list[float]) -> float:
+    """The sum over every chunk index from the first timed position to the
+    last (sampled_positions: 0 and the last chunk) of the values, linear
+    between the timed positions."""
+    total = values[-1]
     for (i0, v0), (i1, v1) in zip(zip(positions, values), zip(positions[1:], values[1:])):
         total += sum(v0 + (v1 - v0) * (k - i0) / (i1 - i0) for k in range(i0, i1))
-    return total + values[-1] if positions[-1] == num_chunks - 1 else float("nan")
+    return total
 
 
 class Timer:
@@ -87,7 +89,7 @@ def measure(bench: RealBench, timer: Timer, prompt_len: int, chunk: int, running
             n, end = chunks[j]
             req.num_computed_tokens = end - n
             added.append(timer(running + [ScheduledSlice(req, n)]) - base)
-        return whole, interpolated_sum(positions, added, len(chunks)) - whole, len(positions)
+        return whole, interpolated_sum(positions, added) - whole, len(positions)
     finally:
         bench.bm.free(req.request_id)
 
