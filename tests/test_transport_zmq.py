@@ -196,6 +196,10 @@ def test_close_releases_port_socket_file_and_threads(protocol):
     _one_round_trip(cfg)       # warm up pyzmq's process-wide zero-copy garbage collector thread
     threads = _os_threads()
     address, _ = _one_round_trip(cfg)
+    # a closed context's threads may finish exiting just after term() returns: give them a second
+    deadline = time.monotonic() + 1.0
+    while _os_threads() != threads and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert _os_threads() == threads
     if protocol == "tcp":
         ctx = zmq.Context()
