@@ -1,6 +1,7 @@
 """RayConfig: the `ray:` section of the run config, read by `launcher=ray`
 only. Plain types, so Hydra can set every field (`ray.address=auto`,
-`ray.strategy.decode=SPREAD`, `ray.resources.prefill=node_a`)."""
+`+ray.strategy.decode=SPREAD`, `+ray.resources.prefill=node_a`: a new key of
+a dict takes Hydra's `+`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -9,6 +9,8 @@ address (or `auto`) joins a running cluster and leaves it running.
 
 An actor builds its worker in `setup`, which returns the worker's endpoints
 (its KV receiver address) through Ray, then runs the worker loop in `serve`.
+Its KV receiver binds the address of the node it landed on (`_on_node`), so
+pools on different nodes reach each other (beyond loopback: runtime.curve).
 A dead actor (killed, its node gone) makes `serve`'s result ready with an
 error, so `alive` turns false and the frontend's usual fault handling takes
 over, as for a dead process.
@@ -61,7 +63,7 @@ class RayLauncher(Launcher):
 
     def __init__(self, cfg) -> None:
         self.cfg: RayConfig = cfg.ray
-        self.node_ip = cfg.runtime.host        # the local cluster's node address (loopback by default)
+        self.local_ip = cfg.runtime.host       # the local cluster's node address (loopback by default)
         self.gpus_per_worker = cfg.parallel.tp * cfg.parallel.pp if cfg.device.startswith("cuda") else 0
         self._started_cluster = False
         self._actors: dict = {}
@@ -83,7 +85,7 @@ class RayLauncher(Launcher):
             # every server of the local cluster on loopback, none on the machine's address
             ray.init(address="local", num_cpus=self.cfg.num_cpus or max(1, int(num_workers * self.cfg.actor_cpus + 0.999)),
                      num_gpus=None if self.gpus_per_worker else 0, include_dashboard=False,
-                     _node_ip_address=self.node_ip, configure_logging=False, log_to_driver=True)
+                     _node_ip_address=self.local_ip, configure_logging=False, log_to_driver=True)
             self._started_cluster = True
         else:
             ray.init(address=self.cfg.address, include_dashboard=False, configure_logging=False)
@@ -121,6 +123,15 @@ class RayLauncher(Launcher):
     def node_ip(self, worker_id: str) -> str:
         return self._info[worker_id]["node_ip"]
 
+    def _on_node(self, worker_id: str, cfg: dict) -> dict:
+        """The worker's config with its KV receiver (and gloo) bound on its own node's address
+        (the one Ray knows the node by), wherever transfer.host pointed: one value cannot
+        name an address on every node. On a one-node cluster that is runtime.host's."""
+        transfer = cfg.get("transfer")
+        if not transfer:
+            return cfg
+        return {**cfg, "transfer": {**transfer, "host": self.node_ip(worker_id)}}
+
     def _t0(self, worker_id: str, t0: float) -> float:
         import ray
         if self._info[worker_id]["boot_id"] == _boot_id() != "":
@@ -138,7 +149,8 @@ class RayLauncher(Launcher):
         if spec.worker_id not in self._actors:
             self.prepare([spec])
         actor = self._actors[spec.worker_id]
-        self._setup[spec.worker_id] = actor.setup.remote(replace(spec, t0=self._t0(spec.worker_id, spec.t0)))
+        spec = replace(spec, t0=self._t0(spec.worker_id, spec.t0), cfg=self._on_node(spec.worker_id, spec.cfg))
+        self._setup[spec.worker_id] = actor.setup.remote(spec)
         self._serve[spec.worker_id] = actor.serve.remote()
 
     def _result(self, worker_id: str) -> int | None:
