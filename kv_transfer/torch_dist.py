@@ -56,7 +56,9 @@ class TorchDistGroup:
     """One worker's membership of the transfer process group."""
 
     def __init__(self, init_address: str, rank: int, world_size: int, backend: str = "gloo",
-                 timeout_s: float = 30.0) -> None:
+                 timeout_s: float = 30.0, bind_host: str | None = None) -> None:
+        """`bind_host`: the address gloo listens on, this worker's own (the rendezvous's
+        host when None; on another node that address is not this one's)."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not within world_size {world_size}")
         host, port = _host_port(init_address)
@@ -64,9 +66,9 @@ class TorchDistGroup:
         timeout = datetime.timedelta(seconds=timeout_s)
         self._store = dist.TCPStore(host, port, None, False, timeout=timeout)
         if backend == "gloo":
-            # an explicit device, so gloo listens on `host` rather than on whatever the hostname resolves to
+            # an explicit device, so gloo listens on this address rather than on whatever the hostname resolves to
             opts = dist.ProcessGroupGloo._Options()
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host or host)]
             opts._timeout = timeout
             self.pg = dist.ProcessGroupGloo(self._store, rank, world_size, opts)
             self.device = torch.device("cpu")

@@ -82,6 +82,10 @@ class RayCluster:
         """Kill node `index`'s whole process group (its raylet and everything it started)."""
         _killpg(self._procs[index], signal.SIGKILL)
 
+    def node_pgid(self, index: int) -> int:
+        """Node `index`'s process group (its `ray start`, raylet and all they started)."""
+        return self._procs[index].pid
+
     def own_pids(self) -> list[int]:
         """Processes that still name this cluster's temporary directory."""
         out = []

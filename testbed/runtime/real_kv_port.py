@@ -37,7 +37,7 @@ class RealKVPort(KVPort):
         self.group = None
         if uses_torch_dist(transfer):
             self.group = TorchDistGroup(spec.dist_addr, spec.rank, spec.world_size,
-                                        transfer.dist_backend, transfer.timeout_s)
+                                        transfer.dist_backend, transfer.timeout_s, bind_host=transfer.host)
         self.receiver = make_receiver(transfer, group=self.group, curve=spec.curve) if receives else None
         self.sender = make_sender(transfer, name=spec.worker_id, group=self.group, curve=spec.curve) \
             if sends else None
