@@ -7,7 +7,7 @@ chosen by argv[1] (a JSON object):
 - "kill_node": SIGKILL node B's raylet process group (`node_b_pgid`) then;
 - "intrude": at the first reservation, start tests/two_nodes_intruder.py in
   node B's namespace against the frontend's sockets and the decode worker's
-  KV receiver, and keep its report.
+  KV receiver, wait for its report, and keep it.
 
 Writes what the test checks as JSON to argv[2]."""
 from __future__ import annotations
@@ -47,6 +47,9 @@ def main(spec: dict, out: str) -> None:
                  str(Path(__file__).with_name("two_nodes_intruder.py")), *targets],
                 stdout=subprocess.PIPE, text=True))
             fault["targets"] = targets
+            # the frontend waits (a few seconds, well within runtime.frontend_timeout_s) so that
+            # its sockets are surely up while the stranger tries them; it reads them afterwards
+            fault["intruder_out"] = intruder[0].communicate(timeout=12)[0]
         if ev.kind == "prefilled" and ev.id == long_rid and "at" not in fault and spec["action"] != "intrude":
             fault["at"] = time.monotonic()
             fault["victim"] = reserved_on[long_rid]
@@ -60,8 +63,7 @@ def main(spec: dict, out: str) -> None:
     end = time.monotonic()
     report = None
     if intruder:
-        intruder_out, _ = intruder[0].communicate(timeout=60)
-        report = json.loads(intruder_out.strip().splitlines()[-1])
+        report = json.loads(fault.pop("intruder_out").strip().splitlines()[-1])
     Path(out).write_text(json.dumps({
         "fault": fault, "long": long_rid, "reserved_on": reserved_on, "reference": ref,
         "run_s": end - t0, "after_fault_s": end - fault["at"] if "at" in fault else None, "intruder": report,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import socket
 import sys
+import time
 from urllib.parse import urlparse
 
 import zmq
@@ -26,8 +27,9 @@ def tcp_reachable(address: str) -> bool:
 
 
 def main(addresses: list[str]) -> dict:
+    out = {f"{a} tcp": {"connect": tcp_reachable(a)} for a in addresses}
     ctx = zmq.Context()
-    out = {}
+    socks = {}
     try:
         for address in addresses:
             for kind in ("plain", "forged"):
@@ -39,27 +41,31 @@ def main(addresses: list[str]) -> dict:
                     sock.curve_serverkey = fake_server
                     sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
                 sock.connect(address)
-                sent = 0
-                for _ in range(5):
-                    try:
-                        sock.send_multipart([b"H", b"not a header"], zmq.NOBLOCK)
-                        sent += 1
-                    except zmq.Again:
-                        pass
-                got = 0
-                if sock.poll(1500, zmq.POLLIN):
-                    while True:
-                        try:
-                            sock.recv(zmq.NOBLOCK)
-                            got += 1
-                        except zmq.Again:
-                            break
-                out[f"{address} {kind}"] = {"received": got, "queued": sent}
-                sock.close(0)
-            out[f"{address} tcp"] = {"connect": tcp_reachable(address)}
+                socks[f"{address} {kind}"] = sock
+        queued = {name: sum(_try_send(sock) for _ in range(5)) for name, sock in socks.items()}
+        received = dict.fromkeys(socks, 0)
+        poller = zmq.Poller()
+        for sock in socks.values():
+            poller.register(sock, zmq.POLLIN)
+        deadline = time.monotonic() + 2.0
+        while (left := deadline - time.monotonic()) > 0:
+            for sock, _ in poller.poll(int(left * 1000)):
+                sock.recv_multipart()
+                received[next(n for n, s in socks.items() if s is sock)] += 1
+        out.update({name: {"received": received[name], "queued": queued[name]} for name in socks})
     finally:
+        for sock in socks.values():
+            sock.close(0)
         ctx.term()
     return out
+
+
+def _try_send(sock: zmq.Socket) -> int:
+    try:
+        sock.send_multipart([b"H", b"not a header"], zmq.NOBLOCK)
+        return 1
+    except zmq.Again:
+        return 0
 
 
 if __name__ == "__main__":
