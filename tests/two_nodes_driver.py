@@ -4,7 +4,7 @@ chosen by argv[1] (a JSON object):
 
 - "kill_actor": ray.kill the decode actor holding the long prompt's
   reservation as its `prefilled` event arrives (its KV on the shaped veth);
-- "kill_node": SIGKILL node B's raylet process group (`node_b_pgid`) then;
+- "kill_node": SIGKILL every process in node B's namespace then (the host dies);
 - "intrude": at the first reservation, start tests/two_nodes_intruder.py in
   node B's namespace against the frontend's sockets and the decode worker's
   KV receiver, wait for its report, and keep it.
@@ -56,7 +56,7 @@ def main(spec: dict, out: str) -> None:
             if spec["action"] == "kill_actor":
                 rt.kill(fault["victim"])
             else:
-                os.killpg(spec["node_b_pgid"], signal.SIGKILL)
+                fault["killed_pids"] = kill_namespace(spec["node_b_netns"])
 
     t0 = time.monotonic()
     result = RealRuntime(cfg, on_event=hook).run(workload(cfg))
@@ -69,6 +69,18 @@ def main(spec: dict, out: str) -> None:
         "run_s": end - t0, "after_fault_s": end - fault["at"] if "at" in fault else None, "intruder": report,
         "records": {r.request_id: dataclasses.asdict(r) for r in result.records},
         "worker_stats": result.worker_stats}, default=str))
+
+
+def kill_namespace(netns: str) -> list[int]:
+    """Node B dies: SIGKILL every process in its namespace (NetnsNodes.kill, by name)."""
+    pids = [int(p) for p in subprocess.run(["ip", "netns", "pids", netns], capture_output=True,
+                                           text=True).stdout.split()]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return pids
 
 
 def zmq_last_endpoint() -> int:

@@ -133,13 +133,23 @@ class NetnsNodes:
         return int(out)
 
     # -- clean-up -------------------------------------------------------------------------
-    def pids(self) -> list[int]:
-        """Every process still inside one of these namespaces."""
+    def pids(self, names: list[str] | None = None) -> list[int]:
+        """Every process still inside one of these namespaces (or of `names`)."""
         out = []
-        for name in self.names:
+        for name in names or self.names:
             r = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True)
             out += [int(p) for p in r.stdout.split()] if r.returncode == 0 else []
         return out
+
+    def kill(self, node: Node) -> list[int]:
+        """SIGKILL every process inside `node`'s namespace (the host dies); returns their pids."""
+        pids = self.pids([node.netns])
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return pids
 
     def close(self) -> None:
         if self._closed:

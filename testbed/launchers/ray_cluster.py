@@ -79,7 +79,9 @@ class RayCluster:
         return "\n".join(p.read_text()[-2000:] for p in Path(self.temp_dir).glob("start-*.log"))
 
     def kill_node(self, index: int) -> None:
-        """Kill node `index`'s whole process group (its raylet and everything it started)."""
+        """Kill node `index`'s process group (`ray start` and its raylet and daemons). Ray's
+        worker processes (the actors) are not in it: to kill a whole node, kill every process
+        of its namespace (NetnsNodes.kill)."""
         _killpg(self._procs[index], signal.SIGKILL)
 
     def node_pgid(self, index: int) -> int:

@@ -59,9 +59,10 @@ class TwoNodes:
                 "+ray.resources.decode=node_b", f"runtime.host={self.a.address}", "runtime.curve=true",
                 f"transfer.host={self.a.address}"]
 
-    def kill_node_b(self) -> None:
-        """Kill node B's raylet and everything it started (its process group)."""
-        self.ray.kill_node(1)
+    def kill_node_b(self) -> list[int]:
+        """Node B dies: SIGKILL every process in its namespace (its raylet's process group
+        alone is not enough: Ray's worker processes, the actors, are not in it)."""
+        return self.net.kill(self.b)
 
     def close(self) -> None:
         atexit.unregister(self.close)
