@@ -1,0 +1,228 @@
+"""The KV across a kernel-shaped link between two "hosts", against the shaped
+rate and against the simulator's link model at that rate.
+
+Two network namespaces joined by a veth pair (testbed/launchers/two_nodes.py),
+a Ray head on node A and a worker node on B; `testbed run mode=disagg
+launcher=ray` inside A, prefill on A, decode on B, the A -> B veth shaped with
+`tc qdisc ... root tbf rate R` at each --rates value (--reps runs each). Each
+request's KV is --prompt-len tokens of the tiny model made MHA
+(model.num_kv_heads=8: 8 KiB per token, 32 MiB for 4096 tokens), sent whole
+after its prefill (not layer-wise), so:
+
+  transfer   = the run summary's kv_transfer: bytes over the summed transfer_s,
+               transfer_s from the prefill worker's hand-off (before pack_kv) to
+               the decode worker's KVReceived (after unpack_kv into its cache):
+               the whole move, host copies and checksum included;
+  wire       = node A's veth tx_bytes sampled every ms inside A: bytes over the
+               time the counter was rising, per transfer (the link alone);
+  exposed    = kv_transfer.exposed_ms p50: KVReceived minus Prefilled, the
+               same interval (nothing overlaps a whole-prompt send);
+  sim        = the same workload with runtime=sim and link.bandwidth_gbps=R,
+               link.latency_us = half the veth's measured TCP round trip,
+               link.per_message_us = the tcp-25 preset's 15 us (documented):
+               its exposed_ms p50 (the link alone);
+  sim+host   = the same, per_message_us plus the host's serial work per
+               transfer (pack_kv + xxh3 check + unpack_kv of one request's KV,
+               timed in-process before the runs): one message per request here;
+  sim@ceil   = the link at min(R, C), C the transfer rate of a first run with
+               no qdisc (the host's own ceiling: CURVE encryption, copies, a
+               shared CPU): what the path can carry, whatever the tbf allows.
+
+    sudo python experiments/benchmarks/bench_two_nodes.py [--rates 1 5] [--reps 2]
+
+Needs root (namespaces, tc). Targets (issue 17): transfer within 10% of R; sim
+exposed within 15% of the measured exposed."""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from testbed.launchers.two_nodes import TwoNodes
+
+ROOT = Path(__file__).resolve().parents[2]
+PY = sys.executable
+
+SAMPLER = """
+import signal, sys, time
+path, out, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+f = open(path, 'rb', buffering=0)
+samples, end = [], time.monotonic() + seconds
+try:
+    while time.monotonic() < end:
+        f.seek(0); samples.append((time.monotonic(), int(f.read())))
+        time.sleep(0.001)
+finally:
+    open(out, 'w').write('\\n'.join(f'{t} {b}' for t, b in samples))
+"""
+
+PINGPONG = """
+import socket, sys, time
+host, role = sys.argv[1], sys.argv[2]
+if role == 'server':
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((host, 5999)); s.listen(1)
+    print('up', flush=True); c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while (b := c.recv(1)):
+        c.sendall(b)
+else:
+    c = socket.create_connection((host, 5999)); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    rtts = []
+    for _ in range(200):
+        t = time.perf_counter(); c.sendall(b'x'); c.recv(1); rtts.append(time.perf_counter() - t)
+    rtts.sort(); print(rtts[len(rtts) // 2])
+"""
+
+
+def workload_args(a) -> list[str]:
+    w = {"name": "two_nodes_bench", "num_requests": a.num_requests, "arrival": "constant", "rate": a.arrival_rate,
+         "prompt_dist": "fixed", "prompt_len": a.prompt_len, "output_dist": "fixed", "output_len": 4}
+    blocks = a.num_requests * (-(-(a.prompt_len + 8) // 16)) + 64
+    return [f"workload.{k}={v}" for k, v in w.items()] + [
+        "model.num_kv_heads=8", f"num_kv_blocks={blocks}", "scheduler=vllm_v0",
+        f"max_num_batched_tokens={a.prompt_len}", f"token_budget={a.prompt_len}",
+        "progress=false", "wandb.mode=disabled", "timeout_s=300", "transfer.timeout_s=60"]
+
+
+def wire_rates(samples: list[tuple[float, int]], min_bytes: int) -> list[float]:
+    """Gb/s of each burst of the counter (rising, gaps under 20 ms) carrying >= min_bytes."""
+    bursts, cur = [], None
+    for (t0, b0), (t1, b1) in zip(samples, samples[1:]):
+        if b1 > b0:
+            if cur is not None and t0 - cur[1] < 0.02:
+                cur = [cur[0], t1, cur[2] + b1 - b0]
+            else:
+                if cur is not None:
+                    bursts.append(cur)
+                cur = [t0, t1, b1 - b0]
+    if cur is not None:
+        bursts.append(cur)
+    return [8 * n / (t1 - t0) / 1e9 for t0, t1, n in bursts if n >= min_bytes and t1 > t0]
+
+
+def rtt_s(tn: TwoNodes) -> float:
+    srv = subprocess.Popen(tn.b.exec(PY, "-c", PINGPONG, tn.b.address, "server"), stdout=subprocess.PIPE, text=True)
+    try:
+        srv.stdout.readline()
+        out = subprocess.run(tn.a.exec(PY, "-c", PINGPONG, tn.b.address, "client"), capture_output=True,
+                             text=True, check=True, timeout=60).stdout
+        return float(out)
+    finally:
+        srv.kill()
+        srv.wait()
+
+
+def real_run(tn: TwoNodes, a, rate_gbps: float | None, run_dir: Path) -> dict:
+    qdisc = tn.net.shape(tn.a, rate_gbps) if rate_gbps else "none"
+    samples_path = run_dir / "veth_tx.txt"
+    sampler = subprocess.Popen(tn.a.exec(PY, "-c", SAMPLER, f"/sys/class/net/{tn.a.dev}/statistics/tx_bytes",
+                                         str(samples_path), str(a.run_timeout_s)))
+    try:
+        proc = subprocess.run(tn.frontend(PY, "-m", "testbed.cli", "run", "mode=disagg", *workload_args(a),
+                                          *tn.run_args(), f"hydra.run.dir={run_dir}"),
+                              env={**tn.env, "OMP_NUM_THREADS": "1"}, cwd=ROOT, capture_output=True, text=True,
+                              timeout=a.run_timeout_s)
+    finally:
+        sampler.terminate()
+        sampler.wait()
+        tn.net.unshape(tn.a)
+    if proc.returncode != 0:
+        raise RuntimeError(f"testbed run failed: {proc.stderr[-3000:]}")
+    kv = json.loads((run_dir / "summary.json").read_text())["kv_transfer"]
+    samples = []
+    if samples_path.exists():
+        samples = [(float(t), int(b)) for t, b in (line.split() for line in samples_path.read_text().splitlines())]
+    per_request = kv["bytes"] / kv["num_transfers"]
+    return {"qdisc": qdisc, "bytes": kv["bytes"], "num": kv["num_transfers"],
+            "transfer_gbps": kv["achieved_gb_per_s"] * 8, "exposed_ms": kv["exposed_ms"]["p50"],
+            "transfer_ms": kv["transfer_ms"]["p50"], "wire_gbps": wire_rates(samples, int(per_request * 0.9))}
+
+
+def sim_run(a, rate_gbps: float, latency_us: float, per_message_us: float, run_dir: Path) -> dict:
+    proc = subprocess.run([PY, "-m", "testbed.cli", "run", "runtime=sim", "mode=disagg", *workload_args(a),
+                           f"link.bandwidth_gbps={rate_gbps}", f"link.latency_us={latency_us:.1f}",
+                           f"link.per_message_us={per_message_us:.1f}", f"hydra.run.dir={run_dir}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise RuntimeError(f"testbed run runtime=sim failed: {proc.stderr[-3000:]}")
+    kv = json.loads((run_dir / "summary.json").read_text())["kv_transfer"]
+    return {"exposed_ms": kv["exposed_ms"]["p50"], "bytes": kv["bytes"]}
+
+
+def host_cost_s(a, reps: int = 5) -> float:
+    """pack_kv (gather + checksum) + the receiver's xxh3 check + unpack_kv of one request's
+    KV, in this process, median of `reps`: the host's serial work around the wire."""
+    import torch
+    from testbed.kv_transfer import pack_kv, unpack_kv
+    from testbed.kv_transfer.payload import checksum
+    torch.set_num_threads(1)
+    blocks = -(-a.prompt_len // 16)
+    cache = torch.randn(4, 2, 2 * blocks + 1, 16, 8, 32)     # tiny with num_kv_heads=8: [L, 2, blocks, 16, 8, 32]
+    src, dst = list(range(blocks)), list(range(blocks, 2 * blocks))
+    buf = torch.empty(4 * 2 * blocks * 16 * 8 * 32 * 4, dtype=torch.uint8)
+    times = []
+    for _ in range(reps + 1):
+        t = time.perf_counter()
+        payload = pack_kv(cache, (0, 4), src, dst, a.prompt_len, "r", out=buf)
+        checksum(payload.data)
+        unpack_kv(cache, payload)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[1:])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rates", type=float, nargs="+", default=[1.0, 5.0], help="tbf rates, Gbit/s")
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--prompt-len", type=int, default=4096)
+    p.add_argument("--num-requests", type=int, default=3)
+    p.add_argument("--arrival-rate", type=float, default=0.12,
+                   help="requests/s: one prefill or transfer at a time (a 4096-token prefill is 3-5 s here)")
+    p.add_argument("--run-timeout-s", type=float, default=400)
+    a = p.parse_args()
+    out_dir = Path(tempfile.mkdtemp(prefix="bench2n-"))
+    t0 = time.monotonic()
+    with TwoNodes() as tn:
+        print(f"cluster up in {time.monotonic() - t0:.0f} s; runs under {out_dir}", flush=True)
+        rtt = rtt_s(tn)
+        latency_us = rtt / 2 * 1e6
+        print(f"veth TCP round trip p50 {rtt * 1e6:.0f} us -> link.latency_us={latency_us:.0f}", flush=True)
+        host_us = host_cost_s(a) * 1e6
+        print(f"host work per request (pack_kv + xxh3 check + unpack_kv, in-process, median): {host_us / 1e3:.1f} ms",
+              flush=True)
+        ceiling = real_run(tn, a, None, out_dir / "real-unshaped")
+        print(f"unshaped: {ceiling}", flush=True)
+        rows = [(None, 0, ceiling, None, None, None)]
+        for rate, i in [(r, i) for r in a.rates for i in range(a.reps)]:
+            real = real_run(tn, a, rate, out_dir / f"real-{rate}-{i}")
+            sim = sim_run(a, rate, latency_us, 15.0, out_dir / f"sim-{rate}-{i}")
+            sim_host = sim_run(a, rate, latency_us, 15.0 + host_us, out_dir / f"simhost-{rate}-{i}")
+            sim_ceil = sim_run(a, min(rate, ceiling["transfer_gbps"]), latency_us, 15.0, out_dir / f"simceil-{rate}-{i}")
+            rows.append((rate, i, real, sim, sim_host, sim_ceil))
+            print(f"rate {rate} Gb/s rep {i}: {real}  sim {sim}  sim+host {sim_host}  sim@ceiling {sim_ceil}",
+                  flush=True)
+    print()
+    print(f"{'tbf Gb/s':>8} {'rep':>3} {'MiB/req':>8} {'transfer Gb/s':>13} {'vs rate':>7} {'wire Gb/s':>9} "
+          f"{'exposed ms':>10} {'sim ms':>7} {'sim err':>7} {'sim+host ms':>11} {'err':>5} {'sim@ceil ms':>11} {'err':>5}")
+    for rate, i, real, sim, sim_host, sim_ceil in rows:
+        wire = statistics.median(real["wire_gbps"]) if real["wire_gbps"] else float("nan")
+        vs = f"{real['transfer_gbps'] / rate - 1:+.0%}" if rate else "-"
+
+        def err(x):
+            return f"{x['exposed_ms'] / real['exposed_ms'] - 1:+.0%}" if x else "-"
+
+        def ms(x):
+            return x["exposed_ms"] if x else float("nan")
+        print(f"{rate or 'none':>8} {i:>3} {real['bytes'] / real['num'] / 2**20:>8.1f} {real['transfer_gbps']:>13.2f} "
+              f"{vs:>7} {wire:>9.2f} {real['exposed_ms']:>10.1f} {ms(sim):>7.1f} {err(sim):>7} {ms(sim_host):>11.1f} "
+              f"{err(sim_host):>5} {ms(sim_ceil):>11.1f} {err(sim_ceil):>5}")
+    print(f"\n{time.monotonic() - t0:.0f} s in all (timings on a shared 2-core machine: noisy; the reps are the floor)")
+
+
+if __name__ == "__main__":
+    main()
