@@ -79,6 +79,51 @@ else:
 """
 
 
+ZMQ_PAIR = """
+import sys, time, zmq
+host, role, curve = sys.argv[1], sys.argv[2], sys.argv[3] == "curve"
+keys = sys.argv[4:]            # z85: server public, server secret, client public, client secret
+ctx = zmq.Context()
+if role == 'server':
+    s = ctx.socket(zmq.PULL)
+    if curve:
+        s.curve_publickey, s.curve_secretkey, s.curve_server = keys[0].encode(), keys[1].encode(), True
+    s.bind(f'tcp://{host}:5998'); s.recv(); t = None; n = 0
+    while (m := s.recv(copy=False)).bytes != b'end':
+        t = t or time.perf_counter(); n += len(m)
+    print(8 * n / (time.perf_counter() - t) / 1e9, flush=True)
+    s.close(0)
+else:
+    s = ctx.socket(zmq.PUSH)
+    if curve:
+        s.curve_serverkey, s.curve_publickey, s.curve_secretkey = (k.encode() for k in (keys[0], keys[2], keys[3]))
+    s.connect(f'tcp://{host}:5998'); s.send(b'go'); buf = bytes(1 << 20)
+    for _ in range(128):
+        s.send(buf, copy=False)
+    s.send(b'end'); s.close(linger=10000)
+ctx.term()
+"""
+
+
+def zmq_ceiling_gbps(tn: TwoNodes, curve: bool) -> float:
+    """Raw pyzmq PUSH -> PULL, A -> B over the unshaped veth, 128 MiB in 1 MiB messages,
+    with CURVE or without: what the path carries before any of the transport's work."""
+    import zmq
+    sp, ss = zmq.curve_keypair()
+    cp, cs = zmq.curve_keypair()
+    keys = [k.decode() for k in (sp, ss, cp, cs)]
+    kind = "curve" if curve else "plain"
+    srv = subprocess.Popen(tn.b.exec(PY, "-c", ZMQ_PAIR, tn.b.address, "server", kind, *keys),
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1.0)
+        subprocess.run(tn.a.exec(PY, "-c", ZMQ_PAIR, tn.b.address, "client", kind, *keys), check=True, timeout=120)
+        return float(srv.communicate(timeout=120)[0])
+    finally:
+        srv.kill()
+        srv.wait()
+
+
 def workload_args(a) -> list[str]:
     w = {"name": "two_nodes_bench", "num_requests": a.num_requests, "arrival": "constant", "rate": a.arrival_rate,
          "prompt_dist": "fixed", "prompt_len": a.prompt_len, "output_dist": "fixed", "output_len": 4}
@@ -183,6 +228,7 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=3)
     p.add_argument("--arrival-rate", type=float, default=0.12,
                    help="requests/s: one prefill or transfer at a time (a 4096-token prefill is 3-5 s here)")
+    p.add_argument("--ceiling-only", action="store_true", help="only the raw pyzmq rates over the veth")
     p.add_argument("--run-timeout-s", type=float, default=400)
     a = p.parse_args()
     out_dir = Path(tempfile.mkdtemp(prefix="bench2n-"))
@@ -192,6 +238,11 @@ def main() -> None:
         rtt = rtt_s(tn)
         latency_us = rtt / 2 * 1e6
         print(f"veth TCP round trip p50 {rtt * 1e6:.0f} us -> link.latency_us={latency_us:.0f}", flush=True)
+        for curve in (False, True, False, True):
+            print(f"raw pyzmq over the veth, {'CURVE' if curve else 'plain'}: {zmq_ceiling_gbps(tn, curve):.2f} Gb/s",
+                  flush=True)
+        if a.ceiling_only:
+            return
         host_us = host_cost_s(a) * 1e6
         print(f"host work per request (pack_kv + xxh3 check + unpack_kv, in-process, median): {host_us / 1e3:.1f} ms",
               flush=True)
