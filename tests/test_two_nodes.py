@@ -83,8 +83,9 @@ def resources_returned(tn, timeout_s: float = 30) -> tuple[dict, dict]:
     return total, avail
 
 
-@pytest.mark.parametrize("transport", [
-    "zmq", pytest.param("torch_dist", marks=pytest.mark.slow)])
+# slow: the cluster's start (~20 s), one run (~40 s) and its stop (~15 s) exceed a default test's minute here
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["zmq", "torch_dist"])
 def test_disagg_across_two_nodes_gives_the_reference_tokens(two_nodes, tmp_path, transport):
     """1P1D: prefill0 on node A, decode0 on node B; the tokens are the in-process
     engine's, every block is free, nothing outlives the run, and node A's veth sent

@@ -6,7 +6,7 @@ A star without a bridge: node 0 (the hub) is joined to each other node k by a
 veth pair on its own private /24 (10.231.k.0/24: the hub is .1, node k is .2);
 the hub forwards between spokes. `shape` puts the kernel's token bucket
 (`tc qdisc ... root tbf`) on one direction of a link: the sending side's
-veth. Names carry this process's pid, so two runs never collide, and
+veth. Names carry this process's pid (and a random part), so two runs never collide, and
 `close` (also run at exit) kills whatever still runs inside the namespaces
 (`ip netns pids`) before deleting them: a veth pair dies with its namespace.
 Needs root and iproute2."""
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -78,7 +79,8 @@ class NetnsNodes:
         used = _ip("-4", "addr") + _ip("-4", "route")
         if f" {SUBNET}." in used:
             raise NetnsError(f"the host already uses {SUBNET}.0.0/16; NetnsNodes needs it free")
-        tag = f"{prefix}{os.getpid()}"
+        # the pid, and a random part for several instances in one process; devices <= 15 characters
+        tag = f"{prefix}{os.getpid()}{secrets.token_hex(2)[:3]}"
         self.names = [f"{tag}n{i}" for i in range(n)]
         self.links: list[Link] = []
         self._closed = False
@@ -89,7 +91,7 @@ class NetnsNodes:
                 _ip("-n", name, "link", "set", "lo", "up")
             hub = self.names[0]
             for k, name in enumerate(self.names[1:], start=1):
-                hub_dev, spoke_dev = f"{tag}h{k}", f"{tag}s{k}"       # <= 15 characters
+                hub_dev, spoke_dev = f"{tag}h{k}", f"{tag}s{k}"
                 _ip("link", "add", hub_dev, "netns", hub, "type", "veth", "peer", "name", spoke_dev, "netns", name)
                 _ip("-n", hub, "addr", "add", f"{SUBNET}.{k}.1/24", "dev", hub_dev)
                 _ip("-n", name, "addr", "add", f"{SUBNET}.{k}.2/24", "dev", spoke_dev)
