@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -266,3 +267,34 @@ def test_frontend_beyond_loopback_without_keys_is_refused_inside_a_namespace(tmp
                              capture_output=True, text=True, cwd=ROOT, timeout=120)
         assert run.returncode != 0
         assert "without CURVE keys" in run.stdout + run.stderr and "runtime.curve=true" in run.stdout + run.stderr
+
+
+def test_netns_nodes_shape_and_leave_nothing_behind():
+    """Three namespaces in a star: each spoke reaches the other through the hub; a
+    shaped link shows its tbf; close() kills what still runs inside and deletes
+    every namespace (and with them the veth pairs)."""
+    net = NetnsNodes(3, prefix="tc")
+    try:
+        hub, b, c = net.nodes
+        assert [n.address for n in net.nodes] == ["10.231.1.1", "10.231.1.2", "10.231.2.2"]
+        reach = ("import socket,sys\ns=socket.socket();s.settimeout(5)\n"
+                 "try:\n s.connect((sys.argv[1],9))\nexcept ConnectionRefusedError:\n print('refused')\n"
+                 "except OSError as e:\n print('unreachable', e)")
+        # a closed port answers RST: the address was reached, across the hub
+        assert subprocess.run(b.exec(PY, "-c", reach, c.address), capture_output=True, text=True,
+                              timeout=30).stdout.strip() == "refused"
+        assert "tbf" in net.shape(hub, 1.0) and "rate 1Gbit" in net.shape(hub, 1.0)
+        before = net.tx_bytes(b)
+        subprocess.run(b.exec(PY, "-c", reach, hub.address), capture_output=True, timeout=30)
+        assert net.tx_bytes(b) > before
+        sleeper = subprocess.Popen(c.exec("sleep", "600"))
+        deadline = time.monotonic() + 5
+        while sleeper.pid not in net.pids() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sleeper.pid in net.pids()
+    finally:
+        net.close()
+    assert sleeper.wait(timeout=10) == -9
+    assert net.pids() == []
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    assert not set(net.names) & set(listed)
