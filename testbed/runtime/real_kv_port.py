@@ -1,7 +1,9 @@
 """KVPort over a real kv_transfer transport (zmq, torch_dist, shaped): the
 prefill side packs a request's blocks out of its KV cache and sends them; the
 decode side writes verified arrivals straight into the reserved blocks and
-acknowledges them to the sender."""
+acknowledges them to the sender. The receiver writes each chunk straight
+into the reserved blocks as it arrives (kv_transfer/landing.py), and takes
+nothing for a request with no reservation here."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -11,6 +13,8 @@ import torch
 from testbed.engine import Engine
 from testbed.kv_transfer import PayloadError, TransferError, make_receiver, make_sender, pack_kv, unpack_kv
 from testbed.kv_transfer.config import TransferConfig
+from testbed.kv_transfer.landing import BlockLanding
+from testbed.kv_transfer.payload import KVPayload
 from testbed.kv_transfer.torch_dist import TorchDistGroup
 from testbed.launchers.base import WorkerSpec
 from testbed.runtime.kv_port import KVArrival, KVPort
@@ -39,6 +43,8 @@ class RealKVPort(KVPort):
             self.group = TorchDistGroup(spec.dist_addr, spec.rank, spec.world_size,
                                         transfer.dist_backend, transfer.timeout_s)
         self.receiver = make_receiver(transfer, group=self.group, curve=spec.curve) if receives else None
+        if self.receiver is not None:
+            self.receiver.land_with(self._landing)
         self.sender = make_sender(transfer, name=spec.worker_id, group=self.group, curve=spec.curve) \
             if sends else None
         self._free_buffers: list[torch.Tensor] = []
@@ -76,6 +82,17 @@ class RealKVPort(KVPort):
         # the logical KV of the prompt (the wire also carries the last block's padding)
         return num_tokens * self.kv_bytes_per_token * (layers[1] - layers[0]) // self.num_layers
 
+    def _reserved_for(self, p: KVPayload) -> bool:
+        return self.bm.block_table(p.request_id)[:len(p.block_ids)] == list(p.block_ids)
+
+    def _landing(self, p: KVPayload) -> BlockLanding | None:
+        """Where a payload's bytes go: its reserved blocks. None (refused) when the
+        reservation is gone (aborted, failed, never made): those blocks may hold
+        another request's KV by now. Withdrawn if it goes while bytes arrive."""
+        if not self._reserved_for(p):
+            return None
+        return BlockLanding(self.cache, p, valid=lambda: self._reserved_for(p))
+
     def poll(self) -> list[KVArrival]:
         out = []
         for p in self.receiver.poll(0):
@@ -83,16 +100,13 @@ class RealKVPort(KVPort):
                 self.receiver.ack(p.origin, p.request_id, ok=False, reason=p.error)
                 out.append(KVArrival(p.request_id, True, ok=False, error=p.error))
                 continue
-            if self.bm.block_table(p.request_id)[:len(p.block_ids)] != list(p.block_ids):
-                # the reservation was dropped (aborted, failed) while this was in flight: its
-                # blocks may hold another request's KV by now, so none of it is written
-                continue
-            try:
-                unpack_kv(self.cache, p)
-            except PayloadError as e:      # the header does not fit this cache (a peer's bug)
-                self.receiver.ack(p.origin, p.request_id, ok=False, reason=str(e))
-                out.append(KVArrival(p.request_id, True, ok=False, error=str(e)))
-                continue
+            if not p.in_place:
+                try:
+                    unpack_kv(self.cache, p)
+                except PayloadError as e:      # the header does not fit this cache (a peer's bug)
+                    self.receiver.ack(p.origin, p.request_id, ok=False, reason=str(e))
+                    out.append(KVArrival(p.request_id, True, ok=False, error=str(e)))
+                    continue
             if p.last:
                 self.receiver.ack(p.origin, p.request_id, ok=True)
             out.append(KVArrival(p.request_id, p.last, num_bytes=p.nbytes, meta=p.meta))
