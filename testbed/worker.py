@@ -120,4 +120,5 @@ class WorkerService:
     def stats(self) -> Stats:
         bm = self.engine.bm
         return Stats(self.worker_id, self.role, bm.num_free_blocks, bm.num_blocks, bm.all_free(),
-                     self.engine.scheduler.num_preemptions, self.num_leases_expired)
+                     self.engine.scheduler.num_preemptions, self.num_leases_expired,
+                     **(self.kv_port.stats() if self.kv_port is not None else {}))

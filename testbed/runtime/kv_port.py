@@ -30,6 +30,14 @@ class KVPort(ABC):
     def poll(self) -> list[KVArrival]:
         """Arrivals since the last poll (decode side)."""
 
+    def stats(self) -> dict[str, int]:
+        """Counters for the worker's Stats: kv_peak_inflight_bytes, kv_sends_waited, kv_refused."""
+        return {}
+
+    def cancel(self, request_id: str) -> None:
+        """The request is released on the sending side: drop what of its KV
+        has not left yet (before its blocks are freed)."""
+
     def connect(self, peer: str, address: str) -> None:
         """Learn a peer's address (real transports)."""
 

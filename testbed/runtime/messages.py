@@ -244,11 +244,17 @@ class Stats(Event):
     all_free: bool
     num_preemptions: int
     num_leases_expired: int = 0     # hand-offs whose blocks were freed by transfer.lease_s, no ack
+    # KV port (runtime/kv_port.py): the most KV bytes in flight to one peer, sends that waited
+    # for a peer's window, payloads refused (a stranger's, or with no reservation)
+    kv_peak_inflight_bytes: int = 0
+    kv_sends_waited: int = 0
+    kv_refused: int = 0
 
     def to_dict(self) -> dict:
         return {"worker": self.worker, "role": self.role, "num_free_blocks": self.num_free_blocks,
                 "num_blocks": self.num_blocks, "all_free": self.all_free, "num_preemptions": self.num_preemptions,
-                "num_leases_expired": self.num_leases_expired}
+                "num_leases_expired": self.num_leases_expired, "kv_peak_inflight_bytes": self.kv_peak_inflight_bytes,
+                "kv_sends_waited": self.kv_sends_waited, "kv_refused": self.kv_refused}
 
 
 @dataclass(slots=True)

@@ -1,0 +1,197 @@
+"""A slow receiver, caused for real: one decode worker of a 1P2D disagg run is
+duty-cycled with SIGSTOP/SIGCONT (stopped 90% of the time, so it reads,
+steps and answers at a tenth of its speed) from the moment the KV of the
+first prompt it reserved blocks for is on its way, a burst later: the prefill
+worker keeps computing the prompts it holds reservations for, and their KV
+queues for the slow peer.
+
+Asserted: the prefill worker's memory stays bounded (its VmRSS, sampled from
+/proc while the run goes, grows by less than the per-peer window
+transfer.max_inflight_mb allows, plus one request and allocator slack; with
+SNDHWM 0 and no window it grew with every request queued for the stopped
+peer); the other decode worker's requests finish with the reference tokens
+and their inter-token gaps stay well below the slowed worker's (were the
+slowness shared, e.g. a prefill worker blocked on the slow peer, they would
+be alike); the slowed worker's requests finish late, or fail with a lease
+status; every block is free at the end; no process or port outlives the run.
+Plus the window's bookkeeping in isolation."""
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_disagg_faults import Watch, config, reference_tokens, run, workload  # noqa: E402
+
+from testbed.kv_transfer.window import SendWindow  # noqa: E402
+from testbed.runtime.messages import Event  # noqa: E402
+from testbed.runtime.real import RealRuntime  # noqa: E402
+
+MiB = 1 << 20
+KV_BYTES_PER_TOKEN = 2048            # tiny: 4 layers x (k, v) x 2 kv heads x 64 x fp32
+SLOWED = "decode1"
+
+
+def test_window_admits_per_request_and_settles_on_ack():
+    w = SendWindow(4 * MiB)
+    assert w.admits("d0", "a", 10 * MiB)           # an empty window takes even a request larger than itself
+    w.sent("d0", "a", 10 * MiB)
+    assert not w.admits("d0", "b", 1)              # full
+    assert w.admits("d0", "a", 10 * MiB) and w.holds("a")      # a's later pieces (layer-wise) still go
+    assert w.admits("d1", "c", 3 * MiB)            # another peer's window is its own
+    w.sent("d1", "c", 3 * MiB)
+    assert not w.admits("d1", "d", 2 * MiB) and w.admits("d1", "d", 1 * MiB)
+    w.settle("a")
+    assert w.in_flight("d0") == 0 and w.admits("d0", "b", 4 * MiB) and not w.holds("a")
+    w.settle("a")                                   # settling twice (ack after release) is harmless
+    assert (w.in_flight("d0"), w.in_flight("d1"), w.peak_bytes["d0"]) == (0, 3 * MiB, 10 * MiB)
+    with pytest.raises(ValueError, match="transfer.max_inflight_mb"):
+        SendWindow(0)
+
+
+def vm_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for {pid}")
+
+
+class SlowReceiver:
+    """Stops `pid` for 90% of every period_s, from a thread, until stop()."""
+
+    def __init__(self, pid: int, period_s: float) -> None:
+        self.pid, self.period_s = pid, period_s
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._done.is_set():
+                os.kill(self.pid, signal.SIGSTOP)
+                self._done.wait(0.9 * self.period_s)
+                os.kill(self.pid, signal.SIGCONT)
+                self._done.wait(0.1 * self.period_s)
+        except ProcessLookupError:
+            pass
+        finally:
+            try:
+                os.kill(self.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(5)
+
+
+class RssSampler:
+    def __init__(self, pid: int, every_s: float = 0.005) -> None:
+        self.pid, self.every_s = pid, every_s
+        self.samples: list[int] = [vm_rss(pid)]
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.wait(self.every_s):
+            try:
+                self.samples.append(vm_rss(self.pid))
+            except (OSError, RuntimeError):
+                return
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(5)
+
+
+def gaps(rec) -> list[float]:
+    """Inter-token gaps after the second token (the first gap holds the KV transfer)."""
+    t = rec.token_times_s
+    return [b - a for a, b in zip(t[1:], t[2:])]
+
+
+def wire_bytes(prompt_len: int, block_size: int = 16) -> int:
+    """A prompt's KV as sent: whole blocks."""
+    return -(-prompt_len // block_size) * block_size * KV_BYTES_PER_TOKEN
+
+
+def run_with_slow_receiver(num_requests: int, max_inflight_mb: float, prompt_max: int, period_s: float = 1.0):
+    cfg = config(decode_workers=2, timeout_s=120, num_kv_blocks=512,
+                 transfer={"transport": "zmq", "max_inflight_mb": max_inflight_mb, "lease_s": 60},
+                 workload={"num_requests": num_requests, "arrival": "burst",
+                           "prompt_min": prompt_max // 2, "prompt_max": prompt_max, "output_min": 8, "output_max": 24,
+                           "inject_arrival_s": [], "inject_prompt_len": [], "inject_output_len": []})
+    watch, slow, rss = Watch(), [], []
+
+    def hook(rt: RealRuntime, ev: Event) -> None:
+        if not rss:
+            rss.append(RssSampler(rt.launcher.pid("prefill0")))
+        # it turns slow with reservations in hand: the first of its prompts' KV is on its way
+        if not slow and ev.kind == "prefilled" and watch.reserved_on.get(ev.id) == SLOWED:
+            slow.append(SlowReceiver(rt.launcher.pid(SLOWED), period_s))
+        if slow and ev.kind == "finished" and sum(e.kind == "finished" for e in watch.events) == num_requests:
+            slow[0].stop()                  # every request is done: let the shutdown go at full speed
+
+    try:
+        result = run(cfg, watch, hook)
+    finally:
+        for helper in slow + rss:
+            helper.stop()
+    return cfg, watch, result, rss[0].samples
+
+
+def check_slow_receiver_run(num_requests: int, max_inflight_mb: float, prompt_max: int = 1024) -> dict:
+    cfg, watch, result, samples = run_with_slow_receiver(num_requests, max_inflight_mb, prompt_max)
+    ref = reference_tokens(cfg)
+    records = {r.request_id: r for r in result.records}
+    assert set(records) == {r.request_id for r in workload(cfg)}
+    on_slowed = {rid for rid, w in watch.reserved_on.items() if w == SLOWED}
+    assert on_slowed and len(on_slowed) < num_requests, "both decode workers must serve requests"
+    for rid, rec in records.items():
+        if rec.status == "finished":
+            assert rec.output_token_ids == ref[rid], rid
+        else:        # only the slowed worker's, and only by its lease
+            assert rid in on_slowed and rec.status == "failed" and "lease expired" in rec.error, (rid, rec.error)
+    others = [records[rid] for rid in records if rid not in on_slowed]
+    assert all(r.status == "finished" for r in others)
+    # the mean gap: a stopped worker decodes in bursts, so most of its gaps are short and a few long
+    fast_gap = statistics.mean(g for r in others for g in gaps(r))
+    slow_gap = statistics.mean(g for rid in on_slowed for g in gaps(records[rid]) if records[rid].status == "finished")
+    assert set(result.worker_stats) == {"prefill0", "decode0", "decode1"}
+    for w, s in result.worker_stats.items():
+        assert s["all_free"] and s["num_free_blocks"] == s["num_blocks"], (w, s)
+    growth = max(samples) - samples[0]
+    prefill = result.worker_stats["prefill0"]
+    largest = max(wire_bytes(r.prompt_len) for r in workload(cfg))
+    print(f"\nslow receiver, max_inflight_mb={max_inflight_mb:g}: prefill VmRSS {samples[0] / MiB:.1f} MiB at the "
+          f"start, peak {max(samples) / MiB:.1f} MiB (+{growth / MiB:.1f} MiB, {len(samples)} samples); mean "
+          f"inter-token gap {1000 * fast_gap:.1f} ms on decode0, {1000 * slow_gap:.1f} ms on the slowed {SLOWED} "
+          f"({len(on_slowed)} of {num_requests} requests); KV in flight to one peer at most "
+          f"{prefill['kv_peak_inflight_bytes'] / MiB:.2f} MiB, {prefill['kv_sends_waited']} sends waited for the window")
+    # an empty window admits one request whole, however large; otherwise the window holds
+    assert prefill["kv_peak_inflight_bytes"] <= max(max_inflight_mb * MiB, largest), prefill
+    # the slowness stays with the slowed worker: were it shared, the gaps would be alike
+    assert fast_gap * 3 < slow_gap, (fast_gap, slow_gap)
+    # the slow receiver really held KV back: sends waited for its window
+    assert prefill["kv_sends_waited"] > 0, prefill
+    # in flight (at most the larger of the window and one request), pooled staging buffers (at
+    # most the same again) and 16 MiB for the engine's and the allocator's own growth
+    assert growth < 2 * max(max_inflight_mb * MiB, largest) + 16 * MiB, growth
+    return {"growth": growth, "fast_gap": fast_gap, "slow_gap": slow_gap, **prefill}
+
+
+def test_slow_receiver_bounds_the_senders_memory_and_spares_the_other_decode_worker():
+    check_slow_receiver_run(num_requests=6, max_inflight_mb=0.5, prompt_max=512)
+
+
+@pytest.mark.slow
+def test_slow_receiver_with_more_and_longer_prompts():
+    check_slow_receiver_run(num_requests=16, max_inflight_mb=1, prompt_max=1024)
