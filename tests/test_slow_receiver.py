@@ -14,7 +14,8 @@ and their inter-token gaps stay well below the slowed worker's (were the
 slowness shared, e.g. a prefill worker blocked on the slow peer, they would
 be alike); the slowed worker's requests finish late, or fail with a lease
 status; every block is free at the end; no process or port outlives the run.
-Plus the window's bookkeeping in isolation."""
+Those runs are slow-marked; the default suite has the window's bookkeeping
+and two real KV ports in one process, one not reading."""
 from __future__ import annotations
 
 import os
@@ -188,6 +189,7 @@ def check_slow_receiver_run(num_requests: int, max_inflight_mb: float, prompt_ma
     return {"growth": growth, "fast_gap": fast_gap, "slow_gap": slow_gap, **prefill}
 
 
+@pytest.mark.slow        # ~50 s here: process start-up, and the slowed worker's requests at a tenth of the speed
 def test_slow_receiver_bounds_the_senders_memory_and_spares_the_other_decode_worker():
     check_slow_receiver_run(num_requests=6, max_inflight_mb=0.5, prompt_max=512)
 
@@ -195,3 +197,60 @@ def test_slow_receiver_bounds_the_senders_memory_and_spares_the_other_decode_wor
 @pytest.mark.slow
 def test_slow_receiver_with_more_and_longer_prompts():
     check_slow_receiver_run(num_requests=16, max_inflight_mb=1, prompt_max=1024)
+
+
+def test_port_holds_sends_beyond_the_window_until_acks_free_room():
+    """Two real KV ports in this process (tiny engines, zmq): the receiving
+    port is not polled (a receiver that does not read), so sends beyond the
+    window wait, unpacked; once it reads, acks free room and every request's
+    KV lands exactly; a waiting send cancelled never goes."""
+    from testbed.config import from_dict
+    from testbed.engine import WallClock
+    from testbed.launchers.base import WorkerSpec
+    from testbed.request import Request
+    from testbed.runtime.build import build_engine
+    from testbed.runtime.real_kv_port import RealKVPort
+
+    import torch
+    cfg = from_dict({"mode": "disagg", "num_kv_blocks": 64, "transfer": {"max_inflight_mb": 0.25},
+                     "wandb": {"mode": "disabled"}})
+    spec = {"needs_kv_port": True, "rank": 0, "world_size": 2, "cmd_addr": "", "event_addr": "", "t0": 0.0,
+            "dist_addr": None, "cfg": {}}
+    prefill_engine, decode_engine = (build_engine(cfg, role, WallClock()) for role in ("prefill", "decode"))
+    prefill = RealKVPort(cfg.transfer, WorkerSpec(worker_id="prefill0", role="prefill", **spec), prefill_engine,
+                         sends=True, receives=False)
+    decode = RealKVPort(cfg.transfer, WorkerSpec(worker_id="decode0", role="decode", **spec), decode_engine,
+                        sends=False, receives=True)
+    try:
+        prefill_engine.executor.kv_cache.copy_(torch.randn_like(prefill_engine.executor.kv_cache))
+        prefill.connect("decode0", decode.address)
+        blocks = {}
+        for i in range(5):                      # 4 blocks of 16 tokens each: 128 KiB of KV per request
+            req = Request(f"r{i}", list(range(64)), 1)
+            assert prefill_engine.bm.allocate(req, 64) and decode_engine.bm.allocate(req, 64)
+            blocks[req.request_id] = (prefill_engine.bm.block_table(req.request_id),
+                                      decode_engine.bm.block_table(req.request_id))
+            src, dst = blocks[req.request_id]
+            prefill.send(req.request_id, "decode0", src, dst, 64, (0, 4), True, {"i": i})
+        # the window (256 KiB) took two; three wait, unpacked
+        assert prefill.window.in_flight("decode0") == 2 * wire_bytes(64)
+        assert prefill.num_sends_waited == 3
+        prefill.cancel("r4")                     # released while waiting: it never goes
+        arrived, deadline = [], time.monotonic() + 20
+        while len(arrived) < 4 and time.monotonic() < deadline:
+            arrived += decode.poll()
+            prefill.pump(None)
+            time.sleep(0.001)
+        assert sorted(a.request_id for a in arrived) == ["r0", "r1", "r2", "r3"]
+        assert all(a.ok and a.last for a in arrived)
+        time.sleep(0.2)
+        assert decode.poll() == []
+        for rid in ("r0", "r1", "r2", "r3"):
+            src, dst = blocks[rid]
+            assert torch.equal(decode_engine.executor.kv_cache[:, :, dst], prefill_engine.executor.kv_cache[:, :, src])
+        prefill.pump(None)
+        assert prefill.window.in_flight("decode0") == 0
+        assert prefill.stats()["kv_peak_inflight_bytes"] == 2 * wire_bytes(64)
+    finally:
+        prefill.close()
+        decode.close()
