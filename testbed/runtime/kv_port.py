@@ -38,6 +38,10 @@ class KVPort(ABC):
         """The request is released on the sending side: drop what of its KV
         has not left yet (before its blocks are freed)."""
 
+    def expect_senders(self, senders: list[str]) -> None:
+        """Receiving side: the names of the run's KV senders; payloads from
+        any other are refused (real transports)."""
+
     def connect(self, peer: str, address: str) -> None:
         """Learn a peer's address (real transports)."""
 

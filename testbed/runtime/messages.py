@@ -5,7 +5,7 @@ The simulator hands these objects over in virtual-time order; the real runtime
 sends them over ZMQ in their one msgpack encoding (testbed/runtime/wire.py,
 never pickle). A request rides in a command as a `RequestMsg`.
 
-frontend -> worker: Add, Prefill, Reserve, Release, Abort, Connect, Stop, Ping
+frontend -> worker: Add, Prefill, Reserve, Release, Abort, Connect, ExpectSenders, Stop, Ping
 worker -> frontend: Ready; Tokens (items (id, token, engine_s, index): a disagg
     request's first token and the rest come from two workers on two sockets,
     the index restores their order); Finished (also failed and aborted
@@ -124,6 +124,14 @@ class Connect(Command):
     kind: ClassVar[str] = "connect"
     peer: str
     address: str
+
+
+@dataclass(slots=True)
+class ExpectSenders(Command):
+    """To a worker that receives KV: the names of the run's KV senders; its
+    receiver refuses payloads from anyone else."""
+    kind: ClassVar[str] = "expect_senders"
+    senders: list[str]
 
 
 @dataclass(slots=True)
@@ -304,7 +312,7 @@ class WorkerError(Event):
 
 
 MESSAGES: dict[str, type[Message]] = {cls.kind: cls for cls in (
-    Add, Prefill, Reserve, Release, Abort, Connect, Stop, Ping,
+    Add, Prefill, Reserve, Release, Abort, Connect, ExpectSenders, Stop, Ping,
     Ready, Tokens, Finished, Preempted, IterationDone, FreeBlocks, Reserved, Rejected, Prefilled, KVReceived,
     Stats, WorkerError, PrefixFetched, StoreStats, Pong)}
 

@@ -92,6 +92,9 @@ class RealKVPort(KVPort):
     def address(self) -> str:
         return self.receiver.address if self.receiver is not None else ""
 
+    def expect_senders(self, senders: list[str]) -> None:
+        self.receiver.expect_senders(senders)
+
     def connect(self, peer: str, address: str) -> None:
         self.sender.connect(peer, address)
 
