@@ -3,11 +3,12 @@ frontend's command and event sockets and the decode worker's KV receiver get
 truncated, garbled and oversized frames, and the event socket well-formed but
 spoofed events (from a stranger, and from a peer that takes a worker's
 identity); the KV receiver also gets well-formed, checksummed KV for a real
-reservation from a sender that is not one of the run's, which it refuses. The run goes on and every request finishes with the reference
-tokens (tests/test_disagg_faults.py's helpers: blocks free, no process or
-port left over); each dropped frame leaves one log line that names its sender
-as text; a frame declaring a terabyte is refused from its size prefix (the
-connection is closed at once, nothing waits for or allocates its body).
+reservation from a sender that is not one of the run's, which it refuses. The
+run goes on and every request finishes with the reference tokens
+(tests/test_disagg_faults.py's helpers: blocks free, no process or port left
+over); each dropped frame leaves one log line that names its sender as text; a
+frame declaring a terabyte is refused from its size prefix (the connection is
+closed at once, nothing waits for or allocates its body).
 
 The sender-identity rules a stranger cannot reach (a worker's events naming
 another worker, or about a request it was never sent) need a peer that holds a

@@ -176,7 +176,8 @@ def check_slow_receiver_run(num_requests: int, max_inflight_mb: float, prompt_ma
           f"start, peak {max(samples) / MiB:.1f} MiB (+{growth / MiB:.1f} MiB, {len(samples)} samples); mean "
           f"inter-token gap {1000 * fast_gap:.1f} ms on decode0, {1000 * slow_gap:.1f} ms on the slowed {SLOWED} "
           f"({len(on_slowed)} of {num_requests} requests); KV in flight to one peer at most "
-          f"{prefill['kv_peak_inflight_bytes'] / MiB:.2f} MiB, {prefill['kv_sends_waited']} sends waited for the window")
+          f"{prefill['kv_peak_inflight_bytes'] / MiB:.2f} MiB, {prefill['kv_sends_waited']} sends waited for "
+          "the window")
     # an empty window admits one request whole, however large; otherwise the window holds
     assert prefill["kv_peak_inflight_bytes"] <= max(max_inflight_mb * MiB, largest), prefill
     # the slowness stays with the slowed worker: were it shared, the gaps would be alike

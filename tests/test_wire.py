@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from testbed.kv_transfer.store_index import StoreCounters
 from testbed.metrics import IterationRecord
 from testbed.request import Request, SamplingParams
-from testbed.runtime.messages import (MESSAGES, Abort, Add, Connect, ExpectSenders, Finished, FreeBlocks,
-                                      HandOffMeta, IterationDone, KVReceived, Ping, Pong, Preempted, Prefill, Prefilled, Ready,
+from testbed.runtime.messages import (MESSAGES, Abort, Add, Connect, ExpectSenders, Finished, FreeBlocks, HandOffMeta,
+                                      IterationDone, KVReceived, Ping, Pong, Preempted, Prefill, Prefilled, Ready,
                                       Rejected, Release, Reserve, Reserved, Stats, Stop, Tokens, WorkerError,
                                       PrefixFetched, StoreStats, request_to_msg)
 from testbed.runtime.wire import WireError, decode, encode, hand_off_meta

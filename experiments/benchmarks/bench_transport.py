@@ -254,7 +254,8 @@ def main() -> None:
                     f"{best[m]:9.2f} {100 * best[m] / raw_best:7.0f}%")
             if (m, size) in cpu:
                 tx, rx = cpu[(m, size)]
-                line += f"   {statistics.median(tx) * 1e12 / nbytes:12.0f} {statistics.median(rx) * 1e12 / nbytes:12.0f}"
+                per_gb = [statistics.median(v) * 1e12 / nbytes for v in (tx, rx)]
+                line += f"   {per_gb[0]:12.0f} {per_gb[1]:12.0f}"
             print(line)
         print(f"{'':>8}  raw = the fastest raw row; samples per path: {args.reps}")
 
