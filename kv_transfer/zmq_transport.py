@@ -4,11 +4,12 @@ DEALER to the receiver's ROUTER.
 
 The sender's chunks are zero-copy views of the payload's tensor (`copy=False`:
 the zmq I/O thread reads the tensor's memory). The receiver copies each chunk
-with recv_into straight into the payload's one reused contiguous buffer and
-hashes it while the next is on the wire; zmq frees the chunk at once, so the
-allocator hands the same memory to the next one. (Keeping the frames instead,
-to save that copy, costs fresh page-faulting memory for every payload: slower
-below ~100 MiB here.)
+once, to its landing (kv_transfer/landing.py): with recv_into into one reused
+contiguous buffer, or from the frame straight into the destination blocks of
+the KV cache, and hashes it while the next is on the wire; zmq frees the chunk
+at once, so the allocator hands the same memory to the next one. (Keeping the
+frames instead, to save that copy, costs fresh page-faulting memory for every
+payload: slower below ~100 MiB here.)
 
 Chunks are separate messages rather than frames of one multipart message
 because zmq delivers a multipart message only when all of it has arrived:
