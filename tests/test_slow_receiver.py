@@ -1,18 +1,16 @@
 """A slow receiver, caused for real: one decode worker of a 1P2D disagg run is
 duty-cycled with SIGSTOP/SIGCONT (stopped 90% of the time, so it reads,
-steps and answers at a tenth of its speed) from the moment the KV of the
-first prompt it reserved blocks for is on its way, a burst later: the prefill
-worker keeps computing the prompts it holds reservations for, and their KV
-queues for the slow peer.
+steps and answers at a tenth of its speed) from the moment every request of
+a burst has its reservation: the prefill worker keeps computing the prompts,
+and the KV of those reserved on the slowed worker queues for it.
 
 Asserted: the prefill worker's memory stays bounded (its VmRSS, sampled from
 /proc while the run goes, grows by less than the per-peer window
 transfer.max_inflight_mb allows, plus one request and allocator slack; with
 SNDHWM 0 and no window it grew with every request queued for the stopped
 peer); the other decode worker's requests finish with the reference tokens
-and their inter-token gaps stay well below the slowed worker's (were the
-slowness shared, e.g. a prefill worker blocked on the slow peer, they would
-be alike); the slowed worker's requests finish late, or fail with a lease
+and their mean inter-token gap stays within a loose bound of the same
+run's with nobody slowed; the slowed worker's requests finish late, or fail with a lease
 status; every block is free at the end; no process or port outlives the run.
 Those runs are slow-marked; the default suite has the window's bookkeeping
 and two real KV ports in one process, one not reading."""
@@ -124,7 +122,7 @@ def wire_bytes(prompt_len: int, block_size: int = 16) -> int:
     return -(-prompt_len // block_size) * block_size * KV_BYTES_PER_TOKEN
 
 
-def run_with_slow_receiver(num_requests: int, max_inflight_mb: float, prompt_max: int, period_s: float = 1.0):
+def run_with_slow_receiver(num_requests: int, max_inflight_mb: float, prompt_max: int, period_s: float | None):
     cfg = config(decode_workers=2, timeout_s=120, num_kv_blocks=512,
                  transfer={"transport": "zmq", "max_inflight_mb": max_inflight_mb, "lease_s": 60},
                  workload={"num_requests": num_requests, "arrival": "burst",
@@ -135,8 +133,10 @@ def run_with_slow_receiver(num_requests: int, max_inflight_mb: float, prompt_max
     def hook(rt: RealRuntime, ev: Event) -> None:
         if not rss:
             rss.append(RssSampler(rt.launcher.pid("prefill0")))
-        # it turns slow with reservations in hand: the first of its prompts' KV is on its way
-        if not slow and ev.kind == "prefilled" and watch.reserved_on.get(ev.id) == SLOWED:
+        # it turns slow with reservations in hand: once every request of the burst has its blocks, while
+        # the prefill worker still has most of their prompts to compute (a reservation asked of a
+        # stopped worker would hold the whole queue back, and nothing would be sent to it)
+        if period_s and not slow and ev.kind == "reserved" and len(watch.reserved_on) == num_requests:
             slow.append(SlowReceiver(rt.launcher.pid(SLOWED), period_s))
         if slow and ev.kind == "finished" and sum(e.kind == "finished" for e in watch.events) == num_requests:
             slow[0].stop()                  # every request is done: let the shutdown go at full speed
@@ -149,8 +149,9 @@ def run_with_slow_receiver(num_requests: int, max_inflight_mb: float, prompt_max
     return cfg, watch, result, rss[0].samples
 
 
-def check_slow_receiver_run(num_requests: int, max_inflight_mb: float, prompt_max: int = 1024) -> dict:
-    cfg, watch, result, samples = run_with_slow_receiver(num_requests, max_inflight_mb, prompt_max)
+def check_slow_receiver_run(num_requests: int, max_inflight_mb: float, prompt_max: int = 1024,
+                            period_s: float | None = 2.0) -> dict:
+    cfg, watch, result, samples = run_with_slow_receiver(num_requests, max_inflight_mb, prompt_max, period_s)
     ref = reference_tokens(cfg)
     records = {r.request_id: r for r in result.records}
     assert set(records) == {r.request_id for r in workload(cfg)}
@@ -165,14 +166,15 @@ def check_slow_receiver_run(num_requests: int, max_inflight_mb: float, prompt_ma
     assert all(r.status == "finished" for r in others)
     # the mean gap: a stopped worker decodes in bursts, so most of its gaps are short and a few long
     fast_gap = statistics.mean(g for r in others for g in gaps(r))
-    slow_gap = statistics.mean(g for rid in on_slowed for g in gaps(records[rid]) if records[rid].status == "finished")
+    slow_gap = statistics.mean([g for rid in on_slowed for g in gaps(records[rid])
+                                if records[rid].status == "finished"] or [0.0])
     assert set(result.worker_stats) == {"prefill0", "decode0", "decode1"}
     for w, s in result.worker_stats.items():
         assert s["all_free"] and s["num_free_blocks"] == s["num_blocks"], (w, s)
     growth = max(samples) - samples[0]
     prefill = result.worker_stats["prefill0"]
     largest = max(wire_bytes(r.prompt_len) for r in workload(cfg))
-    print(f"\nslow receiver, max_inflight_mb={max_inflight_mb:g}: prefill VmRSS {samples[0] / MiB:.1f} MiB at the "
+    print(f"\n{'slow receiver' if period_s else 'no slowing'}, max_inflight_mb={max_inflight_mb:g}: prefill VmRSS {samples[0] / MiB:.1f} MiB at the "
           f"start, peak {max(samples) / MiB:.1f} MiB (+{growth / MiB:.1f} MiB, {len(samples)} samples); mean "
           f"inter-token gap {1000 * fast_gap:.1f} ms on decode0, {1000 * slow_gap:.1f} ms on the slowed {SLOWED} "
           f"({len(on_slowed)} of {num_requests} requests); KV in flight to one peer at most "
@@ -180,10 +182,8 @@ def check_slow_receiver_run(num_requests: int, max_inflight_mb: float, prompt_ma
           "the window")
     # an empty window admits one request whole, however large; otherwise the window holds
     assert prefill["kv_peak_inflight_bytes"] <= max(max_inflight_mb * MiB, largest), prefill
-    # the slowness stays with the slowed worker: were it shared, the gaps would be alike
-    assert fast_gap * 3 < slow_gap, (fast_gap, slow_gap)
     # the slow receiver really held KV back: sends waited for its window
-    assert prefill["kv_sends_waited"] > 0, prefill
+    assert prefill["kv_sends_waited"] > 0 or not period_s, prefill
     # in flight (at most the larger of the window and one request), pooled staging buffers (at
     # most the same again) and 16 MiB for the engine's and the allocator's own growth
     assert growth < 2 * max(max_inflight_mb * MiB, largest) + 16 * MiB, growth
@@ -192,7 +192,15 @@ def check_slow_receiver_run(num_requests: int, max_inflight_mb: float, prompt_ma
 
 @pytest.mark.slow        # ~50 s here: process start-up, and the slowed worker's requests at a tenth of the speed
 def test_slow_receiver_bounds_the_senders_memory_and_spares_the_other_decode_worker():
-    check_slow_receiver_run(num_requests=6, max_inflight_mb=0.5, prompt_max=512)
+    # every prompt (1-2 MiB of KV) is over the window: the slowed worker's second waits for its first's ack,
+    # which can only come in a 0.2 s run of every 2 s, while the prefill worker computes a prompt in ~0.2 s
+    slowed = check_slow_receiver_run(num_requests=8, max_inflight_mb=0.5, prompt_max=1024)
+    # the same run with nobody slowed: decode0's gaps must not grow much with its neighbour slowed. A
+    # loose bound (x2 + 20 ms) because which requests share decode0's batches, and the machine's other
+    # load, differ between the runs; a decode0 that waited on the slowed peer (a blocked prefill worker,
+    # a shared queue) would show gaps of the stop's length, 1.8 s
+    alone = check_slow_receiver_run(num_requests=8, max_inflight_mb=0.5, prompt_max=1024, period_s=None)
+    assert slowed["fast_gap"] < 2 * alone["fast_gap"] + 0.020, (slowed["fast_gap"], alone["fast_gap"])
 
 
 @pytest.mark.slow

@@ -1,9 +1,9 @@
 """KVPort over a real kv_transfer transport (zmq, torch_dist, shaped): the
 prefill side packs a request's blocks out of its KV cache and sends them; the
-decode side writes verified arrivals straight into the reserved blocks and
-acknowledges them to the sender. The receiver writes each chunk straight
-into the reserved blocks as it arrives (kv_transfer/landing.py), and takes
-nothing for a request with no reservation here."""
+decode side's receiver writes each chunk straight into the reserved blocks as
+it arrives (kv_transfer/landing.py), the request is admitted once the checksum
+passed, and the sender is acknowledged. Nothing is taken for a request with
+no reservation here, nor from a sender that is not one of the run's."""
 from __future__ import annotations
 
 import logging
@@ -17,8 +17,8 @@ from testbed.kv_transfer import PayloadError, TransferError, make_receiver, make
 from testbed.kv_transfer.config import TransferConfig
 from testbed.kv_transfer.landing import BlockLanding
 from testbed.kv_transfer.payload import KVPayload
-from testbed.kv_transfer.window import SendWindow
 from testbed.kv_transfer.torch_dist import TorchDistGroup
+from testbed.kv_transfer.window import SendWindow
 from testbed.launchers.base import WorkerSpec
 from testbed.runtime.kv_port import KVArrival, KVPort
 
@@ -113,8 +113,9 @@ class RealKVPort(KVPort):
         return num_tokens * self.kv_bytes_per_token * (layers[1] - layers[0]) // self.num_layers
 
     def _start(self, job: _Send) -> None:
+        out = self._staging(job.request_id, job.nbytes)
         payload = pack_kv(self.cache, job.layers, job.src_block_ids, job.dst_block_ids, job.num_tokens,
-                          job.request_id, last=job.last, meta=job.meta, out=self._staging(job.request_id, job.nbytes))
+                          job.request_id, last=job.last, meta=job.meta, out=out)
         try:
             self.sender.send(job.peer, payload)
         except (TransferError, RuntimeError) as e:
