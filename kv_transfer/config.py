@@ -31,6 +31,10 @@ class TransferConfig:
     # decode side's from reserving to the KV's arrival, so it also bounds the prompt's wait
     # and prefill at its prefill worker (raise it for long queues); real runtime only
     lease_s: float = 30.0
+    # KV bytes a sender may have in flight (sent, not yet acknowledged) to each receiver; more
+    # waits, unpacked, in the sender's blocks, so a slow receiver costs the sender bounded memory
+    # (a request larger than this still goes, alone); real runtime only
+    max_inflight_mb: float = 64.0
     # shaped: a real transport behind an emulated link
     shaped_inner: str = "zmq"
     rate_gbps: float = 25.0               # gigabits per second
@@ -66,6 +70,8 @@ class TransferConfig:
             raise bad("timeout_s", f"must be > 0, got {self.timeout_s}")
         if not self.lease_s > 0:
             raise bad("lease_s", f"must be > 0 seconds, got {self.lease_s}")
+        if not self.max_inflight_mb > 0:
+            raise bad("max_inflight_mb", f"must be > 0 MiB, got {self.max_inflight_mb}")
         if not self.rate_gbps > 0:
             raise bad("rate_gbps", f"must be > 0, got {self.rate_gbps}")
         if not self.latency_ms >= 0:

@@ -89,10 +89,9 @@ def pack_kv(cache: torch.Tensor, layers: tuple[int, int], src_block_ids: Sequenc
                      shape=shape, checksum=checksum(data), data=data, last=last, meta=dict(meta or {}))
 
 
-def unpack_kv(cache: torch.Tensor, payload: KVPayload) -> None:
-    """Write a received (verified) payload into `cache` at payload.block_ids.
-    Checks everything the header claims against this cache first, since the
-    header came off the network."""
+def check_fits(cache: torch.Tensor, payload: KVPayload) -> None:
+    """Raise PayloadError unless everything payload's header claims fits this
+    cache: the header came off the network."""
     _check_cache(cache)
     rid = payload.request_id
     if payload.error is not None:
@@ -105,10 +104,19 @@ def unpack_kv(cache: torch.Tensor, payload: KVPayload) -> None:
     if not 0 <= payload.layer_start < payload.layer_end <= cache.shape[0]:
         raise PayloadError(f"request {rid}: layers [{payload.layer_start}, {payload.layer_end}) outside "
                            f"the cache's {cache.shape[0]}", rid)
-    if tuple(payload.data.shape) != tuple(payload.shape) or len(payload.block_ids) != payload.shape[2]:
-        raise PayloadError(f"request {rid}: data {tuple(payload.data.shape)} / {len(payload.block_ids)} "
-                           f"block ids do not match header shape {tuple(payload.shape)}", rid)
+    if len(payload.block_ids) != payload.shape[2]:
+        raise PayloadError(f"request {rid}: {len(payload.block_ids)} block ids do not match header shape "
+                           f"{tuple(payload.shape)}", rid)
     _check_ids(f"request {rid}: block_ids", payload.block_ids, cache.shape[2])
+
+
+def unpack_kv(cache: torch.Tensor, payload: KVPayload) -> None:
+    """Write a received (verified) payload into `cache` at payload.block_ids."""
+    check_fits(cache, payload)
+    rid = payload.request_id
+    if tuple(payload.data.shape) != tuple(payload.shape):
+        raise PayloadError(f"request {rid}: data {tuple(payload.data.shape)} does not match header shape "
+                           f"{tuple(payload.shape)}", rid)
     data = payload.data.to(cache.device)
     dst = cache[payload.layer_start:payload.layer_end]
     runs = coalesce_runs(payload.block_ids)

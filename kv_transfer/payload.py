@@ -74,6 +74,7 @@ class KVPayload:
     meta: dict = field(default_factory=dict)   # small and msgpack-able (first token, timings)
     origin: str = ""                      # set by the receiver: the sender's name, for ack()
     error: str | None = None              # set by the receiver: why this payload failed
+    in_place: bool = False                # set by the receiver: already written into block_ids (data empty)
 
     @property
     def nbytes(self) -> int:

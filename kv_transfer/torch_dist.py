@@ -32,6 +32,7 @@ from testbed.kv_transfer.base import TransferError
 from testbed.kv_transfer.channel import HEADER, ChannelSender
 from testbed.kv_transfer.receiver import ChannelReceiver
 from testbed.kv_transfer.config import TransferConfig
+from testbed.kv_transfer.landing import Landing
 from testbed.kv_transfer.payload import KVPayload
 
 DATA_TAG = 0
@@ -137,19 +138,40 @@ class TorchDistReceiver(ChannelReceiver):
         self.group = group
         self.address = f"{self._server.address}#rank={group.rank}"
 
-    def _on_header(self, origin: str, payload: KVPayload) -> list[KVPayload]:
+    def _on_header(self, origin: str, payload: KVPayload, landing: Landing | None) -> list[KVPayload]:
         try:
             src_rank = msgpack.unpackb(self._server.sock.recv()) if self._server.more() else None
         except Exception:
             src_rank = None
-        buf = self._buffers.take(payload.nbytes)
+        # the process group delivers the data whole: into the landing when it is one buffer, else via a pooled one
+        view = landing.view(0) if landing is not None else None
+        buf = torch.frombuffer(view, dtype=torch.uint8) if view is not None else self._buffers.take(payload.nbytes)
         if not isinstance(src_rank, int) or not 0 <= src_rank < self.group.world_size or src_rank == self.group.rank:
-            return [self._drop(payload, buf, f"header without a valid sender rank ({src_rank!r})")]
-        landing = buf if self.group.device.type == "cpu" else torch.empty_like(buf, device=self.group.device)
+            self._release_staging(buf, view)
+            if landing is None:
+                return []
+            return [self._drop(payload, landing, f"header without a valid sender rank ({src_rank!r})")]
+        landing_buf = buf if self.group.device.type == "cpu" else torch.empty_like(buf, device=self.group.device)
         try:
-            self.group.pg.recv([landing], src_rank, DATA_TAG).wait(datetime.timedelta(seconds=self.cfg.timeout_s))
+            self.group.pg.recv([landing_buf], src_rank, DATA_TAG).wait(
+                datetime.timedelta(seconds=self.cfg.timeout_s))
         except RuntimeError as e:
-            return [self._drop(payload, buf, f"data from rank {src_rank} did not arrive: {e}")]
-        if landing is not buf:
-            buf.copy_(landing)
-        return [self._land(payload, buf, xxhash.xxh3_64_intdigest(buf.numpy()))]
+            self._release_staging(buf, view)
+            if landing is None:
+                return []
+            return [self._drop(payload, landing, f"data from rank {src_rank} did not arrive: {e}")]
+        if landing_buf is not buf:
+            buf.copy_(landing_buf)
+        if landing is None:                      # refused: the data had to be taken off the group anyway
+            self._release_staging(buf, view)
+            return []
+        digest = xxhash.xxh3_64_intdigest(buf.numpy())
+        if view is None:                          # verified before a byte reaches the destination
+            if digest == payload.checksum:
+                landing.write(0, memoryview(buf.numpy()))
+            self._buffers.release(buf)
+        return [self._land(payload, landing, digest)]
+
+    def _release_staging(self, buf: torch.Tensor, view) -> None:
+        if view is None:
+            self._buffers.release(buf)

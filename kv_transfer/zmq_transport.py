@@ -4,11 +4,12 @@ DEALER to the receiver's ROUTER.
 
 The sender's chunks are zero-copy views of the payload's tensor (`copy=False`:
 the zmq I/O thread reads the tensor's memory). The receiver copies each chunk
-with recv_into straight into the payload's one reused contiguous buffer and
-hashes it while the next is on the wire; zmq frees the chunk at once, so the
-allocator hands the same memory to the next one. (Keeping the frames instead,
-to save that copy, costs fresh page-faulting memory for every payload: slower
-below ~100 MiB here.)
+once, to its landing (kv_transfer/landing.py): with recv_into into one reused
+contiguous buffer, or from the frame straight into the destination blocks of
+the KV cache, and hashes it while the next is on the wire; zmq frees the chunk
+at once, so the allocator hands the same memory to the next one. (Keeping the
+frames instead, to save that copy, costs fresh page-faulting memory for every
+payload: slower below ~100 MiB here.)
 
 Chunks are separate messages rather than frames of one multipart message
 because zmq delivers a multipart message only when all of it has arrived:
@@ -23,13 +24,13 @@ import collections
 import dataclasses
 import time
 
-import torch
 import xxhash
 import zmq
 
 from testbed.kv_transfer.base import TransferError
 from testbed.kv_transfer.channel import HEADER, ChannelSender
 from testbed.kv_transfer.config import TransferConfig
+from testbed.kv_transfer.landing import Landing
 from testbed.kv_transfer.payload import KVPayload, byte_view
 from testbed.kv_transfer.receiver import ChannelReceiver
 
@@ -72,8 +73,7 @@ class ZmqSender(ChannelSender):
 class _Open:
     """A payload whose header has arrived and whose data is coming in."""
     payload: KVPayload
-    buf: torch.Tensor                 # flat uint8, payload.nbytes long, from the pool
-    view: memoryview
+    landing: Landing | None           # None: refused, its chunks are discarded
     hasher: xxhash.xxh3_64
     received: int = 0
     last_progress_s: float = 0.0
@@ -84,43 +84,65 @@ class ZmqReceiver(ChannelReceiver):
         super().__init__(cfg, max_payloads_per_poll, curve)
         self._open_by_origin: dict[str, _Open] = {}
 
-    def _on_header(self, origin: str, payload: KVPayload) -> list[KVPayload]:
-        buf = self._buffers.take(payload.nbytes)
-        self._open_by_origin[origin] = _Open(payload, buf, memoryview(buf.numpy()), xxhash.xxh3_64(),
-                                             last_progress_s=time.monotonic())
+    def _on_header(self, origin: str, payload: KVPayload, landing: Landing | None) -> list[KVPayload]:
+        self._open_by_origin[origin] = _Open(payload, landing, xxhash.xxh3_64(), last_progress_s=time.monotonic())
         return []
+
+    def poll(self, timeout_ms: int = 0) -> list[KVPayload]:
+        # a landing withdrawn since the last poll (its reservation dropped) takes no more bytes
+        for o in self._open_by_origin.values():
+            if o.landing is not None and not o.landing.valid():
+                o.landing.release()
+                o.landing = None
+        return super().poll(timeout_ms)
 
     def _recv_body(self, origin: str) -> list[KVPayload]:
         o = self._open_by_origin.get(origin)
         if o is None:
             return super()._recv_body(origin)
-        start = min(o.received, len(o.view))
-        # recv_into truncates a frame that does not fit and returns its full size
-        n = self._server.sock.recv_into(o.view[start:])
+        sock, nbytes = self._server.sock, o.payload.nbytes
+        start = min(o.received, nbytes)
+        view = o.landing.view(start) if o.landing is not None else None
+        if view is not None:
+            # recv_into truncates a frame that does not fit and returns its full size
+            n = sock.recv_into(view)
+            chunk = view[:n]
+        else:
+            chunk = sock.recv(copy=False).buffer
+            n = len(chunk)
         if self._server.more():
             # not a chunk: the sender's next header (or junk), so this payload was cut short
-            kind = bytes(o.view[start:start + n]) if start + n <= len(o.view) else b""
+            kind = bytes(chunk[:16])
             del self._open_by_origin[origin]
-            cut = self._drop(o.payload, o.buf, f"truncated: {o.received} of {len(o.view)} bytes arrived "
-                             "before the sender's next payload")
-            return [cut, *self._on_control(origin, kind)]
+            cut = self._end(o, f"truncated: {o.received} of {nbytes} bytes arrived before the sender's next "
+                            "payload")
+            return [*cut, *self._on_control(origin, kind)]
         o.received += n
-        if o.received > len(o.view):
+        if o.received > nbytes:
             del self._open_by_origin[origin]
-            return [self._drop(o.payload, o.buf, f"more data than the {len(o.view)} bytes declared")]
-        o.hasher.update(o.view[start:o.received])      # while the chunk is still in cache
+            return self._end(o, f"more data than the {nbytes} bytes declared")
         o.last_progress_s = time.monotonic()
-        if o.received < len(o.view):
+        if o.landing is not None:
+            o.hasher.update(chunk)                    # while the chunk is still in cache
+            if view is None:
+                o.landing.write(start, chunk)
+        if o.received < nbytes:
             return []
         del self._open_by_origin[origin]
-        return [self._land(o.payload, o.buf, o.hasher.intdigest())]
+        if o.landing is None:
+            return []
+        return [self._land(o.payload, o.landing, o.hasher.intdigest())]
+
+    def _end(self, o: _Open, why: str) -> list[KVPayload]:
+        """o ends short of its data: failed, or quietly gone when it was refused."""
+        return [] if o.landing is None else [self._drop(o.payload, o.landing, why)]
 
     def _expire(self, now: float) -> list[KVPayload]:
         stalled = [origin for origin, o in self._open_by_origin.items()
                    if now - o.last_progress_s > self.cfg.timeout_s]
-        return [self._drop(o.payload, o.buf, f"truncated: {o.received} of {len(o.view)} bytes arrived, then "
-                           f"nothing for {self.cfg.timeout_s}s")
-                for o in (self._open_by_origin.pop(origin) for origin in stalled)]
+        return [p for o in (self._open_by_origin.pop(origin) for origin in stalled)
+                for p in self._end(o, f"truncated: {o.received} of {o.payload.nbytes} bytes arrived, then "
+                                   f"nothing for {self.cfg.timeout_s}s")]
 
     def close(self) -> None:
         self._open_by_origin.clear()

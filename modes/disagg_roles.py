@@ -47,6 +47,8 @@ class PrefillWorker(WorkerService):
         self.handoff.pop(request_id, None)
         self.streamed.pop(request_id, None)
         self.send_failed.pop(request_id, None)
+        if self.kv_port is not None:
+            self.kv_port.cancel(request_id)      # before its blocks are freed: a waiting send reads them
         super()._release(request_id)
 
     def _holds(self, request_id: str) -> bool:

@@ -15,8 +15,8 @@ from testbed.batch import Batch
 from testbed.engine import Engine, StepOutput
 from testbed.request import RequestStatus
 from testbed.runtime.kv_port import KVPort
-from testbed.runtime.messages import (Abort, Add, Command, Connect, Event, Finished, IterationDone, Ping, Pong,
-                                      Preempted, Release, Stats, Stop, Tokens)
+from testbed.runtime.messages import (Abort, Add, Command, Connect, Event, ExpectSenders, Finished, IterationDone,
+                                      Ping, Pong, Preempted, Release, Stats, Stop, Tokens)
 from testbed.runtime.store_port import StorePort
 
 Emit = Callable[[Event], None]
@@ -43,6 +43,7 @@ class WorkerService:
             Release: lambda m: self._release(m.id),
             Abort: lambda m: self._abort(m.id),
             Connect: lambda m: self.kv_port.connect(m.peer, m.address),
+            ExpectSenders: lambda m: self.kv_port.expect_senders(m.senders),
             Stop: self._stop,
             Ping: lambda m: self.emit(Pong(self.worker_id)),
         }
@@ -120,4 +121,5 @@ class WorkerService:
     def stats(self) -> Stats:
         bm = self.engine.bm
         return Stats(self.worker_id, self.role, bm.num_free_blocks, bm.num_blocks, bm.all_free(),
-                     self.engine.scheduler.num_preemptions, self.num_leases_expired)
+                     self.engine.scheduler.num_preemptions, self.num_leases_expired,
+                     **(self.kv_port.stats() if self.kv_port is not None else {}))

@@ -2,11 +2,13 @@
 frontend's command and event sockets and the decode worker's KV receiver get
 truncated, garbled and oversized frames, and the event socket well-formed but
 spoofed events (from a stranger, and from a peer that takes a worker's
-identity). The run goes on and every request finishes with the reference
-tokens (tests/test_disagg_faults.py's helpers: blocks free, no process or
-port left over); each dropped frame leaves one log line that names its sender
-as text; a frame declaring a terabyte is refused from its size prefix (the
-connection is closed at once, nothing waits for or allocates its body).
+identity); the KV receiver also gets well-formed, checksummed KV for a real
+reservation from a sender that is not one of the run's, which it refuses. The
+run goes on and every request finishes with the reference tokens
+(tests/test_disagg_faults.py's helpers: blocks free, no process or port left
+over); each dropped frame leaves one log line that names its sender as text; a
+frame declaring a terabyte is refused from its size prefix (the connection is
+closed at once, nothing waits for or allocates its body).
 
 The sender-identity rules a stranger cannot reach (a worker's events naming
 another worker, or about a request it was never sent) need a peer that holds a
@@ -19,11 +21,15 @@ import struct
 import time
 
 import msgpack
+import torch
 import zmq
+
+from testbed.kv_transfer import TransferConfig, make_sender, pack_kv
 
 from testbed.runtime.build import apply_sampling
 from testbed.runtime.event_gate import EventGate
-from testbed.runtime.messages import Finished, Prefill, PrefixFetched, RequestMsg, Reserve, Reserved, Tokens
+from testbed.runtime.messages import (Finished, HandOffMeta, Prefill, PrefixFetched, RequestMsg, Reserve, Reserved,
+                                      Tokens)
 from testbed.runtime.real import RealRuntime
 from testbed.runtime.wire import encode
 from testbed.workloads.build import build_workload
@@ -108,6 +114,16 @@ def test_hostile_peer_on_every_socket_of_a_disagg_run(capfd):
         thief.send_multipart([b"H", b"\x93" * (100 << 10)])                   # header over 64 KiB
         thief.send_multipart([b"H", kv_header("mallory-0", [4, 2, 1, 1 << 20, 1 << 10, 64])])   # 2 TiB declared
         thief.send_multipart([b"Q", b"?"])                                    # unknown kind
+        # well-formed, checksummed KV for the victim's real reservation, with a made-up first token:
+        # were it taken, the victim would decode from it (it arrives before the prefill has begun)
+        n = -(-rt.controller.handoffs[victim].request.prompt_len // 16)
+        fake = torch.randn(4, 2, n, 16, 2, 32)              # tiny: 4 layers, 2 kv heads of 32, fp32
+        meta = HandOffMeta(7, 0.0, 0.0, 0.0, 0).to_dict()
+        forger = make_sender(TransferConfig(), name="mallory")
+        forger.connect("decode0", kv)
+        forger.send("decode0", pack_kv(fake, (0, 4), list(range(n)), reserved_blocks[:n], n * 16, victim, meta=meta))
+        forger.flush()
+        forgers.append(forger)
         time.sleep(0.3)
         closed.update({name: zmtp_oversized(ep) for name, ep in
                        (("commands", cmd), ("events", events), ("kv receiver", kv))})
@@ -115,11 +131,16 @@ def test_hostile_peer_on_every_socket_of_a_disagg_run(capfd):
     def hook(rt: RealRuntime, ev) -> None:
         if ev.kind == "reserved" and not attacked:      # mid-run: its prefill has not begun
             attacked.append(ev.id)
+            reserved_blocks[:] = ev.blocks
             attack(rt, ev.id)
 
+    reserved_blocks: list[int] = []
+    forgers = []
     try:
         result = run(cfg, watch, hook)
     finally:
+        for forger in forgers:
+            forger.close()
         ctx.destroy(linger=0)
     assert attacked
     check(result, cfg, {}, {"prefill0", "decode0"})      # the victim too: every request, right tokens
@@ -137,6 +158,11 @@ def test_hostile_peer_on_every_socket_of_a_disagg_run(capfd):
     for expected in ("a data chunk with no payload open", "header is not valid msgpack",
                      "exceeds max_header_bytes", "exceeds max_message_bytes", "unknown kind"):
         assert any(expected in line for line in receiver), (expected, receiver)
+    # the forged KV: refused by its sender's identity, one line, counted; the victim got the right tokens
+    refused = [line for line in receiver if "refused" in line]
+    assert len(refused) == 1, refused
+    assert f"a payload for {attacked[0]} from a sender that is not one of the run's (sender mallory)" in refused[0]
+    assert result.worker_stats["decode0"]["kv_refused"] == 1
 
 
 # ---- the gate's rules, for peers that hold a worker's identity -----------------------------

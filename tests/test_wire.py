@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from testbed.kv_transfer.store_index import StoreCounters
 from testbed.metrics import IterationRecord
 from testbed.request import Request, SamplingParams
-from testbed.runtime.messages import (MESSAGES, Abort, Add, Connect, Finished, FreeBlocks, HandOffMeta,
+from testbed.runtime.messages import (MESSAGES, Abort, Add, Connect, ExpectSenders, Finished, FreeBlocks, HandOffMeta,
                                       IterationDone, KVReceived, Ping, Pong, Preempted, Prefill, Prefilled, Ready,
                                       Rejected, Release, Reserve, Reserved, Stats, Stop, Tokens, WorkerError,
                                       PrefixFetched, StoreStats, request_to_msg)
@@ -21,11 +21,11 @@ from testbed.runtime.wire import WireError, decode, encode, hand_off_meta
 REQ = request_to_msg(Request("r1", [5, 6, 7], 4, 0.25, SamplingParams(0.7, 0.9, 3, False, 2)))
 EXAMPLES = [
     Add(REQ), Prefill(REQ, "decode0", [4, 9]), Reserve(REQ), Release("r1"), Abort("r1"),
-    Connect("decode0", "tcp://h:1"), Stop(), Ping(), Ready("w", ""), Tokens("w", [("r1", 17, 1.5, 0)]),
+    Connect("decode0", "tcp://h:1"), ExpectSenders(["prefill0", "prefill1"]), Stop(), Ping(), Ready("w", ""), Tokens("w", [("r1", 17, 1.5, 0)]),
     Finished("r1", "finished", None, 2.0, 0.5, 1), Finished.failed("r2", "boom"), Preempted("r1"),
     IterationDone(IterationRecord(1.0, 0.01, 64, 3, 4096, "w"), 12), FreeBlocks("w", 3),
     Reserved("r1", "d", [1, 2], 30), Rejected("r1", "d", 0), Prefilled("r1", "p", 1.0, 2048, 0.9),
-    KVReceived("r1", "d", 1.1), Stats("w", "decode", 10, 10, True, 0), WorkerError("w", "E: x", "tb"), Pong("w"),
+    KVReceived("r1", "d", 1.1), Stats("w", "decode", 10, 10, True, 0, 0, 1 << 20, 3, 1), WorkerError("w", "E: x", "tb"), Pong("w"),
     PrefixFetched("r1", "p", 32, 64, 96, 0.002), StoreStats("store", StoreCounters(lookups=3, hits=2), 5, 4096, None),
 ]
 

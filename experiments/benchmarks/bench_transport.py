@@ -12,7 +12,12 @@ process alternate, in the same run:
   gloo  the torch_dist transport (gloo), same send -> verified -> ack loop.
   +unpack  the same, with unpack_kv writing the payload into the receiver's KV
         cache before the ack: the whole move, from one cache to the other
-        minus the sender's pack_kv.
+        minus the sender's pack_kv (receive, then scatter: the old path).
+  +blocks  the zmq transport landing each chunk straight into the receiver's
+        cache blocks as it arrives (kv_transfer/landing.py, what a decode
+        worker does): the whole move as the runtime makes it. "+scattered":
+        the same into destination blocks in reverse order (one run per block,
+        32 KiB each), the worst case of a fragmented free list.
 Each is timed from the first byte sent to the completion message back (raw:
 a one-byte zmq message; transports: the ack); the table gives the median and
 the best of --reps samples, each against the fastest raw row.
@@ -24,7 +29,9 @@ reference; the transport rows exclude packing (the payload is built once).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
+import resource
 import multiprocessing as mp
 import statistics
 import time
@@ -35,6 +42,7 @@ import zmq
 
 from testbed.kv_transfer import TorchDistGroup, TransferConfig, make_receiver, make_sender, pack_kv, \
     start_rendezvous, unpack_kv
+from testbed.kv_transfer.landing import BlockLanding
 
 MiB = 1 << 20
 
@@ -46,6 +54,12 @@ BLOCK_BYTES = 8 * 2 * 16 * 8 * 128 * 2       # one block over all layers of the 
 def kv_cache(nbytes: int, fill=torch.randn) -> torch.Tensor:
     """A float16 cache of 8 layers whose blocks [0, n) total nbytes: [8, 2, n + 8, 16, 8, 128]."""
     return fill(8, 2, nbytes // BLOCK_BYTES + 8, 16, 8, 128).half()
+
+
+def cpu_seconds() -> float:
+    """This process's CPU time so far, zmq's I/O threads included."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
 
 
 def receiver_main(plan: list[tuple[str, int]], init_address: str, addr_q, done_port_q) -> None:
@@ -60,7 +74,9 @@ def receiver_main(plan: list[tuple[str, int]], init_address: str, addr_q, done_p
     gloo_rx = make_receiver(TransferConfig(transport="torch_dist", timeout_s=120), group=group)
     addr_q.put((f"tcp://{HOST}:{raw_port}", zmq_rx.address, gloo_rx.address))
     caches: dict[int, torch.Tensor] = {}
+    cpu_s: list[float] = []
     for mode, size in plan:
+        cpu0 = cpu_seconds()
         if mode.startswith("multipart"):
             frames = pull.recv_multipart(copy=False)
             done.send(b"%d" % sum(len(f.buffer) for f in frames))
@@ -71,17 +87,22 @@ def receiver_main(plan: list[tuple[str, int]], init_address: str, addr_q, done_p
             done.send(b"%d" % received)
         else:
             rx = zmq_rx if mode.startswith("zmq") else gloo_rx
+            if size not in caches:
+                caches.clear()
+                caches[size] = kv_cache(size * MiB, fill=torch.zeros)
+            in_place = mode.endswith(("+blocks", "+scattered"))
+            rx.land_with(lambda q: BlockLanding(caches[size], q)) if in_place else rx.land_with(None)
             got = []
             while not got:
                 got = rx.poll(1000)
             (p,) = got
+            assert p.ok and p.in_place == in_place, (p.error, mode)
             if mode.endswith("+unpack"):
-                if size not in caches:
-                    caches.clear()
-                    caches[size] = kv_cache(size * MiB, fill=torch.zeros)
                 unpack_kv(caches[size], p)
             rx.ack(p.origin, p.request_id, ok=p.ok, reason=p.error or "")
+        cpu_s.append(cpu_seconds() - cpu0)
     addr_q.get()                      # the sender has everything: close
+    addr_q.put(cpu_s)
     zmq_rx.close()
     gloo_rx.close()
     group.close()
@@ -92,7 +113,7 @@ def receiver_main(plan: list[tuple[str, int]], init_address: str, addr_q, done_p
 
 def split_mode(mode: str) -> tuple[str, int]:
     """'messages2' -> ('messages', 2): the path and its frame size in MiB (0: none)."""
-    kind, mib = re.fullmatch(r"([a-z]+)(\d*)(?:\+unpack)?", mode).groups()
+    kind, mib = re.fullmatch(r"([a-z]+)(\d*)(?:\+[a-z]+)?", mode).groups()
     return kind, int(mib or 0)
 
 
@@ -117,7 +138,8 @@ def main() -> None:
     torch.set_num_threads(1)
     raw_modes = [f"{kind}{f}" for kind in ("multipart", "messages") for f in args.raw_frames_mib]
     modes = raw_modes + [f"zmq{f}" for f in args.zmq_frames_mib] + ["gloo"]
-    modes += [f"zmq{args.zmq_frames_mib[0]}+unpack", "gloo+unpack"]
+    f0 = args.zmq_frames_mib[0]
+    modes += [f"zmq{f0}+unpack", f"zmq{f0}+blocks", f"zmq{f0}+scattered", "gloo+unpack"]
     rounds = args.warmup + args.reps
     plan = [(m, size) for size in args.sizes_mib for _ in range(rounds) for m in modes]
 
@@ -141,6 +163,7 @@ def main() -> None:
     gloo_tx.connect("rx", gloo_addr)
 
     seconds: dict[tuple[str, int], list[float]] = {}
+    tx_cpu: list[float] = []
     reference: dict[int, dict[str, list[float]]] = {}
     payloads: dict[int, object] = {}
     for i, (mode, size) in enumerate(plan):
@@ -150,6 +173,7 @@ def main() -> None:
             n = size * MiB // BLOCK_BYTES
             ids = list(range(n))
             payloads[size] = p = pack_kv(cache, (0, 8), ids, ids, n * 16, "bench")
+            scattered = dataclasses.replace(p, block_ids=ids[::-1])
             out = torch.empty(p.nbytes, dtype=torch.uint8)
             dst = torch.empty_like(cache)
             a, b = torch.empty(p.nbytes, dtype=torch.uint8), torch.ones(p.nbytes, dtype=torch.uint8)
@@ -163,6 +187,7 @@ def main() -> None:
             }
             del a, b, dst
         p = payloads[size]
+        cpu0 = cpu_seconds()
         t0 = time.perf_counter()
         if mode in raw_modes:
             kind, mib = split_mode(mode)
@@ -173,20 +198,29 @@ def main() -> None:
                 push.send(data[off:off + step], zmq.SNDMORE if more else 0, copy=False)
             assert int(done.recv()) == p.nbytes
         else:
-            tx = zmq_tx.get(mode.removesuffix("+unpack"), gloo_tx)
-            tx.send("rx", p)
+            tx = zmq_tx.get(mode.split("+")[0], gloo_tx)
+            tx.send("rx", scattered if mode.endswith("+scattered") else p)
             acks = []
             while not acks:
                 acks = tx.poll_acks(1000)
             assert acks[0].ok, acks[0].reason
         elapsed = time.perf_counter() - t0
+        tx_cpu.append(cpu_seconds() - cpu0)
         if mode not in raw_modes:
             tx.flush()             # after the ack the bytes are long gone; only pyzmq's bookkeeping is left
         if i % (len(modes) * rounds) >= len(modes) * args.warmup:
             seconds.setdefault((mode, size), []).append(elapsed)
 
     addr_q.put("close")
+    time.sleep(1)                          # let the receiver take "close" before it answers on the same queue
+    rx_cpu = addr_q.get(timeout=120)
     proc.join(120)
+    cpu: dict[tuple[str, int], tuple[list[float], list[float]]] = {}
+    for i, (mode, size) in enumerate(plan):
+        if i % (len(modes) * rounds) >= len(modes) * args.warmup:
+            tx, rx = cpu.setdefault((mode, size), ([], []))
+            tx.append(tx_cpu[i])
+            rx.append(rx_cpu[i])
     for s in [*zmq_tx.values(), gloo_tx]:
         s.close()
     group.close()
@@ -196,7 +230,10 @@ def main() -> None:
 
     # median: what a loaded machine delivers; best: closest to what the path can do
     # when nobody else wants the 2 cores (the others' processes make single samples noisy)
-    print(f"{'payload':>8}  {'path':<36} {'median GB/s':>11} {'% of raw':>8}   {'best GB/s':>9} {'% of raw':>8}")
+    # CPU: both processes' user + system time per sample (zmq's I/O threads included), in ms per
+    # GB moved: what the 2 shared cores pay for each path, less sensitive to the neighbours than time
+    print(f"{'payload':>8}  {'path':<36} {'median GB/s':>11} {'% of raw':>8}   {'best GB/s':>9} {'% of raw':>8}"
+          f"   {'tx cpu ms/GB':>12} {'rx cpu ms/GB':>12}")
     for size in args.sizes_mib:
         nbytes = size * MiB
         samples = {m: seconds[(m, size)] for m in modes} | reference[size]
@@ -207,12 +244,19 @@ def main() -> None:
         names = {m: "raw {}, {} MiB frames".format(*split_mode(m)) for m in raw_modes}
         names |= {f"zmq{f}": f"zmq transport, {f} MiB frames" for f in args.zmq_frames_mib}
         names |= {"gloo": "torch_dist transport (gloo)",
-                  f"zmq{args.zmq_frames_mib[0]}+unpack": f"zmq {args.zmq_frames_mib[0]} MiB + unpack_kv into cache",
+                  f"zmq{f0}+unpack": f"zmq {f0} MiB + unpack_kv into cache",
+                  f"zmq{f0}+blocks": f"zmq {f0} MiB straight into cache blocks",
+                  f"zmq{f0}+scattered": f"  the same, blocks in reverse order",
                   "gloo+unpack": "gloo + unpack_kv into cache"}
         names |= {name: name for name in reference[size]}
         for m, name in names.items():
-            print(f"{size:>5} MiB  {name:<36} {median[m]:11.2f} {100 * median[m] / raw_median:7.0f}%   "
-                  f"{best[m]:9.2f} {100 * best[m] / raw_best:7.0f}%")
+            line = (f"{size:>5} MiB  {name:<36} {median[m]:11.2f} {100 * median[m] / raw_median:7.0f}%   "
+                    f"{best[m]:9.2f} {100 * best[m] / raw_best:7.0f}%")
+            if (m, size) in cpu:
+                tx, rx = cpu[(m, size)]
+                per_gb = [statistics.median(v) * 1e12 / nbytes for v in (tx, rx)]
+                line += f"   {per_gb[0]:12.0f} {per_gb[1]:12.0f}"
+            print(line)
         print(f"{'':>8}  raw = the fastest raw row; samples per path: {args.reps}")
 
 

@@ -30,6 +30,18 @@ class KVPort(ABC):
     def poll(self) -> list[KVArrival]:
         """Arrivals since the last poll (decode side)."""
 
+    def stats(self) -> dict[str, int]:
+        """Counters for the worker's Stats: kv_peak_inflight_bytes, kv_sends_waited, kv_refused."""
+        return {}
+
+    def cancel(self, request_id: str) -> None:
+        """The request is released on the sending side: drop what of its KV
+        has not left yet (before its blocks are freed)."""
+
+    def expect_senders(self, senders: list[str]) -> None:
+        """Receiving side: the names of the run's KV senders; payloads from
+        any other are refused (real transports)."""
+
     def connect(self, peer: str, address: str) -> None:
         """Learn a peer's address (real transports)."""
 

@@ -5,7 +5,7 @@ The simulator hands these objects over in virtual-time order; the real runtime
 sends them over ZMQ in their one msgpack encoding (testbed/runtime/wire.py,
 never pickle). A request rides in a command as a `RequestMsg`.
 
-frontend -> worker: Add, Prefill, Reserve, Release, Abort, Connect, Stop, Ping
+frontend -> worker: Add, Prefill, Reserve, Release, Abort, Connect, ExpectSenders, Stop, Ping
 worker -> frontend: Ready; Tokens (items (id, token, engine_s, index): a disagg
     request's first token and the rest come from two workers on two sockets,
     the index restores their order); Finished (also failed and aborted
@@ -127,6 +127,14 @@ class Connect(Command):
 
 
 @dataclass(slots=True)
+class ExpectSenders(Command):
+    """To a worker that receives KV: the names of the run's KV senders; its
+    receiver refuses payloads from anyone else."""
+    kind: ClassVar[str] = "expect_senders"
+    senders: list[str]
+
+
+@dataclass(slots=True)
 class Stop(Command):
     kind: ClassVar[str] = "stop"
 
@@ -244,11 +252,17 @@ class Stats(Event):
     all_free: bool
     num_preemptions: int
     num_leases_expired: int = 0     # hand-offs whose blocks were freed by transfer.lease_s, no ack
+    # KV port (runtime/kv_port.py): the most KV bytes in flight to one peer, sends that waited
+    # for a peer's window, payloads refused (a stranger's, or with no reservation)
+    kv_peak_inflight_bytes: int = 0
+    kv_sends_waited: int = 0
+    kv_refused: int = 0
 
     def to_dict(self) -> dict:
         return {"worker": self.worker, "role": self.role, "num_free_blocks": self.num_free_blocks,
                 "num_blocks": self.num_blocks, "all_free": self.all_free, "num_preemptions": self.num_preemptions,
-                "num_leases_expired": self.num_leases_expired}
+                "num_leases_expired": self.num_leases_expired, "kv_peak_inflight_bytes": self.kv_peak_inflight_bytes,
+                "kv_sends_waited": self.kv_sends_waited, "kv_refused": self.kv_refused}
 
 
 @dataclass(slots=True)
@@ -298,7 +312,7 @@ class WorkerError(Event):
 
 
 MESSAGES: dict[str, type[Message]] = {cls.kind: cls for cls in (
-    Add, Prefill, Reserve, Release, Abort, Connect, Stop, Ping,
+    Add, Prefill, Reserve, Release, Abort, Connect, ExpectSenders, Stop, Ping,
     Ready, Tokens, Finished, Preempted, IterationDone, FreeBlocks, Reserved, Rejected, Prefilled, KVReceived,
     Stats, WorkerError, PrefixFetched, StoreStats, Pong)}
 

@@ -28,8 +28,8 @@ from testbed.interrupts import deferred
 from testbed.request import Request
 from testbed.runtime.deployment import RunResult, build_mode
 from testbed.runtime.event_gate import EventGate
-from testbed.runtime.messages import (Command, Connect, Event, IterationDone, Ping, Pong, Ready, Stats, Stop,
-                                      StoreStats, WorkerError)
+from testbed.runtime.messages import (Command, Connect, Event, ExpectSenders, IterationDone, Ping, Pong, Ready,
+                                      Stats, Stop, StoreStats, WorkerError)
 from testbed.runtime.wire import MAX_MESSAGE_BYTES, WireError, decode, encode
 from testbed.wire_text import shown
 
@@ -189,12 +189,15 @@ class RealRuntime:
         addresses = self._wait_ready()
         self.kv_addresses = {w: a for w, a in addresses.items() if a}    # where each KV receiver listens
         self.controller = self.mode.controller(self.workers, self._send, copy_prompts=True)
-        # every worker that sends KV learns where each receiver listens
+        # every worker that sends KV learns where each receiver listens; every receiver, who may send
+        senders = [w.worker_id for w in self.workers if get_role(w.role).sends_kv]
         for w in self.workers:
             if get_role(w.role).sends_kv:
                 for peer, addr in addresses.items():
                     if addr:
                         self._send(w.worker_id, Connect(peer, addr))
+            if get_role(w.role).receives_kv:
+                self._send(w.worker_id, ExpectSenders(senders))
 
     def _wait_store_ready(self) -> str:
         deadline = time.monotonic() + READY_TIMEOUT_S
