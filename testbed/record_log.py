@@ -1,0 +1,136 @@
+"""RecordLog: where a run's records go the moment they exist.
+
+The mode controller (modes/base.py) hands it each request's record when the
+request is terminal (finished, failed, aborted, rejected) and each iteration's
+record as the iteration's event arrives. It appends them to requests.jsonl and
+iterations.jsonl in the run directory (a temporary one when the caller gave
+none: capacity searches, studies and calibration read `RunResult.records`
+in-process), in write_jsonl's line format, a chunk of records at a time and
+at least every `flush_s`, and feeds RunStats (testbed/run_stats.py), which
+keeps a few numbers per request for the summary. Nothing per request stays
+here but its arrival index, so a run's memory does not grow with its length.
+
+requests.jsonl is in terminal order; `requests()` reads it back in arrival
+order (the order a run used to list its records in).
+"""
+from __future__ import annotations
+
+import tempfile
+import time
+from array import array
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from testbed.jsonl import jsonl_objects
+from testbed.metrics import IterationRecord, RequestRecord, append_jsonl, read_iterations, read_requests
+from testbed.run_stats import RunStats
+
+REQUESTS_FILE, ITERATIONS_FILE = "requests.jsonl", "iterations.jsonl"
+
+
+class RecordSink(Protocol):
+    """What a mode controller hands its records to."""
+
+    def request(self, record: RequestRecord, arrival_index: int) -> None: ...
+
+    def iteration(self, record: IterationRecord) -> None: ...
+
+
+class RecordLog:
+    def __init__(self, stats: RunStats, run_dir: str | Path | None = None, chunk: int = 1024,
+                 flush_s: float = 1.0):
+        self.stats, self.chunk, self.flush_s = stats, chunk, flush_s
+        self._tmp = None
+        if run_dir is None:     # removed with this object (RunResult holds it)
+            self._tmp = tempfile.TemporaryDirectory(prefix="testbed-records-")
+            run_dir = self._tmp.name
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.requests_path, self.iterations_path = self.dir / REQUESTS_FILE, self.dir / ITERATIONS_FILE
+        self._files = {"requests": open(self.requests_path, "w"), "iterations": open(self.iterations_path, "w")}
+        self._pending: dict[str, list] = {"requests": [], "iterations": []}
+        self._arrival_index = array("q")     # of each line of requests.jsonl
+        self._flushed_at = time.monotonic()
+
+    # -- written as the run goes -----------------------------------------------------
+    def request(self, record: RequestRecord, arrival_index: int) -> None:
+        """A terminal request's record; `arrival_index` orders it among the run's arrivals."""
+        self.stats.add_request(record, arrival_index)
+        self._arrival_index.append(arrival_index)
+        self._add("requests", record)
+
+    def iteration(self, record: IterationRecord) -> None:
+        self.stats.add_iteration(record)
+        self._add("iterations", record)
+
+    def _add(self, kind: str, record) -> None:
+        pending = self._pending[kind]
+        pending.append(record)
+        if len(pending) >= self.chunk or time.monotonic() - self._flushed_at >= self.flush_s:
+            self.flush()
+
+    def flush(self) -> None:
+        for kind, pending in self._pending.items():
+            if pending:
+                append_jsonl(self._files[kind], pending)
+                pending.clear()
+            self._files[kind].flush()
+        self._flushed_at = time.monotonic()
+
+    def close(self) -> None:
+        """Everything on disk; safe to call twice."""
+        if not self._files["requests"].closed:
+            self.flush()
+            for f in self._files.values():
+                f.close()
+
+    # -- read back, once the run is over ----------------------------------------------
+    def requests(self) -> list[RequestRecord]:
+        """Every request's record, in arrival order."""
+        self.close()
+        records = read_requests(self.requests_path)
+        order = np.argsort(np.frombuffer(self._arrival_index, dtype=np.int64), kind="stable")
+        return [records[i] for i in order.tolist()]
+
+    def iterations(self) -> list[IterationRecord]:
+        self.close()
+        return read_iterations(self.iterations_path)
+
+    def summary(self, duration_s: float | None = None) -> dict:
+        """summary.json's figures, from what was streamed (the TBT gaps read back from the file)."""
+        self.close()
+        return self.stats.summary(self._token_times, duration_s)
+
+    def _token_times(self) -> Iterator[RequestRecord]:
+        """requests.jsonl in file order, as records carrying only their token times."""
+        for _, obj in jsonl_objects(self.requests_path):
+            yield _TokenTimes(obj["token_times_s"])
+
+
+class _TokenTimes:
+    """What RunStats reads of a record a second time."""
+    __slots__ = ("token_times_s",)
+
+    def __init__(self, token_times_s: list[float]):
+        self.token_times_s = token_times_s
+
+
+class RecordList:
+    """A controller's records in memory: the default where no runtime gave a
+    RecordLog (unit tests that drive a controller by hand)."""
+
+    def __init__(self) -> None:
+        self.requests: list[RequestRecord] = []
+        self.iterations: list[IterationRecord] = []
+
+    def request(self, record: RequestRecord, arrival_index: int) -> None:
+        self.requests.append(record)
+
+    def iteration(self, record: IterationRecord) -> None:
+        self.iterations.append(record)
+
+    def by_id(self) -> dict[str, RequestRecord]:
+        return {r.request_id: r for r in self.requests}
