@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from operator import attrgetter
 from pathlib import Path
@@ -221,30 +221,41 @@ def _json_column(values: list) -> list[str]:
 
 
 def _read_jsonl(path: str | Path, cls: type) -> list:
+    return list(_iter_jsonl(path, cls))
+
+
+def _iter_jsonl(path: str | Path, cls: type) -> Iterator:
     known = {f.name for f in fields(cls)}
-    records = []
     for line_no, obj in jsonl_objects(path):
         where = f"{path}:{line_no}"
         unknown = sorted(set(obj) - known)
         if unknown:
             raise ValueError(f"{where}: unknown field(s) {unknown} for {cls.__name__}")
         try:
-            records.append(cls(**obj))
+            yield cls(**obj)
         except TypeError as e:
             raise ValueError(f"{where}: {e}") from None
-    return records
 
 
 def read_requests(path: str | Path) -> list[RequestRecord]:
     """A mode may record more per request (a RequestRecord subclass, e.g.
     mode=kvstore's): the file's first row says which class reads it."""
+    return list(iter_requests(path))
+
+
+def iter_requests(path: str | Path) -> Iterator[RequestRecord]:
+    """read_requests one record at a time, in file order."""
     first = next(iter(jsonl_objects(path)), None)
     cls = RequestRecord
     if first is not None:
         keys = set(first[1])
         cls = next((sub for sub in RequestRecord.__subclasses__() if {f.name for f in fields(sub)} == keys), cls)
-    return _read_jsonl(path, cls)
+    return _iter_jsonl(path, cls)
 
 
 def read_iterations(path: str | Path) -> list[IterationRecord]:
     return _read_jsonl(path, IterationRecord)
+
+
+def iter_iterations(path: str | Path) -> Iterator[IterationRecord]:
+    return _iter_jsonl(path, IterationRecord)

@@ -22,14 +22,13 @@ from testbed.metrics import KVStoreRequestRecord, RequestRecord, latency_stats_m
 
 
 class PrefixCacheStats:
-    """The counters, fed one record at a time (testbed/run_stats.py) with its
-    arrival index: the store fetch times are kept, ordered by arrival at the end."""
+    """The counters, fed one record at a time (testbed/run_stats.py)."""
 
     def __init__(self) -> None:
         self.num_counted = self.queries = self.local = self.store = 0
-        self.fetch_s, self.fetch_index = array("d"), array("q")
+        self.fetch_s = array("d")      # of the requests that read from the store
 
-    def add(self, r: RequestRecord, arrival_index: int = 0) -> None:
+    def add(self, r: RequestRecord) -> None:
         if not isinstance(r, KVStoreRequestRecord) or r.store_fetch_s is None:
             return
         self.num_counted += 1
@@ -38,25 +37,23 @@ class PrefixCacheStats:
         self.store += r.num_external_cached_tokens
         if r.num_external_cached_tokens:
             self.fetch_s.append(r.store_fetch_s)
-            self.fetch_index.append(arrival_index)
 
     def summary(self) -> dict | None:
         """None when no record counts cached tokens (every mode but kvstore)."""
         if not self.num_counted:
             return None
         queries, local, store = self.queries, self.local, self.store
-        order = np.argsort(np.frombuffer(self.fetch_index, dtype=np.int64), kind="stable")
         return {"prefix_cache_queries": queries, "prefix_cache_hits": local + store,
                 "prefix_cache_hit_rate": (local + store) / queries if queries else None,
                 "local_hits": local, "store_hits": store,
                 "local_hit_rate": local / queries if queries else None,
                 "store_hit_rate": store / queries if queries else None,
-                "store_fetch_ms": latency_stats_ms(np.frombuffer(self.fetch_s, dtype=np.float64)[order])}
+                "store_fetch_ms": latency_stats_ms(np.frombuffer(self.fetch_s, dtype=np.float64))}
 
 
 def prefix_cache_summary(records: Iterable[RequestRecord]) -> dict | None:
     """None when no record counts cached tokens (every mode but kvstore)."""
     stats = PrefixCacheStats()
-    for i, r in enumerate(records):
-        stats.add(r, i)
+    for r in records:
+        stats.add(r)
     return stats.summary()

@@ -1,28 +1,29 @@
 """RecordLog: where a run's records go the moment they exist.
 
 The mode controller (modes/base.py) hands it each request's record when the
-request is terminal (finished, failed, aborted, rejected) and each iteration's
-record as the iteration's event arrives. It appends them to requests.jsonl and
+request is terminal (finished, failed, aborted, rejected), with the request's
+place among the run's arrivals, and each iteration's record as the
+iteration's event arrives. It appends them to requests.jsonl and
 iterations.jsonl in the run directory (a temporary one when the caller gave
 none: capacity searches, studies and calibration read `RunResult.records`
 in-process), in write_jsonl's line format, a chunk of records at a time and
 at least every `flush_s`, and feeds RunStats (testbed/run_stats.py), which
-keeps a few numbers per request for the summary. Nothing per request stays
-here but its arrival index, so a run's memory does not grow with its length.
+keeps a few numbers per request for the summary.
 
-requests.jsonl is in terminal order; `requests()` reads it back in arrival
-order (the order a run used to list its records in).
+requests.jsonl stays in arrival order, as when a run wrote its records at
+the end (readers and tests compare it line by line, and a simulated run's
+file is the same every time): a record that ends before an earlier arrival's
+waits here for it. So what this holds is the records of requests that ended
+while an earlier one was still in flight: bounded by the requests in flight
+over the longest request's lifetime, not by the run's length.
 """
 from __future__ import annotations
 
 import tempfile
 import time
-from array import array
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
-
-import numpy as np
 
 from testbed.jsonl import jsonl_objects
 from testbed.metrics import IterationRecord, RequestRecord, append_jsonl, read_iterations, read_requests
@@ -52,14 +53,23 @@ class RecordLog:
         self.requests_path, self.iterations_path = self.dir / REQUESTS_FILE, self.dir / ITERATIONS_FILE
         self._files = {"requests": open(self.requests_path, "w"), "iterations": open(self.iterations_path, "w")}
         self._pending: dict[str, list] = {"requests": [], "iterations": []}
-        self._arrival_index = array("q")     # of each line of requests.jsonl
+        self.waiting: dict[int, RequestRecord] = {}      # arrival index -> a record ended before an earlier one
+        self._next = 0                                   # the arrival index requests.jsonl takes next
         self._flushed_at = time.monotonic()
 
     # -- written as the run goes -----------------------------------------------------
     def request(self, record: RequestRecord, arrival_index: int) -> None:
-        """A terminal request's record; `arrival_index` orders it among the run's arrivals."""
-        self.stats.add_request(record, arrival_index)
-        self._arrival_index.append(arrival_index)
+        """A terminal request's record; `arrival_index` (0, 1, ...) its place among the run's arrivals."""
+        if arrival_index != self._next:
+            self.waiting[arrival_index] = record
+            return
+        self._take(record)
+        while self._next in self.waiting:
+            self._take(self.waiting.pop(self._next))
+
+    def _take(self, record: RequestRecord) -> None:
+        self._next += 1
+        self.stats.add_request(record)
         self._add("requests", record)
 
     def iteration(self, record: IterationRecord) -> None:
@@ -83,6 +93,8 @@ class RecordLog:
     def close(self) -> None:
         """Everything on disk; safe to call twice."""
         if not self._files["requests"].closed:
+            for index in sorted(self.waiting):     # an arrival that never ended (none when a runtime ends its run)
+                self._take(self.waiting.pop(index))
             self.flush()
             for f in self._files.values():
                 f.close()
@@ -91,9 +103,7 @@ class RecordLog:
     def requests(self) -> list[RequestRecord]:
         """Every request's record, in arrival order."""
         self.close()
-        records = read_requests(self.requests_path)
-        order = np.argsort(np.frombuffer(self._arrival_index, dtype=np.int64), kind="stable")
-        return [records[i] for i in order.tolist()]
+        return read_requests(self.requests_path)
 
     def iterations(self) -> list[IterationRecord]:
         self.close()

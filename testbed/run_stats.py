@@ -1,17 +1,15 @@
 """RunStats: the run summary (summary.json) accumulated one record at a time.
 
-The runtimes hand every request record to it the moment the request is
-terminal and every iteration record as it is produced (through
-testbed/record_log.py), so a run keeps a few numbers per request, never the
-records. What the summary needs of each request is a handful of scalars
-(TTFT, TPOT, E2E, queueing, transfer, fluidity, its number of inter-token
-gaps), kept in typed arrays in the order the records came, with each
-request's arrival index; the summary reorders them by arrival, so every
-mean is summed in the same order as when a run summarized a list of records
-and the figures are identical. The pooled inter-token gaps (TBT) are the one
-per-token figure: `summary` reads them back from the records once more (from
-requests.jsonl, in chunks) into one float64 array, 8 bytes a gap for the
-time the percentiles take. `summarize` is this class over a list of records.
+The runtimes hand it every request record in arrival order as the request
+ends (testbed/record_log.py) and every iteration record as it is produced,
+so a run keeps a few numbers per request, never the records. What the
+summary needs of each request is a handful of scalars (TTFT, TPOT, E2E,
+queueing, transfer, fluidity, its number of inter-token gaps), kept in typed
+arrays; every mean sums them in the same order as a list of the records
+would, so the figures are identical. The pooled inter-token gaps (TBT) are
+the one per-token figure: `summary` reads them back from the records once
+more (requests.jsonl, line by line) into one float64 array, 8 bytes a gap
+for the time the percentiles take. `summarize` is this class over a list.
 """
 from __future__ import annotations
 
@@ -27,15 +25,14 @@ from testbed.prefix_metrics import PrefixCacheStats
 _NAN = float("nan")
 
 
-def _ordered(column: array, order: np.ndarray, keep: np.ndarray) -> np.ndarray:
-    """The column's values in arrival order, where `keep` and not NaN."""
-    a = np.frombuffer(column, dtype=np.float64)[order]
-    a = a[keep[order]]
+def _kept(column: array, keep: np.ndarray) -> np.ndarray:
+    """The column's values where `keep` and not NaN (None)."""
+    a = np.frombuffer(column, dtype=np.float64)[keep]
     return a[~np.isnan(a)]
 
 
 class RunStats:
-    """`add_request(record, arrival_index)` and `add_iteration(record)` as the
+    """`add_request(record)` (in arrival order) and `add_iteration(record)` as the
     run goes; `summary(records_again, duration_s)` at the end, where
     `records_again()` yields the same request records in the same order
     (only their token times are read: the TBT gaps)."""
@@ -45,8 +42,7 @@ class RunStats:
         self.slo_tbt_ms = slo_tpot_ms if slo_tbt_ms is None else slo_tbt_ms
         self.fluidity_on = slo_ttft_ms is not None and self.slo_tbt_ms is not None
         self.prefix = PrefixCacheStats()
-        # per request, in the order they came
-        self.arrival_index = array("q")
+        # per request, in arrival order
         self.finished = array("b")
         self.sent = array("b")                  # moved KV (disaggregation)
         self.num_gaps = array("q")
@@ -64,11 +60,10 @@ class RunStats:
 
     @property
     def num_requests(self) -> int:
-        return len(self.arrival_index)
+        return len(self.finished)
 
-    def add_request(self, r: RequestRecord, arrival_index: int) -> None:
-        self.arrival_index.append(arrival_index)
-        self.prefix.add(r, arrival_index)
+    def add_request(self, r: RequestRecord) -> None:
+        self.prefix.add(r)
         if r.status in self.counts:
             self.counts[r.status] += 1
         self.num_preemptions += r.num_preemptions
@@ -131,7 +126,6 @@ class RunStats:
 
     def summary(self, records_again: Callable[[], Iterable[RequestRecord]], duration_s: float | None = None) -> dict:
         """The run's summary (`summarize` documents each figure)."""
-        order = np.argsort(np.frombuffer(self.arrival_index, dtype=np.int64), kind="stable")
         done = np.frombuffer(self.finished, dtype=np.int8).astype(bool)
         num_done = int(done.sum())
         n = self.num_requests
@@ -141,12 +135,12 @@ class RunStats:
             return x / duration if duration > 0 else 0.0
 
         def stats(column: array) -> dict:
-            return latency_stats_ms(_ordered(column, order, done))
+            return latency_stats_ms(_kept(column, done))
 
         fluidity = fluidity_mean = None
         if self.fluidity_on and num_done:
             fluidity = 1.0 - self.missed / self.deadlines if self.deadlines else None
-            fluidity_mean = float(np.mean(_ordered(self.fluidity, order, done)))
+            fluidity_mean = float(np.mean(_kept(self.fluidity, done)))
         summary = {
             "num_requests": n,
             "num_finished": num_done,
@@ -158,7 +152,7 @@ class RunStats:
             "num_single_token": self.num_single_token,
             "duration_s": duration,
             "ttft_ms": stats(self.ttft_s),
-            "tbt_ms": latency_stats_ms(self._pooled_gaps(records_again, order, done)),
+            "tbt_ms": latency_stats_ms(self._pooled_gaps(records_again, done)),
             "tpot_ms": stats(self.tpot_s),
             "e2e_ms": stats(self.e2e_s),
             "queue_ms": stats(self.queue_s),
@@ -172,37 +166,37 @@ class RunStats:
             "fluidity_index_mean": fluidity_mean,
             "iterations": self._iteration_summary(),
         }
-        transfer = self._kv_transfer_summary(order)
+        transfer = self._kv_transfer_summary()
         if transfer is not None:
             summary["kv_transfer"] = transfer
         return summary
 
-    def _pooled_gaps(self, records_again, order: np.ndarray, done: np.ndarray) -> np.ndarray:
-        """Every finished request's inter-token gaps, pooled in arrival order:
-        each record's gaps go to its place, computed from the gap counts."""
+    def _pooled_gaps(self, records_again, done: np.ndarray) -> np.ndarray:
+        """Every finished request's inter-token gaps, pooled in one array."""
         counts = np.frombuffer(self.num_gaps, dtype=np.int64)
-        starts = np.empty(len(counts), dtype=np.int64)
-        starts[order] = np.cumsum(counts[order]) - counts[order]
         gaps = np.empty(int(counts.sum()), dtype=np.float64)
         if not len(gaps):
             return gaps
+        at = 0
         for k, r in enumerate(records_again()):
             if done[k] and counts[k]:
-                gaps[starts[k]:starts[k] + counts[k]] = np.diff(r.token_times_s)
+                gaps[at:at + counts[k]] = np.diff(r.token_times_s)
+                at += counts[k]
+        assert at == len(gaps), "the records read back are not the ones summarized"
         return gaps
 
-    def _kv_transfer_summary(self, order: np.ndarray) -> dict | None:
+    def _kv_transfer_summary(self) -> dict | None:
         sent = np.frombuffer(self.sent, dtype=np.int8).astype(bool)
         num_sent = int(sent.sum())
         if not num_sent:
             return None
-        durations = _ordered(self.transfer_s, order, sent)
-        busy_s = float(sum(durations.tolist()))     # Python's sum, in arrival order, as before
+        durations = _kept(self.transfer_s, sent)
+        busy_s = float(sum(durations.tolist()))     # Python's sum, as before
         total_bytes = int(self.kv_bytes_sent)
         return {"num_transfers": num_sent, "bytes": total_bytes,
                 "bytes_per_request": total_bytes / num_sent,
                 "transfer_ms": latency_stats_ms(durations),
-                "exposed_ms": latency_stats_ms(_ordered(self.exposed_s, order, sent)),
+                "exposed_ms": latency_stats_ms(_kept(self.exposed_s, sent)),
                 # bytes over the summed per-transfer times: the link rate one transfer saw on average
                 "achieved_gb_per_s": total_bytes / busy_s / 1e9 if busy_s > 0 else None}
 
@@ -237,8 +231,8 @@ def summarize(requests: Sequence[RequestRecord], iterations: Iterable[IterationR
     - `duration_s` defaults to first arrival .. last token/finish/iteration end.
     """
     stats = RunStats(slo_ttft_ms, slo_tpot_ms, slo_tbt_ms)
-    for i, r in enumerate(requests):
-        stats.add_request(r, i)
+    for r in requests:
+        stats.add_request(r)
     for it in iterations:
         stats.add_iteration(it)
     return stats.summary(lambda: iter(requests), duration_s)

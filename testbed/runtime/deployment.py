@@ -22,7 +22,8 @@ from testbed.runtime.build import pool_config, pool_parallel
 @dataclass
 class RunResult:
     """A run's outcome. Its records were streamed to `log` (testbed/record_log.py)
-    as they came; `records` and `iterations` read them back on first use."""
+    as they came; `records` (in arrival order) and `iterations` read them back
+    on first use."""
     log: RecordLog
     worker_stats: dict[str, dict] = field(default_factory=dict)
     duration_s: float = 0.0
