@@ -27,7 +27,7 @@ from testbed.runtime.messages import Add, RequestMsg
 from testbed.run_stats import RunStats
 from testbed.workloads.build import build_workload, iter_workload
 
-NUM_REQUESTS = 240
+NUM_REQUESTS = 200
 
 
 def config(*overrides: str) -> RunConfig:
@@ -38,7 +38,7 @@ def config(*overrides: str) -> RunConfig:
 
 def soak_config(*overrides: str) -> RunConfig:
     return config("runtime=real", "mode=disagg", "transfer.transport=zmq", "timeout_s=120", "workload=mixed",
-                  f"workload.num_requests={NUM_REQUESTS}", "workload.arrival=poisson", "workload.rate=40",
+                  f"workload.num_requests={NUM_REQUESTS}", "workload.arrival=poisson", "workload.rate=50",
                   "workload.prompt_dist=uniform", "workload.prompt_min=8", "workload.prompt_max=24",
                   "workload.output_dist=uniform", "workload.output_min=2", "workload.output_max=3", *overrides)
 
