@@ -1,6 +1,10 @@
 """ModeController: the frontend's side of a run. It routes arriving requests
 to workers, reacts to their events, and keeps one RequestRecord per request.
 
+A request's record leaves for `self.sink` (testbed/record_log.py: requests.jsonl)
+the moment the request is terminal, with every map entry it had here, so what
+the controller holds grows with the requests in flight, never with the run.
+
 It talks to workers only through `send(worker_id, command)` and `on_event`, so
 the same controller drives real processes (testbed/runtime/real.py) and the
 simulator (testbed/runtime/sim.py). What it knows of each worker (outstanding
@@ -12,8 +16,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable
 
-from testbed.metrics import IterationRecord, RequestRecord
+from testbed.metrics import RequestRecord
 from testbed.modes.pool import PoolState
+from testbed.record_log import RecordList, RecordSink
 from testbed.request import Request
 from testbed.runtime.messages import (Abort, Command, Event, Finished, FreeBlocks, IterationDone, Preempted,
                                       RequestMsg, Tokens, request_to_msg)
@@ -39,8 +44,11 @@ class ModeController(ABC):
         # share this process, passes the (possibly lazy, 1M-token) prompt without copying it
         self.copy_prompts = copy_prompts
         self.pool = PoolState({w.worker_id: w.num_blocks for w in workers})
-        self.records: dict[str, RequestRecord] = {}
-        self.iterations: list[IterationRecord] = []
+        # the runtime streams records to its RecordLog; a controller driven by hand keeps them in a list
+        self.sink: RecordSink = RecordList()
+        self.records: dict[str, RequestRecord] = {}      # requests in flight (and records a mode still completes)
+        self.arrival_index: dict[str, int] = {}          # their place among the run's arrivals
+        self.num_arrivals = 0
         self.unresolved: set[str] = set()
         self.location: dict[str, set[str]] = {}      # request id -> workers holding state for it
         self.dead: set[str] = set()
@@ -56,6 +64,8 @@ class ModeController(ABC):
             request_id=req.request_id, status="waiting", prompt_len=req.prompt_len, output_token_ids=[],
             arrival_s=req.arrival_s, first_scheduled_s=None, first_token_s=None, token_times_s=[],
             finish_s=None, num_preemptions=0, error=None)
+        self.arrival_index[req.request_id] = self.num_arrivals
+        self.num_arrivals += 1
         self.unresolved.add(req.request_id)
         self.location[req.request_id] = set()
         self.route(req, now)
@@ -71,25 +81,41 @@ class ModeController(ABC):
                     # else produced before the worker heard of the end: never delivered to the client
                     self._deliver(rid, index, token, now)
         elif kind is IterationDone:
-            self.iterations.append(ev.record)
+            self.sink.iteration(ev.record)
             self.on_free_blocks(ev.record.worker, ev.free_blocks, now)
         elif kind is FreeBlocks:     # blocks released between iterations (a dropped reservation)
             self.on_free_blocks(ev.worker, ev.free_blocks, now)
         elif kind is Finished:
             self._finish(ev, now)
         elif kind is Preempted:
-            self.records[ev.id].num_preemptions += 1
+            if ev.id in self.unresolved:      # else its end already counted the preemptions
+                self.records[ev.id].num_preemptions += 1
         else:
             self.on_mode_event(ev, now)
 
-    def abort(self, request_id: str, now: float) -> None:
-        """The client gave up on the request."""
+    def abort(self, request_id: str, now: float, status: str = "aborted",
+              error: str = "aborted by the client") -> None:
+        """The client gave up on the request (the runtime: it timed out, status failed)."""
         if request_id not in self.unresolved:
             return
         for w in self.location[request_id]:
             self.send(w, Abort(request_id))
         self.forget(request_id)
-        self._resolve(request_id, "aborted", "aborted by the client", now)
+        self._resolve(request_id, status, error, now)
+
+    def end_run(self, error: str) -> None:
+        """The run is over: a request still unresolved fails with `error` (no
+        finish time: it never ended), and every record still here goes to the sink."""
+        for rid in sorted(self.unresolved, key=self.arrival_index.__getitem__):
+            rec = self.records[rid]
+            rec.status, rec.error = "failed", error
+            self.unresolved.discard(rid)
+            self.location.pop(rid, None)
+            self.early_tokens.pop(rid, None)
+            self.early_finish.pop(rid, None)
+            self.forget(rid)
+        for rid in sorted(self.records, key=self.arrival_index.__getitem__):
+            self._emit(rid)
 
     def on_worker_died(self, worker_id: str, now: float, reason: str | None = None) -> None:
         """The worker is gone (or was killed for hanging): the requests it held
@@ -160,9 +186,20 @@ class ModeController(ABC):
         rec = self.records[rid]
         rec.status, rec.error, rec.finish_s = status, error, now
         self.unresolved.discard(rid)
-        self.location[rid] = set()
+        self.location.pop(rid, None)
         self.early_tokens.pop(rid, None)
         self.early_finish.pop(rid, None)
+        if not self.completes_later(rid):
+            self._emit(rid)
+
+    def _emit(self, rid: str) -> None:
+        """The record is final: to the sink, and nothing of the request stays here."""
+        self.sink.request(self.records.pop(rid), self.arrival_index.pop(rid))
+
+    def completes_later(self, rid: str) -> bool:
+        """Whether the resolved request's record still waits for an event
+        (the mode then emits it, or end_run does)."""
+        return False
 
     def forget(self, rid: str) -> None:
         """Drop the mode's own bookkeeping for a request that ends early."""

@@ -47,6 +47,9 @@ class DisaggController(ModeController):
         self.reserving: str | None = None        # one reservation in flight keeps FCFS order
         self.reserving_on: str | None = None     # the decode worker asked
         self.handoffs: dict[str, _HandOff] = {}
+        # Prefill sent, Prefilled not read yet: the prefill worker and the decode worker report on
+        # separate sockets, so a request can finish before its Prefilled (the KV's bytes) is read
+        self.prefilling: dict[str, str] = {}     # id -> prefill worker
 
     def _blocks_needed(self, req: Request) -> int:
         return -(-(req.prompt_len + 1) // self.workers[self.decode[0]].block_size)
@@ -106,8 +109,9 @@ class DisaggController(ModeController):
                 self.send(ev.worker, Release(rid))
             elif kind is KVReceived:
                 self.send(ev.worker, Abort(rid))
-            elif kind is Prefilled and rid in self.records:
-                self._record_prefilled(rid, ev)      # the KV did leave: count it
+            elif kind is Prefilled and self.prefilling.pop(rid, None) is not None and rid in self.records:
+                self._record_prefilled(rid, ev)      # the KV did leave: count it, and the record is complete
+                self._emit(rid)
             self._dispatch()
             return
         if kind is Reserved:
@@ -115,6 +119,7 @@ class DisaggController(ModeController):
             ho.prefill = p
             self.pool.add_prompt_tokens(p, ho.request.prompt_len)
             self.location[rid] = {ho.decode, p}
+            self.prefilling[rid] = p
             self.send(p, Prefill(self.request_msg(ho.request), ho.decode, ev.blocks))
         elif kind is Rejected:
             ho.decode = None
@@ -122,6 +127,7 @@ class DisaggController(ModeController):
             self.queue.appendleft(rid)
         elif kind is Prefilled:
             ho.prefilled_s = ev.t
+            self.prefilling.pop(rid, None)
             self._record_prefilled(rid, ev)
             self.pool.add_prompt_tokens(ho.prefill, -ho.request.prompt_len)
         else:
@@ -154,6 +160,9 @@ class DisaggController(ModeController):
                 self.location[rid] = set()
                 self.queue.appendleft(rid)
         super().on_worker_died(worker_id, now, reason)
+        for rid in [r for r, w in self.prefilling.items() if w == worker_id and r not in self.unresolved]:
+            del self.prefilling[rid]         # its Prefilled never comes
+            self._emit(rid)
         gone = self._dead_pool()
         if gone is not None:       # nobody left to serve what waits: fail it now, not at timeout_s
             for rid in list(self.handoffs):
@@ -177,10 +186,19 @@ class DisaggController(ModeController):
                 self.pool.add_prompt_tokens(ho.prefill, -ho.request.prompt_len)
         self.handoffs.pop(rid, None)
 
+    def completes_later(self, rid: str) -> bool:
+        if rid not in self.prefilling:
+            return False
+        if self.records[rid].status == "finished":
+            return True                      # its KV was sent: the Prefilled is on its way
+        del self.prefilling[rid]             # failed or aborted: whatever of it is late is dropped
+        return False
+
     def forget(self, rid: str) -> None:
         ho = self.handoffs.pop(rid, None)
         if ho is not None and ho.prefill is not None and ho.prefilled_s is None:
             self.pool.add_prompt_tokens(ho.prefill, -ho.request.prompt_len)
+        self.prefilling.pop(rid, None)
         if rid in self.queue:
             self.queue.remove(rid)
         # a reservation in flight for it is released when its reply arrives (on_mode_event)

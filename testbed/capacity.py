@@ -170,7 +170,8 @@ def _steady_summary(summary: dict, run_dir: Path, rule: SteadyRule, slo_ttft: fl
     """The run's summary with its latencies over the steady window only (the
     request counts stay the whole run's: an unfinished request fails the
     probe wherever it arrived), and the window."""
-    from testbed.metrics import read_requests, summarize
+    from testbed.metrics import read_requests
+    from testbed.run_stats import summarize
     window = rule.window(read_requests(run_dir / "requests.jsonl"))
     judged = summarize(window.judged, [], slo_ttft, slo_tbt)
     return {**summary, "ttft_ms": judged["ttft_ms"], "tbt_ms": judged["tbt_ms"]}, window

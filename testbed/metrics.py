@@ -1,10 +1,12 @@
-"""Metrics: per-request and per-iteration records, and the run summary.
+"""Metrics: per-request and per-iteration records, their JSON Lines files and
+the latency statistics the run summary (testbed/run_stats.py) is made of.
 
 Data flow (DESIGN.md "Metrics", "Outputs"): the frontend (real runtime) or the
 event loop (sim) turns each finished, failed or aborted Request into a
 `RequestRecord`; each engine step becomes an `IterationRecord`. They are written
-to `requests.jsonl` / `iterations.jsonl`, and `summarize` turns them into
-`summary.json`, which `testbed report` and the capacity search read.
+to `requests.jsonl` / `iterations.jsonl` as they come (testbed/record_log.py),
+and testbed/run_stats.py turns them into `summary.json`, which `testbed report`
+and the capacity search read.
 
 Names follow vLLM's benchmark_serving: TTFT, TPOT, ITL (here TBT: every
 inter-token gap of every request, pooled), E2EL (here E2E). All times in the
@@ -15,10 +17,11 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from operator import attrgetter
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 
@@ -185,161 +188,24 @@ def _missed_deadlines(ttft_s: float | None, tbt_s: list[float], ttft_deadline_s:
     return missed, total
 
 
-def _run_span_s(requests: Sequence[RequestRecord], iterations: Sequence[IterationRecord]) -> float:
-    """From the first arrival to the last token, finish or iteration end."""
-    starts = [r.arrival_s for r in requests] + [it.start_s for it in iterations]
-    ends = [t for r in requests for t in (r.finish_s, r.token_times_s[-1] if r.token_times_s else None)
-            if t is not None] + [it.start_s + it.duration_s for it in iterations]
-    if not starts or not ends:
-        return 0.0
-    return max(0.0, max(ends) - min(starts))
-
-
-def _kv_transfer_summary(requests: Sequence[RequestRecord]) -> dict | None:
-    sent = [r for r in requests if r.kv_bytes_sent or r.transfer_s is not None]
-    if not sent:
-        return None
-    durations = [r.transfer_s for r in sent if r.transfer_s is not None]
-    total_bytes = int(sum(r.kv_bytes_sent for r in sent))
-    busy_s = float(sum(durations))
-    return {"num_transfers": len(sent), "bytes": total_bytes,
-            "bytes_per_request": total_bytes / len(sent),
-            "transfer_ms": latency_stats_ms(durations),
-            "exposed_ms": latency_stats_ms([r.exposed_transfer_s for r in sent if r.exposed_transfer_s is not None]),
-            # bytes over the summed per-transfer times: the link rate one transfer saw on average
-            "achieved_gb_per_s": total_bytes / busy_s / 1e9 if busy_s > 0 else None}
-
-
-def _iteration_summary(iterations: Sequence[IterationRecord]) -> dict:
-    # one pass: a simulated run leaves ~10^5 records spread over its heap, and
-    # each pass over them costs more than the arithmetic
-    durations, prefill_budgets, errors = [], [], []
-    num_prefill = num_decode = kv_bytes = most = 0
-    for it in iterations:
-        durations.append(it.duration_s)
-        num_prefill += it.num_prefill_tokens
-        num_decode += it.num_decode_tokens
-        kv_bytes += it.kv_bytes_read
-        most = max(most, it.num_prefill_tokens + it.num_decode_tokens)
-        if it.token_budget is not None and it.num_prefill_tokens:
-            prefill_budgets.append(it.token_budget - it.num_decode_tokens)
-        if it.predicted_s is not None and it.duration_s > 0:
-            errors.append(it.predicted_s / it.duration_s - 1.0)
-    out = {"num_iterations": len(iterations),
-           "duration_ms": latency_stats_ms(durations),
-           "num_prefill_tokens": int(num_prefill),
-           "num_decode_tokens": int(num_decode),
-           "max_tokens_per_iteration": most,
-           "kv_bytes_read": int(kv_bytes)}
-    if prefill_budgets:
-        out["prefill_budget"] = _distribution(prefill_budgets)
-    if errors:
-        out["predictor_error"] = _predictor_error(errors)
-    return out
-
-
-def _distribution(values: Sequence[float]) -> dict:
-    """min, mean, p10/p50/p90 and max of the prefill budgets of iterations that prefilled."""
-    a = np.asarray(values, dtype=np.float64)
-    return {"min": float(a.min()), "mean": float(a.mean()),
-            **{f"p{q}": float(np.percentile(a, q)) for q in (10, 50, 90)}, "max": float(a.max())}
-
-
-def _predictor_error(errors: Sequence[float]) -> dict:
-    """predicted / measured - 1 per iteration: its mean (the bias), and the
-    absolute error's mean and percentiles, overall and over the last half of
-    the run (after the self-correction had time to converge)."""
-    e = np.asarray(errors, dtype=np.float64)
-    late = np.abs(e[len(e) // 2:])
-    return {"num_iterations": len(e), "bias": float(e.mean()), "abs_mean": float(np.abs(e).mean()),
-            **{f"abs_{k}": float(np.percentile(np.abs(e), q)) for k, q in PERCENTILES.items()},
-            "abs_mean_second_half": float(late.mean()), "abs_p50_second_half": float(np.percentile(late, 50))}
-
-
-def summarize(requests: Sequence[RequestRecord], iterations: Sequence[IterationRecord],
-              slo_ttft_ms: float | None, slo_tpot_ms: float | None, duration_s: float | None = None,
-              slo_tbt_ms: float | None = None) -> dict:
-    """The run's summary (summary.json). Latency stats count finished requests only.
-
-    - `tpot_ms` excludes one-token requests (TPOT is undefined for n = 1); for
-      goodput such a request meets the TPOT SLO vacuously, as in vLLM.
-    - `goodput`: finished requests with TTFT <= slo_ttft_ms and TPOT <=
-      slo_tpot_ms, per second of `duration_s` (vLLM's definition); an SLO of
-      None is not applied. `slo_attainment`: the same count over num_requests.
-    - `fluidity_index`: 1 - missed/total deadlines pooled over finished
-      requests (see `fluidity_deadlines`), TTFT deadline slo_ttft_ms, TBT
-      deadline slo_tbt_ms (default slo_tpot_ms); None without both SLOs.
-      `fluidity_index_mean` is the mean of the per-request indices.
-    - `duration_s` defaults to first arrival .. last token/finish/iteration end.
-    """
-    done = [r for r in requests if r.finished]
-    duration = _run_span_s(requests, iterations) if duration_s is None else duration_s
-
-    def per_s(x: float) -> float:
-        return x / duration if duration > 0 else 0.0
-
-    ttft = [r.ttft_s for r in done if r.ttft_s is not None]
-    tpot = [r.tpot_s for r in done if r.tpot_s is not None]
-    good = [r for r in done
-            if (slo_ttft_ms is None or (r.ttft_s is not None and r.ttft_s * 1000 <= slo_ttft_ms))
-            and (slo_tpot_ms is None or r.tpot_s is None or r.tpot_s * 1000 <= slo_tpot_ms)]
-    output_tokens = sum(r.num_output_tokens for r in done)
-    tbt_ms = slo_tpot_ms if slo_tbt_ms is None else slo_tbt_ms
-    # every finished request's inter-token gaps, once: the fluidity index and tbt_ms both read them
-    gaps = [np.diff(r.token_times_s) for r in done]
-    fluidity = fluidity_mean = None
-    if slo_ttft_ms is not None and tbt_ms is not None and done:
-        counts = [_missed_deadlines(r.ttft_s, g.tolist(), slo_ttft_ms / 1000, tbt_ms / 1000)
-                  for r, g in zip(done, gaps)]
-        total = sum(t for _, t in counts)
-        fluidity = 1.0 - sum(m for m, _ in counts) / total if total else None
-        fluidity_mean = float(np.mean([1.0 - m / t for m, t in counts if t]))
-
-    summary = {
-        "num_requests": len(requests),
-        "num_finished": len(done),
-        "num_failed": sum(r.status == "failed" for r in requests),
-        "num_aborted": sum(r.status == "aborted" for r in requests),
-        # refused at arrival (mode=kvstore's early rejection): never finished, so goodput misses them
-        "num_rejected": sum(r.status == "rejected" for r in requests),
-        "num_preemptions": int(sum(r.num_preemptions for r in requests)),
-        "num_single_token": sum(r.num_output_tokens == 1 for r in done),
-        "duration_s": duration,
-        "ttft_ms": latency_stats_ms(ttft),
-        # pooled as one array: a list of Python floats is ~4x the memory at 10^7 gaps
-        "tbt_ms": latency_stats_ms(np.concatenate([g for g in gaps if len(g)] or [np.empty(0)])),
-        "tpot_ms": latency_stats_ms(tpot),
-        "e2e_ms": latency_stats_ms([r.e2e_s for r in done if r.e2e_s is not None]),
-        "queue_ms": latency_stats_ms([r.queue_s for r in done if r.queue_s is not None]),
-        "throughput": {"requests_per_s": per_s(len(done)),
-                       "output_tokens_per_s": per_s(output_tokens),
-                       "total_tokens_per_s": per_s(output_tokens + sum(r.prompt_len for r in done))},
-        "slo": {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms, "tbt_ms": tbt_ms},
-        "goodput": per_s(len(good)),
-        "slo_attainment": len(good) / len(requests) if requests else None,
-        "fluidity_index": fluidity,
-        "fluidity_index_mean": fluidity_mean,
-        "iterations": _iteration_summary(iterations),
-    }
-    transfer = _kv_transfer_summary(requests)
-    if transfer is not None:
-        summary["kv_transfer"] = transfer
-    return summary
-
-
 def write_jsonl(path: str | Path, records: Iterable[RequestRecord | IterationRecord]) -> None:
     """One JSON object per line (the dataclass fields), each line exactly what
     json.dumps writes for the record's field dict."""
+    with open(path, "w") as f:
+        append_jsonl(f, records)
+
+
+def append_jsonl(f: TextIO, records: Iterable[RequestRecord | IterationRecord]) -> None:
+    """write_jsonl's lines, appended to the open file `f`."""
     # json.dumps per record costs a few µs, a second for a 200K-iteration run:
     # each field of a chunk of records is encoded in one call instead, and the
     # lines are filled in from a template of the keys
-    with open(path, "w") as f:
-        for cls, group in itertools.groupby(records, key=type):
-            names = [fl.name for fl in fields(cls)]
-            line = "{" + ", ".join(f"{json.dumps(name)}: %s" for name in names) + "}\n"
-            while chunk := list(itertools.islice(group, _JSONL_CHUNK)):
-                columns = [_json_column(list(map(attrgetter(name), chunk))) for name in names]
-                f.writelines(map(line.__mod__, zip(*columns)))
+    for cls, group in itertools.groupby(records, key=type):
+        names = [fl.name for fl in fields(cls)]
+        line = "{" + ", ".join(f"{json.dumps(name)}: %s" for name in names) + "}\n"
+        while chunk := list(itertools.islice(group, _JSONL_CHUNK)):
+            columns = [_json_column(list(map(attrgetter(name), chunk))) for name in names]
+            f.writelines(map(line.__mod__, zip(*columns)))
 
 
 def _json_column(values: list) -> list[str]:
@@ -355,30 +221,41 @@ def _json_column(values: list) -> list[str]:
 
 
 def _read_jsonl(path: str | Path, cls: type) -> list:
+    return list(_iter_jsonl(path, cls))
+
+
+def _iter_jsonl(path: str | Path, cls: type) -> Iterator:
     known = {f.name for f in fields(cls)}
-    records = []
     for line_no, obj in jsonl_objects(path):
         where = f"{path}:{line_no}"
         unknown = sorted(set(obj) - known)
         if unknown:
             raise ValueError(f"{where}: unknown field(s) {unknown} for {cls.__name__}")
         try:
-            records.append(cls(**obj))
+            yield cls(**obj)
         except TypeError as e:
             raise ValueError(f"{where}: {e}") from None
-    return records
 
 
 def read_requests(path: str | Path) -> list[RequestRecord]:
     """A mode may record more per request (a RequestRecord subclass, e.g.
     mode=kvstore's): the file's first row says which class reads it."""
+    return list(iter_requests(path))
+
+
+def iter_requests(path: str | Path) -> Iterator[RequestRecord]:
+    """read_requests one record at a time, in file order."""
     first = next(iter(jsonl_objects(path)), None)
     cls = RequestRecord
     if first is not None:
         keys = set(first[1])
         cls = next((sub for sub in RequestRecord.__subclasses__() if {f.name for f in fields(sub)} == keys), cls)
-    return _read_jsonl(path, cls)
+    return _iter_jsonl(path, cls)
 
 
 def read_iterations(path: str | Path) -> list[IterationRecord]:
     return _read_jsonl(path, IterationRecord)
+
+
+def iter_iterations(path: str | Path) -> Iterator[IterationRecord]:
+    return _iter_jsonl(path, IterationRecord)

@@ -13,22 +13,47 @@ and the store's own counters (`kv_store`: block hits, misses, evictions,
 bytes to and from it)."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from array import array
+from collections.abc import Iterable
+
+import numpy as np
 
 from testbed.metrics import KVStoreRequestRecord, RequestRecord, latency_stats_ms
 
 
-def prefix_cache_summary(records: Sequence[RequestRecord]) -> dict | None:
+class PrefixCacheStats:
+    """The counters, fed one record at a time (testbed/run_stats.py)."""
+
+    def __init__(self) -> None:
+        self.num_counted = self.queries = self.local = self.store = 0
+        self.fetch_s = array("d")      # of the requests that read from the store
+
+    def add(self, r: RequestRecord) -> None:
+        if not isinstance(r, KVStoreRequestRecord) or r.store_fetch_s is None:
+            return
+        self.num_counted += 1
+        self.queries += r.prompt_len
+        self.local += r.num_local_cached_tokens
+        self.store += r.num_external_cached_tokens
+        if r.num_external_cached_tokens:
+            self.fetch_s.append(r.store_fetch_s)
+
+    def summary(self) -> dict | None:
+        """None when no record counts cached tokens (every mode but kvstore)."""
+        if not self.num_counted:
+            return None
+        queries, local, store = self.queries, self.local, self.store
+        return {"prefix_cache_queries": queries, "prefix_cache_hits": local + store,
+                "prefix_cache_hit_rate": (local + store) / queries if queries else None,
+                "local_hits": local, "store_hits": store,
+                "local_hit_rate": local / queries if queries else None,
+                "store_hit_rate": store / queries if queries else None,
+                "store_fetch_ms": latency_stats_ms(np.frombuffer(self.fetch_s, dtype=np.float64))}
+
+
+def prefix_cache_summary(records: Iterable[RequestRecord]) -> dict | None:
     """None when no record counts cached tokens (every mode but kvstore)."""
-    counted = [r for r in records if isinstance(r, KVStoreRequestRecord) and r.store_fetch_s is not None]
-    if not counted:
-        return None
-    queries = sum(r.prompt_len for r in counted)
-    local = sum(r.num_local_cached_tokens for r in counted)
-    store = sum(r.num_external_cached_tokens for r in counted)
-    return {"prefix_cache_queries": queries, "prefix_cache_hits": local + store,
-            "prefix_cache_hit_rate": (local + store) / queries if queries else None,
-            "local_hits": local, "store_hits": store,
-            "local_hit_rate": local / queries if queries else None,
-            "store_hit_rate": store / queries if queries else None,
-            "store_fetch_ms": latency_stats_ms([r.store_fetch_s for r in counted if r.num_external_cached_tokens])}
+    stats = PrefixCacheStats()
+    for r in records:
+        stats.add(r)
+    return stats.summary()

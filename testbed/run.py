@@ -1,6 +1,8 @@
 """One run, from a RunConfig to a run directory: build the workload, run it on
-the chosen runtime and mode, write requests.jsonl, iterations.jsonl,
-summary.json and the resolved config, log to W&B, print a compact table."""
+the chosen runtime and mode, which stream requests.jsonl and iterations.jsonl
+into the directory as records come (testbed/record_log.py), write summary.json
+(from what was streamed) and the resolved config, log to W&B, print a compact
+table."""
 from __future__ import annotations
 
 import json
@@ -10,20 +12,19 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from testbed.config import RunConfig, to_dict, validate
-from testbed.forked import Forked
-from testbed.metrics import summarize, write_jsonl
-from testbed.prefix_metrics import prefix_cache_summary
-from testbed.runtime.build import apply_sampling
+from testbed.runtime.build import sampled
 from testbed.runtime.deployment import num_gpus
-from testbed.workloads.build import build_workload
+from testbed.workloads.build import iter_workload
 
 
-def run_workload(cfg: RunConfig, requests, progress=None):
+def run_workload(cfg: RunConfig, requests, progress=None, record_dir=None):
+    """Serve `requests` (the simulator pulls them from an iterator in arrival
+    order; the real runtime takes a list) on the configured runtime."""
     if cfg.runtime.name == "sim":
         from testbed.runtime.sim import SimRuntime
-        return SimRuntime(cfg).run(requests)
+        return SimRuntime(cfg, record_dir=record_dir).run(requests)
     from testbed.runtime.real import RealRuntime
-    return RealRuntime(cfg, progress=progress).run(requests)
+    return RealRuntime(cfg, progress=progress, record_dir=record_dir).run(list(requests))
 
 
 def execute(cfg: RunConfig, out_dir: str | Path) -> dict:
@@ -34,36 +35,27 @@ def execute(cfg: RunConfig, out_dir: str | Path) -> dict:
     if cfg.experiment.name:
         from testbed.experiments import run_experiment
         return run_experiment(cfg, out)
-    requests = build_workload(cfg.workload, cfg.model.vocab_size, cfg.seed)
-    apply_sampling(cfg, requests)
+    requests = (sampled(cfg, r) for r in iter_workload(cfg.workload, cfg.model.vocab_size, cfg.seed))
     progress = _progress_printer() if cfg.progress and sys.stderr.isatty() else None
-    result = run_workload(cfg, requests, progress)
-    # the largest output is written by a forked child while this process summarizes (testbed/forked.py)
-    iterations_writer = Forked("writing iterations.jsonl",
-                               lambda: write_jsonl(out / "iterations.jsonl", result.iterations))
-    try:
-        summary = summarize(result.records, result.iterations, cfg.slo.ttft_ms, cfg.slo.tpot_ms,
-                            duration_s=result.duration_s or None)
-        summary.update({
-            "mode": cfg.mode, "runtime": cfg.runtime.name, "scheduler": cfg.scheduler, "model": cfg.model.name,
-            "workload": cfg.workload.name, "token_budget": cfg.token_budget,
-            "interrupted": result.interrupted,
-            "num_gpus": num_gpus(cfg),          # per-GPU figures (testbed report SWEEP_DIR) divide by this
-            "hardware": {"name": cfg.hardware.name, "provenance": cfg.hardware.provenance,
-                         "defaults": getattr(cfg, "hardware_defaults_note", "")},
-            "kv_blocks_leaked": {w: s["num_blocks"] - s["num_free_blocks"]
-                                 for w, s in result.worker_stats.items() if not s["all_free"]},
-            "workers": result.worker_stats,
-        })
-        prefix = prefix_cache_summary(result.records)
-        if prefix is not None:
-            summary["prefix_cache"] = prefix
-        if result.store_stats is not None:
-            summary["kv_store"] = result.store_stats
-        (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg))))
-        write_jsonl(out / "requests.jsonl", result.records)
-    finally:
-        iterations_writer.wait()
+    result = run_workload(cfg, requests, progress, record_dir=out)
+    summary = result.log.summary(duration_s=result.duration_s or None)
+    summary.update({
+        "mode": cfg.mode, "runtime": cfg.runtime.name, "scheduler": cfg.scheduler, "model": cfg.model.name,
+        "workload": cfg.workload.name, "token_budget": cfg.token_budget,
+        "interrupted": result.interrupted,
+        "num_gpus": num_gpus(cfg),          # per-GPU figures (testbed report SWEEP_DIR) divide by this
+        "hardware": {"name": cfg.hardware.name, "provenance": cfg.hardware.provenance,
+                     "defaults": getattr(cfg, "hardware_defaults_note", "")},
+        "kv_blocks_leaked": {w: s["num_blocks"] - s["num_free_blocks"]
+                             for w, s in result.worker_stats.items() if not s["all_free"]},
+        "workers": result.worker_stats,
+    })
+    prefix = result.log.stats.prefix.summary()
+    if prefix is not None:
+        summary["prefix_cache"] = prefix
+    if result.store_stats is not None:
+        summary["kv_store"] = result.store_stats
+    (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg))))
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     if cfg.wandb.mode != "disabled":
         from testbed.wandb_log import log_run

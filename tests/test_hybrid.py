@@ -77,7 +77,8 @@ def test_with_every_replica_dead_short_prompts_are_disaggregated():
     ctl.on_arrival(Request("b", list(range(1, THRESHOLD + 1)), 4), 0.0)
     assert sent == [("replica0", Add), ("decode0", Reserve)]
     ctl.on_worker_died("replica0", 0.1)
-    assert ctl.records["a"].status == "failed" and "replica0 died" in ctl.records["a"].error
+    failed = ctl.sink.by_id()["a"]
+    assert failed.status == "failed" and "replica0 died" in failed.error
     ctl.on_arrival(Request("c", list(range(1, 20)), 4), 0.2)
     assert ctl.queue and list(ctl.queue) == ["c"]      # behind b's reservation in flight, on the P/D pools
 

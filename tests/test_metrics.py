@@ -8,7 +8,8 @@ import pytest
 
 from testbed.batch import Batch, ScheduledSlice, StepResult
 from testbed.metrics import (IterationRecord, RequestRecord, fluidity_deadlines, latency_stats_ms,
-                             read_iterations, read_requests, summarize, write_jsonl)
+                             read_iterations, read_requests, write_jsonl)
+from testbed.run_stats import summarize
 from testbed.request import Request, RequestStatus
 
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from testbed.metrics import IterationRecord, RequestRecord, summarize, write_jsonl
+from testbed.metrics import IterationRecord, RequestRecord, write_jsonl
+from testbed.run_stats import summarize
 from testbed.report import report_main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

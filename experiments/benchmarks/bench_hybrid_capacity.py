@@ -126,7 +126,7 @@ def probe(cfg, rate: float, deadline: TTFTDeadline) -> dict:
     """One complete run at `rate`: whether it meets the SLOs, and why not."""
     import dataclasses
 
-    from testbed.metrics import summarize
+    from testbed.run_stats import summarize
     from testbed.run import run_workload
     from testbed.runtime.build import apply_sampling
     from testbed.workloads.build import build_workload

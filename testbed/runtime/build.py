@@ -87,5 +87,11 @@ def build_worker(worker_id: str, role: str, engine: Engine, emit: Emit, kv_port:
 def apply_sampling(cfg: RunConfig, requests: list[Request]) -> None:
     """The run's sampling settings on every request (seeded per request)."""
     for r in requests:
-        r.sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
-                                    ignore_eos=cfg.ignore_eos, eos_token_id=r.sampling.eos_token_id)
+        sampled(cfg, r)
+
+
+def sampled(cfg: RunConfig, r: Request) -> Request:
+    """`r` with the run's sampling settings (a lazy workload maps this over its requests)."""
+    r.sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
+                                ignore_eos=cfg.ignore_eos, eos_token_id=r.sampling.eos_token_id)
+    return r

@@ -14,17 +14,36 @@ from testbed.modes.hybrid_threshold import threshold_from_summary
 from testbed.modes.registry import Mode, ModeSettings, get_mode, get_role
 from testbed.modes.routers import RouterContext
 from testbed.pool_config import POOLS
+from testbed.record_log import RecordLog
+from testbed.run_stats import RunStats
 from testbed.runtime.build import pool_config, pool_parallel
 
 
 @dataclass
 class RunResult:
-    records: list[RequestRecord]
-    iterations: list[IterationRecord]
+    """A run's outcome. Its records were streamed to `log` (testbed/record_log.py)
+    as they came; `records` (in arrival order) and `iterations` read them back
+    on first use."""
+    log: RecordLog
     worker_stats: dict[str, dict] = field(default_factory=dict)
     duration_s: float = 0.0
     interrupted: bool = False
     store_stats: dict | None = None         # mode=kvstore: the KV store's counters
+
+    @functools.cached_property
+    def records(self) -> list[RequestRecord]:
+        """Every request's record, in arrival order."""
+        return self.log.requests()
+
+    @functools.cached_property
+    def iterations(self) -> list[IterationRecord]:
+        return self.log.iterations()
+
+
+def record_log(cfg: RunConfig, record_dir=None) -> RecordLog:
+    """Where a runtime streams the run's records: `record_dir` (a run
+    directory), else a temporary directory that lives as long as the log."""
+    return RecordLog(RunStats(cfg.slo.ttft_ms, cfg.slo.tpot_ms), record_dir)
 
 
 def mode_settings(cfg: RunConfig) -> ModeSettings:

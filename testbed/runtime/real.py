@@ -26,7 +26,9 @@ from testbed.modes.base import ModeController
 from testbed.modes.registry import get_role
 from testbed.interrupts import deferred
 from testbed.request import Request
-from testbed.runtime.deployment import RunResult, build_mode
+from testbed.metrics import IterationRecord, RequestRecord
+from testbed.record_log import RecordLog
+from testbed.runtime.deployment import RunResult, build_mode, record_log
 from testbed.runtime.event_gate import EventGate
 from testbed.runtime.messages import (Command, Connect, Event, ExpectSenders, IterationDone, Ping, Pong, Ready,
                                       Stats, Stop, StoreStats, WorkerError)
@@ -40,6 +42,21 @@ STORE_ENTRY = "testbed.runtime.store_process:store_main"
 MAX_CMD_REPLY_BYTES = 4096    # nothing is sent to the frontend's command socket: whatever comes is dropped
 
 
+class _Retiring:
+    """The controller's sink: each record to the run's RecordLog, and the
+    event gate told that its request ended."""
+
+    def __init__(self, log: RecordLog, gate: EventGate):
+        self.log, self.gate = log, gate
+
+    def request(self, record: RequestRecord, arrival_index: int) -> None:
+        self.gate.retire(record.request_id, time.monotonic())
+        self.log.request(record, arrival_index)
+
+    def iteration(self, record: IterationRecord) -> None:
+        self.log.iteration(record)
+
+
 class RealRuntime:
     """`on_event(runtime, event)` is a hook for tests that cause faults at
     precise moments (kill a worker when its KV is in flight, abort a request);
@@ -48,8 +65,9 @@ class RealRuntime:
 
     def __init__(self, cfg: RunConfig, on_event: Callable[["RealRuntime", Event], None] | None = None,
                  progress: Callable[[int, int], None] | None = None,
-                 on_send: Callable[[str, Command], bool] | None = None):
+                 on_send: Callable[[str, Command], bool] | None = None, record_dir=None):
         self.cfg, self.on_event, self.progress, self.on_send = cfg, on_event, progress, on_send
+        self.records = record_log(cfg, record_dir)     # where the run's records stream to
         self.mode = build_mode(cfg)
         self.workers = self.mode.workers()
         self.clock = WallClock()
@@ -63,7 +81,8 @@ class RealRuntime:
         self._auth = None           # the ZAP authenticator when runtime.curve (kv_transfer/curve.py)
         self._last_seen: dict[str, float] = {}    # worker -> time.monotonic() of its last event
         self._next_ping = 0.0
-        self.gate = EventGate([*(w.worker_id for w in self.workers), *([STORE_ID] if self.mode.needs_store else [])])
+        self.gate = EventGate([*(w.worker_id for w in self.workers), *([STORE_ID] if self.mode.needs_store else [])],
+                              grace_s=cfg.transfer.lease_s)
 
     # -- sockets -------------------------------------------------------------------
     def _send(self, worker_id: str, msg: Command) -> None:
@@ -189,7 +208,8 @@ class RealRuntime:
         addresses = self._wait_ready()
         self.kv_addresses = {w: a for w, a in addresses.items() if a}    # where each KV receiver listens
         self.controller = self.mode.controller(self.workers, self._send, copy_prompts=True)
-        # every worker that sends KV learns where each receiver listens; every receiver, who may send
+        self.controller.sink = _Retiring(self.records, self.gate)
+        # every worker that sends KV learns where each receiver listens; every receiver learns who may send
         senders = [w.worker_id for w in self.workers if get_role(w.role).sends_kv]
         for w in self.workers:
             if get_role(w.role).sends_kv:
@@ -256,10 +276,12 @@ class RealRuntime:
                 self.shutdown()
                 # no request had arrived (their clock starts with serving): none is recorded, as
                 # when a run is interrupted before a later request's arrival
-                return RunResult([], [], self.stats, 0.0, True, self.store_stats)
+                self.records.close()
+                return RunResult(self.records, self.stats, 0.0, True, self.store_stats)
             return self._serve(requests)
         except BaseException:
             self.shutdown()
+            self.records.close()
             raise
 
 
@@ -298,20 +320,18 @@ class RealRuntime:
                     self.progress(total - len(pending) - len(ctl.unresolved), total)
                 if now > deadline:
                     for rid in list(ctl.unresolved):
-                        ctl.abort(rid, now)
-                        ctl.records[rid].status = "failed"
-                        ctl.records[rid].error = f"timed out after timeout_s={self.cfg.timeout_s}"
+                        ctl.abort(rid, now, "failed", f"timed out after timeout_s={self.cfg.timeout_s}")
                     break
         except KeyboardInterrupt:
             interrupted = True
             now = self.clock.now()
             for rid in list(ctl.unresolved):
-                ctl.abort(rid, now)
-                ctl.records[rid].error = "interrupted (Ctrl-C)"
+                ctl.abort(rid, now, error="interrupted (Ctrl-C)")
         duration = self.clock.now() - run_start
         self.shutdown()
-        records = [ctl.records[r.request_id] for r in requests if r.request_id in ctl.records]
-        return RunResult(records, ctl.iterations, self.stats, duration, interrupted, self.store_stats)
+        ctl.end_run("the run ended before the request did")    # records a mode still completed go now
+        self.records.close()
+        return RunResult(self.records, self.stats, duration, interrupted, self.store_stats)
 
     def _dispatch(self, ev: Event) -> None:
         if type(ev) is Pong:

@@ -21,14 +21,14 @@ import gc
 import heapq
 import itertools
 import sys
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from testbed.config import RunConfig
 from testbed.engine import VirtualClock
 from testbed.modes.registry import get_role
 from testbed.request import Request
 from testbed.runtime.build import build_engine, build_worker, pool_config, pool_parallel
-from testbed.runtime.deployment import RunResult, build_mode
+from testbed.runtime.deployment import RunResult, build_mode, record_log
 from testbed.runtime.kv_port import KVArrival, KVPort
 from testbed.runtime.messages import Command, Event, RequestMsg
 from testbed.sim.cost_executor import CostModelExecutor
@@ -99,8 +99,9 @@ class SimKVPort(KVPort):
 
 
 class SimRuntime:
-    def __init__(self, cfg: RunConfig, log: Callable[[str], None] | None = None):
+    def __init__(self, cfg: RunConfig, log: Callable[[str], None] | None = None, record_dir=None):
         self.cfg = cfg
+        self.records = record_log(cfg, record_dir)     # where the run's records stream to
         self.clock = VirtualClock()
         self._heap: list[tuple[float, int, Callable[[Any], None], Any]] = []
         self._seq = itertools.count()
@@ -159,6 +160,7 @@ class SimRuntime:
                                                       port, cfg.transfer.layerwise, store)
             self.busy_until[w.worker_id] = 0.0
         self.controller = self.mode.controller(self.workers, self._send, copy_prompts=False)
+        self.controller.sink = self.records
         # workers whose block manager hashes prompt blocks: they get the prompt as an array
         self.hashing = {w for w, svc in self.services.items() if svc.engine.bm.enable_prefix_caching}
 
@@ -260,16 +262,19 @@ class SimRuntime:
         self._kick(worker_id)
 
     # -- the loop --------------------------------------------------------------------
-    def run(self, requests: list[Request]) -> RunResult:
-        arrivals = sorted(requests, key=lambda r: r.arrival_s)
+    def run(self, requests: Iterable[Request]) -> RunResult:
+        """Serve `requests`: a list (sorted here), or an iterator already in
+        arrival order, pulled as the clock reaches each arrival (a 1M-request
+        workload is never in memory at once)."""
+        arrivals = iter(sorted(requests, key=lambda r: r.arrival_s)) if isinstance(requests, list) else \
+            _in_arrival_order(requests)
         ctl, clock, heap, pop = self.controller, self.clock, self._heap, heapq.heappop
-        i, n = 0, len(arrivals)
+        nxt = next(arrivals, None)
         with _cyclic_gc_paused():
-            while i < n or heap:
+            while nxt is not None or heap:
                 # an arrival goes before a worker event at the same instant
-                if i < n and (not heap or arrivals[i].arrival_s <= heap[0][0]):
-                    req = arrivals[i]
-                    i += 1
+                if nxt is not None and (not heap or nxt.arrival_s <= heap[0][0]):
+                    req, nxt = nxt, next(arrivals, None)
                     clock.t = req.arrival_s
                     ctl.on_arrival(req, req.arrival_s)
                     continue
@@ -278,13 +283,22 @@ class SimRuntime:
                 action(arg)
         stats = {w: svc.stats().to_dict() for w, svc in self.services.items()}
         stuck = [w for w, svc in self.services.items() if svc.has_work()]
-        for rid in list(ctl.unresolved):     # nothing left to happen: these can never finish
-            ctl.records[rid].status = "failed"
-            ctl.records[rid].error = ("simulation ended with the request unfinished (workers with work they "
-                                      f"could not schedule: {stuck or 'none'})")
-        records = [ctl.records[r.request_id] for r in requests if r.request_id in ctl.records]
-        return RunResult(records, ctl.iterations, stats, self.clock.now(),
+        # nothing left to happen: what is unresolved can never finish
+        ctl.end_run("simulation ended with the request unfinished (workers with work they "
+                    f"could not schedule: {stuck or 'none'})")
+        self.records.close()
+        return RunResult(self.records, stats, self.clock.now(),
                          store_stats=self.store.stats() if self.store is not None else None)
+
+
+def _in_arrival_order(requests: Iterable[Request]) -> Iterator[Request]:
+    last = -float("inf")
+    for r in requests:
+        if r.arrival_s < last:
+            raise ValueError(f"request {r.request_id} arrives at {r.arrival_s} s, before the one yielded before it "
+                             f"({last} s): a lazy workload must come in arrival order (or pass a list)")
+        last = r.arrival_s
+        yield r
 
 
 @contextlib.contextmanager

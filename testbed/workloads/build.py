@@ -11,6 +11,8 @@ changing the arrival process does not change the lengths, and vice versa.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
 from testbed.request import Request
@@ -45,6 +47,15 @@ def _lengths(cfg: WorkloadConfig, side: str, rows: list[TraceRow] | None, n: int
 def build_workload(cfg: WorkloadConfig, vocab_size: int, seed: int) -> list[Request]:
     """The workload's requests, sorted by arrival_s (seconds from the first
     request), ids r0, r1, ... in that order; the same for the same seed."""
+    return list(iter_workload(cfg, vocab_size, seed))
+
+
+def iter_workload(cfg: WorkloadConfig, vocab_size: int, seed: int) -> Iterator[Request]:
+    """build_workload's requests, one at a time in arrival order: the draws
+    (arrival times and lengths, a few numbers per request) are made up front,
+    each Request and its lazy prompt only when the consumer reaches it, so a
+    1M-request simulation never holds the workload. Its checks run at the
+    call, before the first request is asked for."""
     cfg.validate()
     if vocab_size < 1:
         raise ValueError(f"build_workload: vocab_size={vocab_size} must be >= 1")
@@ -54,7 +65,7 @@ def build_workload(cfg: WorkloadConfig, vocab_size: int, seed: int) -> list[Requ
 
     rows = read_trace(cfg, vocab_size) if cfg.uses_trace else None
     if cfg.conversation_turns:
-        return _requests_of_rows(multiturn_rows(cfg, rngs), vocab_size, seed, cfg)
+        return iter(_requests_of_rows(multiturn_rows(cfg, rngs), vocab_size, seed, cfg))
     if rows is not None:
         n = len(rows)
         if cfg.prompt_dist != "trace" and any(r.prompt_token_ids is not None for r in rows):
@@ -80,8 +91,13 @@ def build_workload(cfg: WorkloadConfig, vocab_size: int, seed: int) -> list[Requ
     if cfg.max_output_len is not None:
         output_lens = np.minimum(output_lens, cfg.max_output_len)
 
-    requests = []
-    for k, i in enumerate(np.argsort(arrivals, kind="stable").tolist()):
+    return _requests(cfg, rows, n, np.argsort(arrivals, kind="stable"), arrivals, prompt_lens, output_lens,
+                     vocab_size, seed)
+
+
+def _requests(cfg: WorkloadConfig, rows: list[TraceRow] | None, n: int, order: np.ndarray, arrivals: np.ndarray,
+              prompt_lens: np.ndarray, output_lens: np.ndarray, vocab_size: int, seed: int) -> Iterator[Request]:
+    for k, i in enumerate(order.tolist()):
         row = rows[i] if rows is not None and i < n and cfg.prompt_dist == "trace" else None
         length = int(prompt_lens[i])
         if row is not None and row.prompt_token_ids is not None:
@@ -89,8 +105,7 @@ def build_workload(cfg: WorkloadConfig, vocab_size: int, seed: int) -> list[Requ
         else:
             prompt = synthesize_prompt(seed, k, length, vocab_size,
                                        row.hash_ids if row is not None else None, cfg.hash_block_size)
-        requests.append(Request(f"r{k}", prompt, int(output_lens[i]), arrival_s=float(arrivals[i])))
-    return requests
+        yield Request(f"r{k}", prompt, int(output_lens[i]), arrival_s=float(arrivals[i]))
 
 
 def _requests_of_rows(rows: list[TraceRow], vocab_size: int, seed: int, cfg: WorkloadConfig) -> list[Request]:

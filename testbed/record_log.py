@@ -1,0 +1,146 @@
+"""RecordLog: where a run's records go the moment they exist.
+
+The mode controller (modes/base.py) hands it each request's record when the
+request is terminal (finished, failed, aborted, rejected), with the request's
+place among the run's arrivals, and each iteration's record as the
+iteration's event arrives. It appends them to requests.jsonl and
+iterations.jsonl in the run directory (a temporary one when the caller gave
+none: capacity searches, studies and calibration read `RunResult.records`
+in-process), in write_jsonl's line format, a chunk of records at a time and
+at least every `flush_s`, and feeds RunStats (testbed/run_stats.py), which
+keeps a few numbers per request for the summary.
+
+requests.jsonl stays in arrival order, as when a run wrote its records at
+the end (readers and tests compare it line by line, and a simulated run's
+file is the same every time): a record that ends before an earlier arrival's
+waits here for it. So what this holds is the records of requests that ended
+while an earlier one was still in flight: bounded by the requests in flight
+over the longest request's lifetime, not by the run's length.
+"""
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Protocol
+
+from testbed.jsonl import jsonl_objects
+from testbed.metrics import IterationRecord, RequestRecord, append_jsonl, read_iterations, read_requests
+from testbed.run_stats import RunStats
+
+REQUESTS_FILE, ITERATIONS_FILE = "requests.jsonl", "iterations.jsonl"
+
+
+class RecordSink(Protocol):
+    """What a mode controller hands its records to."""
+
+    def request(self, record: RequestRecord, arrival_index: int) -> None: ...
+
+    def iteration(self, record: IterationRecord) -> None: ...
+
+
+class RecordLog:
+    def __init__(self, stats: RunStats, run_dir: str | Path | None = None, chunk: int = 1024,
+                 flush_s: float = 1.0):
+        self.stats, self.chunk, self.flush_s = stats, chunk, flush_s
+        self._tmp = None
+        if run_dir is None:     # removed with this object (RunResult holds it)
+            self._tmp = tempfile.TemporaryDirectory(prefix="testbed-records-")
+            run_dir = self._tmp.name
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.requests_path, self.iterations_path = self.dir / REQUESTS_FILE, self.dir / ITERATIONS_FILE
+        self._files = {"requests": open(self.requests_path, "w"), "iterations": open(self.iterations_path, "w")}
+        self._pending: dict[str, list] = {"requests": [], "iterations": []}
+        self.waiting: dict[int, RequestRecord] = {}      # arrival index -> a record ended before an earlier one
+        self._next = 0                                   # the arrival index requests.jsonl takes next
+        self._flushed_at = time.monotonic()
+
+    # -- written as the run goes -----------------------------------------------------
+    def request(self, record: RequestRecord, arrival_index: int) -> None:
+        """A terminal request's record; `arrival_index` (0, 1, ...) its place among the run's arrivals."""
+        if arrival_index != self._next:
+            self.waiting[arrival_index] = record
+            return
+        self._take(record)
+        while self._next in self.waiting:
+            self._take(self.waiting.pop(self._next))
+
+    def _take(self, record: RequestRecord) -> None:
+        self._next += 1
+        self.stats.add_request(record)
+        self._add("requests", record)
+
+    def iteration(self, record: IterationRecord) -> None:
+        self.stats.add_iteration(record)
+        self._add("iterations", record)
+
+    def _add(self, kind: str, record) -> None:
+        pending = self._pending[kind]
+        pending.append(record)
+        if len(pending) >= self.chunk or time.monotonic() - self._flushed_at >= self.flush_s:
+            self.flush()
+
+    def flush(self) -> None:
+        for kind, pending in self._pending.items():
+            if pending:
+                append_jsonl(self._files[kind], pending)
+                pending.clear()
+            self._files[kind].flush()
+        self._flushed_at = time.monotonic()
+
+    def close(self) -> None:
+        """Everything on disk; safe to call twice."""
+        if not self._files["requests"].closed:
+            for index in sorted(self.waiting):     # an arrival that never ended (none when a runtime ends its run)
+                self._take(self.waiting.pop(index))
+            self.flush()
+            for f in self._files.values():
+                f.close()
+
+    # -- read back, once the run is over ----------------------------------------------
+    def requests(self) -> list[RequestRecord]:
+        """Every request's record, in arrival order."""
+        self.close()
+        return read_requests(self.requests_path)
+
+    def iterations(self) -> list[IterationRecord]:
+        self.close()
+        return read_iterations(self.iterations_path)
+
+    def summary(self, duration_s: float | None = None) -> dict:
+        """summary.json's figures, from what was streamed (the TBT gaps read back from the file)."""
+        self.close()
+        return self.stats.summary(self._token_times, duration_s)
+
+    def _token_times(self) -> Iterator[RequestRecord]:
+        """requests.jsonl in file order, as records carrying only their token times."""
+        for _, obj in jsonl_objects(self.requests_path):
+            yield _TokenTimes(obj["token_times_s"])
+
+
+class _TokenTimes:
+    """What RunStats reads of a record a second time."""
+    __slots__ = ("token_times_s",)
+
+    def __init__(self, token_times_s: list[float]):
+        self.token_times_s = token_times_s
+
+
+class RecordList:
+    """A controller's records in memory: the default where no runtime gave a
+    RecordLog (unit tests that drive a controller by hand)."""
+
+    def __init__(self) -> None:
+        self.requests: list[RequestRecord] = []
+        self.iterations: list[IterationRecord] = []
+
+    def request(self, record: RequestRecord, arrival_index: int) -> None:
+        self.requests.append(record)
+
+    def iteration(self, record: IterationRecord) -> None:
+        self.iterations.append(record)
+
+    def by_id(self) -> dict[str, RequestRecord]:
+        return {r.request_id: r for r in self.requests}

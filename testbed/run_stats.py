@@ -1,0 +1,258 @@
+"""RunStats: the run summary (summary.json) accumulated one record at a time.
+
+The runtimes hand it every request record in arrival order as the request
+ends (testbed/record_log.py) and every iteration record as it is produced,
+so a run keeps a few numbers per request, never the records. What the
+summary needs of each request is a handful of scalars (TTFT, TPOT, E2E,
+queueing, transfer, fluidity, its number of inter-token gaps), kept in typed
+arrays; every mean sums them in the same order as a list of the records
+would, so the figures are identical. The pooled inter-token gaps (TBT) are
+the one per-token figure: `summary` reads them back from the records once
+more (requests.jsonl, line by line) into one float64 array, 8 bytes a gap
+for the time the percentiles take. `summarize` is this class over a list.
+"""
+from __future__ import annotations
+
+import math
+from array import array
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+
+from testbed.metrics import PERCENTILES, IterationRecord, RequestRecord, _missed_deadlines, latency_stats_ms
+from testbed.prefix_metrics import PrefixCacheStats
+
+_NAN = float("nan")
+
+
+def _kept(column: array, keep: np.ndarray) -> np.ndarray:
+    """The column's values where `keep` and not NaN (None)."""
+    a = np.frombuffer(column, dtype=np.float64)[keep]
+    return a[~np.isnan(a)]
+
+
+class RunStats:
+    """`add_request(record)` (in arrival order) and `add_iteration(record)` as the
+    run goes; `summary(records_again, duration_s)` at the end, where
+    `records_again()` yields the same request records in the same order
+    (only their token times are read: the TBT gaps)."""
+
+    def __init__(self, slo_ttft_ms: float | None, slo_tpot_ms: float | None, slo_tbt_ms: float | None = None):
+        self.slo_ttft_ms, self.slo_tpot_ms = slo_ttft_ms, slo_tpot_ms
+        self.slo_tbt_ms = slo_tpot_ms if slo_tbt_ms is None else slo_tbt_ms
+        self.fluidity_on = slo_ttft_ms is not None and self.slo_tbt_ms is not None
+        self.prefix = PrefixCacheStats()
+        # per request, in arrival order
+        self.finished = array("b")
+        self.sent = array("b")                  # moved KV (disaggregation)
+        self.num_gaps = array("q")
+        self.ttft_s, self.tpot_s, self.e2e_s, self.queue_s = array("d"), array("d"), array("d"), array("d")
+        self.transfer_s, self.exposed_s, self.fluidity = array("d"), array("d"), array("d")
+        self.counts = dict.fromkeys(("failed", "aborted", "rejected"), 0)
+        self.num_preemptions = self.num_single_token = self.num_good = 0
+        self.output_tokens = self.prompt_tokens = 0
+        self.missed = self.deadlines = 0
+        self.kv_bytes_sent = 0
+        self.first_start, self.last_end = math.inf, -math.inf
+        # per iteration
+        self.it_duration_s, self.prefill_budgets, self.predictor_errors = array("d"), array("d"), array("d")
+        self.num_prefill = self.num_decode = self.kv_bytes_read = self.most_tokens = 0
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.finished)
+
+    def add_request(self, r: RequestRecord) -> None:
+        self.prefix.add(r)
+        if r.status in self.counts:
+            self.counts[r.status] += 1
+        self.num_preemptions += r.num_preemptions
+        self.first_start = min(self.first_start, r.arrival_s)
+        for t in (r.finish_s, r.token_times_s[-1] if r.token_times_s else None):
+            if t is not None:
+                self.last_end = max(self.last_end, t)
+        sent = bool(r.kv_bytes_sent) or r.transfer_s is not None
+        self.sent.append(sent)
+        if sent:
+            self.kv_bytes_sent += r.kv_bytes_sent
+        self.transfer_s.append(_value(r.transfer_s) if sent else _NAN)
+        self.exposed_s.append(_value(r.exposed_transfer_s) if sent else _NAN)
+        done = r.finished
+        self.finished.append(done)
+        self.num_gaps.append(max(0, len(r.token_times_s) - 1) if done else 0)
+        if not done:
+            for column in (self.ttft_s, self.tpot_s, self.e2e_s, self.queue_s, self.fluidity):
+                column.append(_NAN)
+            return
+        ttft, tpot = r.ttft_s, r.tpot_s
+        for column, v in ((self.ttft_s, ttft), (self.tpot_s, tpot), (self.e2e_s, r.e2e_s), (self.queue_s, r.queue_s)):
+            column.append(_value(v))
+        if ((self.slo_ttft_ms is None or (ttft is not None and ttft * 1000 <= self.slo_ttft_ms))
+                and (self.slo_tpot_ms is None or tpot is None or tpot * 1000 <= self.slo_tpot_ms)):
+            self.num_good += 1
+        n = r.num_output_tokens
+        self.output_tokens += n
+        self.prompt_tokens += r.prompt_len
+        self.num_single_token += n == 1
+        index = _NAN
+        if self.fluidity_on:
+            gaps = np.diff(r.token_times_s).tolist()
+            missed, total = _missed_deadlines(ttft, gaps, self.slo_ttft_ms / 1000, self.slo_tbt_ms / 1000)
+            self.missed += missed
+            self.deadlines += total
+            if total:
+                index = 1.0 - missed / total
+        self.fluidity.append(index)
+
+    def add_iteration(self, it: IterationRecord) -> None:
+        self.it_duration_s.append(it.duration_s)
+        self.num_prefill += it.num_prefill_tokens
+        self.num_decode += it.num_decode_tokens
+        self.kv_bytes_read += it.kv_bytes_read
+        self.most_tokens = max(self.most_tokens, it.num_prefill_tokens + it.num_decode_tokens)
+        if it.token_budget is not None and it.num_prefill_tokens:
+            self.prefill_budgets.append(it.token_budget - it.num_decode_tokens)
+        if it.predicted_s is not None and it.duration_s > 0:
+            self.predictor_errors.append(it.predicted_s / it.duration_s - 1.0)
+        self.first_start = min(self.first_start, it.start_s)
+        self.last_end = max(self.last_end, it.start_s + it.duration_s)
+
+    # -- the summary ------------------------------------------------------------------
+    def span_s(self) -> float:
+        """From the first arrival to the last token, finish or iteration end."""
+        if self.first_start == math.inf or self.last_end == -math.inf:
+            return 0.0
+        return max(0.0, self.last_end - self.first_start)
+
+    def summary(self, records_again: Callable[[], Iterable[RequestRecord]], duration_s: float | None = None) -> dict:
+        """The run's summary (`summarize` documents each figure)."""
+        done = np.frombuffer(self.finished, dtype=np.int8).astype(bool)
+        num_done = int(done.sum())
+        n = self.num_requests
+        duration = self.span_s() if duration_s is None else duration_s
+
+        def per_s(x: float) -> float:
+            return x / duration if duration > 0 else 0.0
+
+        def stats(column: array) -> dict:
+            return latency_stats_ms(_kept(column, done))
+
+        fluidity = fluidity_mean = None
+        if self.fluidity_on and num_done:
+            fluidity = 1.0 - self.missed / self.deadlines if self.deadlines else None
+            fluidity_mean = float(np.mean(_kept(self.fluidity, done)))
+        summary = {
+            "num_requests": n,
+            "num_finished": num_done,
+            "num_failed": self.counts["failed"],
+            "num_aborted": self.counts["aborted"],
+            # refused at arrival (mode=kvstore's early rejection): never finished, so goodput misses them
+            "num_rejected": self.counts["rejected"],
+            "num_preemptions": int(self.num_preemptions),
+            "num_single_token": self.num_single_token,
+            "duration_s": duration,
+            "ttft_ms": stats(self.ttft_s),
+            "tbt_ms": latency_stats_ms(self._pooled_gaps(records_again, done)),
+            "tpot_ms": stats(self.tpot_s),
+            "e2e_ms": stats(self.e2e_s),
+            "queue_ms": stats(self.queue_s),
+            "throughput": {"requests_per_s": per_s(num_done),
+                           "output_tokens_per_s": per_s(self.output_tokens),
+                           "total_tokens_per_s": per_s(self.output_tokens + self.prompt_tokens)},
+            "slo": {"ttft_ms": self.slo_ttft_ms, "tpot_ms": self.slo_tpot_ms, "tbt_ms": self.slo_tbt_ms},
+            "goodput": per_s(self.num_good),
+            "slo_attainment": self.num_good / n if n else None,
+            "fluidity_index": fluidity,
+            "fluidity_index_mean": fluidity_mean,
+            "iterations": self._iteration_summary(),
+        }
+        transfer = self._kv_transfer_summary()
+        if transfer is not None:
+            summary["kv_transfer"] = transfer
+        return summary
+
+    def _pooled_gaps(self, records_again, done: np.ndarray) -> np.ndarray:
+        """Every finished request's inter-token gaps, pooled in one array."""
+        counts = np.frombuffer(self.num_gaps, dtype=np.int64)
+        gaps = np.empty(int(counts.sum()), dtype=np.float64)
+        if not len(gaps):
+            return gaps
+        at = 0
+        for k, r in enumerate(records_again()):
+            if done[k] and counts[k]:
+                gaps[at:at + counts[k]] = np.diff(r.token_times_s)
+                at += counts[k]
+        assert at == len(gaps), "the records read back are not the ones summarized"
+        return gaps
+
+    def _kv_transfer_summary(self) -> dict | None:
+        sent = np.frombuffer(self.sent, dtype=np.int8).astype(bool)
+        num_sent = int(sent.sum())
+        if not num_sent:
+            return None
+        durations = _kept(self.transfer_s, sent)
+        busy_s = float(sum(durations.tolist()))     # Python's sum, as before
+        total_bytes = int(self.kv_bytes_sent)
+        return {"num_transfers": num_sent, "bytes": total_bytes,
+                "bytes_per_request": total_bytes / num_sent,
+                "transfer_ms": latency_stats_ms(durations),
+                "exposed_ms": latency_stats_ms(_kept(self.exposed_s, sent)),
+                # bytes over the summed per-transfer times: the link rate one transfer saw on average
+                "achieved_gb_per_s": total_bytes / busy_s / 1e9 if busy_s > 0 else None}
+
+    def _iteration_summary(self) -> dict:
+        out = {"num_iterations": len(self.it_duration_s),
+               "duration_ms": latency_stats_ms(np.frombuffer(self.it_duration_s, dtype=np.float64)),
+               "num_prefill_tokens": int(self.num_prefill),
+               "num_decode_tokens": int(self.num_decode),
+               "max_tokens_per_iteration": self.most_tokens,
+               "kv_bytes_read": int(self.kv_bytes_read)}
+        if self.prefill_budgets:
+            out["prefill_budget"] = _distribution(np.frombuffer(self.prefill_budgets, dtype=np.float64))
+        if self.predictor_errors:
+            out["predictor_error"] = _predictor_error(np.frombuffer(self.predictor_errors, dtype=np.float64))
+        return out
+
+
+def summarize(requests: Sequence[RequestRecord], iterations: Iterable[IterationRecord],
+              slo_ttft_ms: float | None, slo_tpot_ms: float | None, duration_s: float | None = None,
+              slo_tbt_ms: float | None = None) -> dict:
+    """The run's summary (summary.json). Latency stats count finished requests only.
+
+    - `tpot_ms` excludes one-token requests (TPOT is undefined for n = 1); for
+      goodput such a request meets the TPOT SLO vacuously, as in vLLM.
+    - `goodput`: finished requests with TTFT <= slo_ttft_ms and TPOT <=
+      slo_tpot_ms, per second of `duration_s` (vLLM's definition); an SLO of
+      None is not applied. `slo_attainment`: the same count over num_requests.
+    - `fluidity_index`: 1 - missed/total deadlines pooled over finished
+      requests (see `fluidity_deadlines`), TTFT deadline slo_ttft_ms, TBT
+      deadline slo_tbt_ms (default slo_tpot_ms); None without both SLOs.
+      `fluidity_index_mean` is the mean of the per-request indices.
+    - `duration_s` defaults to first arrival .. last token/finish/iteration end.
+    """
+    stats = RunStats(slo_ttft_ms, slo_tpot_ms, slo_tbt_ms)
+    for r in requests:
+        stats.add_request(r)
+    for it in iterations:
+        stats.add_iteration(it)
+    return stats.summary(lambda: iter(requests), duration_s)
+
+
+def _value(v: float | None) -> float:
+    return _NAN if v is None else v
+
+
+def _distribution(a: np.ndarray) -> dict:
+    """min, mean, p10/p50/p90 and max of the prefill budgets of iterations that prefilled."""
+    return {"min": float(a.min()), "mean": float(a.mean()),
+            **{f"p{q}": float(np.percentile(a, q)) for q in (10, 50, 90)}, "max": float(a.max())}
+
+
+def _predictor_error(e: np.ndarray) -> dict:
+    """predicted / measured - 1 per iteration: its mean (the bias), and the
+    absolute error's mean and percentiles, overall and over the last half of
+    the run (after the self-correction had time to converge)."""
+    late = np.abs(e[len(e) // 2:])
+    return {"num_iterations": len(e), "bias": float(e.mean()), "abs_mean": float(np.abs(e).mean()),
+            **{f"abs_{k}": float(np.percentile(np.abs(e), q)) for k, q in PERCENTILES.items()},
+            "abs_mean_second_half": float(late.mean()), "abs_p50_second_half": float(np.percentile(late, 50))}
