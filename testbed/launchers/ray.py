@@ -9,6 +9,9 @@ address (or `auto`) joins a running cluster and leaves it running.
 
 An actor builds its worker in `setup`, which returns the worker's endpoints
 (its KV receiver address) through Ray, then runs the worker loop in `serve`.
+A service (mode=kvstore's KV store) is an actor too, in a pool of its own,
+started before the workers: `run` runs its entry, which announces its
+address in its Ready event.
 A dead actor (killed, its node gone) makes `serve`'s result ready with an
 error, so `alive` turns false and the frontend's usual fault handling takes
 over, as for a dead process.
@@ -53,6 +56,13 @@ class _WorkerActor:
 
     def serve(self) -> int:
         self.worker.serve()
+        return 0
+
+    def run(self, spec: WorkerSpec) -> int:
+        """A service's whole life (the KV store: testbed/runtime/store_process.py), which
+        announces its own endpoint in its Ready event."""
+        from testbed.launchers.local import run_entry
+        run_entry(spec)
         return 0
 
 
@@ -132,13 +142,18 @@ class RayLauncher(Launcher):
 
     # -- the Launcher interface ---------------------------------------------------------
     def start(self, spec: WorkerSpec) -> None:
-        if spec.entry != WorkerSpec.entry:
-            raise ValueError(f"launcher=ray runs workers only, not '{spec.worker_id}' ({spec.entry}): "
-                             "run mode=kvstore with launcher=local")
+        service = spec.entry != WorkerSpec.entry
         if spec.worker_id not in self._actors:
+            if service:
+                # started before the workers (the KV store): a local cluster is sized for them too
+                self._init(spec.world_size + 1)
             self.prepare([spec])
         actor = self._actors[spec.worker_id]
-        self._setup[spec.worker_id] = actor.setup.remote(replace(spec, t0=self._t0(spec.worker_id, spec.t0)))
+        spec = replace(spec, t0=self._t0(spec.worker_id, spec.t0))
+        if service:
+            self._serve[spec.worker_id] = actor.run.remote(spec)
+            return
+        self._setup[spec.worker_id] = actor.setup.remote(spec)
         self._serve[spec.worker_id] = actor.serve.remote()
 
     def _result(self, worker_id: str) -> int | None:
