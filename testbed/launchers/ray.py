@@ -10,8 +10,8 @@ address (or `auto`) joins a running cluster and leaves it running.
 An actor builds its worker in `setup`, which returns the worker's endpoints
 (its KV receiver address) through Ray, then runs the worker loop in `serve`.
 A service (mode=kvstore's KV store) is an actor too, in a pool of its own,
-started before the workers: `run` runs its entry, which announces its
-address in its Ready event.
+placed with the workers and started before them: `run` runs its entry,
+which announces its address in its Ready event.
 A dead actor (killed, its node gone) makes `serve`'s result ready with an
 error, so `alive` turns false and the frontend's usual fault handling takes
 over, as for a dead process.
@@ -144,9 +144,6 @@ class RayLauncher(Launcher):
     def start(self, spec: WorkerSpec) -> None:
         service = spec.entry != WorkerSpec.entry
         if spec.worker_id not in self._actors:
-            if service:
-                # started before the workers (the KV store): a local cluster is sized for them too
-                self._init(spec.world_size + 1)
             self.prepare([spec])
         actor = self._actors[spec.worker_id]
         spec = replace(spec, t0=self._t0(spec.worker_id, spec.t0))
