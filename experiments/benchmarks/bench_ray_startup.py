@@ -94,7 +94,7 @@ def phases(marks: dict) -> dict[str, float]:
 
 
 class PrivateCluster:
-    """A Ray head on 127.0.0.1 inside a namespace of its own (tests/ray_cluster.py), for --join."""
+    """A Ray head on loopback inside a namespace of its own (tests/ray_cluster.py), for --join."""
 
     def __init__(self):
         sys.path.insert(0, str(REPO / "tests"))
@@ -103,11 +103,23 @@ class PrivateCluster:
         subprocess.run(["ip", "netns", "add", self.netns], check=True)
         subprocess.run(["ip", "netns", "exec", self.netns, "ip", "link", "set", "lo", "up"], check=True)
         try:
-            self.cluster = RayCluster(host="127.0.0.1", num_cpus=2, netns=self.netns)
-            self.cluster.wait_nodes(1)
+            self.cluster = RayCluster(num_cpus=2, netns=self.netns)       # its default host: loopback
+            self._wait_up()
         except BaseException:
             self.close()
             raise
+
+    def _wait_up(self, timeout_s: float = 180) -> None:
+        """Until a driver inside the namespace can join (RayCluster.wait_nodes probes from outside)."""
+        probe = "import ray,sys; ray.init(address=sys.argv[1], configure_logging=False, log_to_driver=False)"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            r = subprocess.run(["ip", "netns", "exec", self.netns, sys.executable, "-c", probe,
+                                self.cluster.address], capture_output=True, timeout=timeout_s)
+            if r.returncode == 0:
+                return
+            time.sleep(1)
+        raise TimeoutError(f"the private Ray cluster was not up after {timeout_s} s: {self.cluster.logs()}")
 
     def close(self) -> None:
         if getattr(self, "cluster", None):
