@@ -37,6 +37,9 @@ WORKLOAD = ["workload.num_requests=4", "workload.arrival=poisson", "workload.rat
             "workload.prompt_min=16", "workload.prompt_max=64", "workload.output_dist=uniform",
             "workload.output_min=4", "workload.output_max=8"]
 BASE = ["mode=disagg", "progress=false", "wandb.mode=disabled", "timeout_s=120", *WORKLOAD]
+# `ray start` (2.60) turns token authentication on (the token in ~/.ray/auth_token); a driver
+# joining it must be told so, or it connects without the token and is refused
+JOIN_ENV = dict(os.environ, RAY_AUTH_MODE="token")
 PHASES = ("imports", "runtime", "cluster", "placement", "workers", "first token", "total")
 
 
@@ -115,7 +118,7 @@ class PrivateCluster:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             r = subprocess.run(["ip", "netns", "exec", self.netns, sys.executable, "-c", probe,
-                                self.cluster.address], capture_output=True, timeout=timeout_s)
+                                self.cluster.address], capture_output=True, timeout=timeout_s, env=JOIN_ENV)
             if r.returncode == 0:
                 return
             time.sleep(1)
@@ -131,7 +134,8 @@ def one(launcher: str, extra: list[str], netns: str | None) -> dict:
     cmd = [sys.executable, __file__, "--child", str(time.monotonic()), *BASE, f"launcher={launcher}", *extra]
     if netns:
         cmd = ["ip", "netns", "exec", netns, *cmd]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.run(cmd, capture_output=True, text=True,
+                          env=dict(JOIN_ENV if netns else os.environ, OMP_NUM_THREADS="1"))
     if proc.returncode != 0:
         raise RuntimeError(f"{launcher} {extra}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
