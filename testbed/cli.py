@@ -83,8 +83,10 @@ def _register_sweep_launchers() -> None:
     plugins by listing the hydra_plugins namespace, which an editable install's
     import hook does not list: register it by name as well (a no-op when found)."""
     from hydra.core.plugins import Plugins
-
-    from hydra_plugins.testbed_ray_launcher.ray_launcher import RaySweepLauncher
+    try:
+        from hydra_plugins.testbed_ray_launcher.ray_launcher import RaySweepLauncher
+    except ImportError:         # an install older than the plugin: hydra/launcher=ray is then unknown, nothing else
+        return
     Plugins.instance().register(RaySweepLauncher)
 
 
