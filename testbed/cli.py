@@ -28,6 +28,7 @@ def _hydra_run(argv: list[str]) -> int:
     from testbed.run import execute
 
     register_configs()
+    _register_sweep_launchers()
 
     started = []
 
@@ -75,6 +76,18 @@ def _hydra_run(argv: list[str]) -> int:
             print(f"error: {message}", file=sys.stderr)
             return 2
     return 0
+
+
+def _register_sweep_launchers() -> None:
+    """hydra/launcher=ray (hydra_plugins/testbed_ray_launcher). Hydra finds
+    plugins by listing the hydra_plugins namespace, which an editable install's
+    import hook does not list: register it by name as well (a no-op when found)."""
+    from hydra.core.plugins import Plugins
+    try:
+        from hydra_plugins.testbed_ray_launcher.ray_launcher import RaySweepLauncher
+    except ImportError:         # an install older than the plugin: hydra/launcher=ray is then unknown, nothing else
+        return
+    Plugins.instance().register(RaySweepLauncher)
 
 
 def _stdlib_start_method() -> None:

@@ -16,14 +16,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from test_serving import TerminalRun, alive, cmdline, in_process_group
+from test_serving import TerminalRun, alive, cmdline, cpu_hog, in_process_group  # noqa: F401 (cpu_hog: a fixture)
 
 BOUND_S = 10.0
 SMALL = ["workload=chat", "workload.rate=4", "wandb.mode=disabled", "runtime.heartbeat_s=0.5"]
@@ -35,16 +33,6 @@ PHASES = {
                       "workload.prompt_min=256", "workload.prompt_max=512"], 400, 2),
     "shutdown": ([], 6, 6),
 }
-
-
-@pytest.fixture
-def cpu_hog():
-    """Two busy loops, one per core, for the test's length."""
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
-    yield
-    for h in hogs:
-        h.kill()
-        h.wait()
 
 
 def interrupt_at(tmp_path: Path, phase: str, signum: int) -> tuple[int, float, Path, str]:
@@ -60,10 +48,7 @@ def interrupt_at(tmp_path: Path, phase: str, signum: int) -> tuple[int, float, P
         else:
             run.wait_until(lambda: run.requests_done() >= wait_for, 120)
         os.killpg(proc.pid, signum)
-        sent = time.monotonic()
-        while proc.poll() is None and time.monotonic() - sent < BOUND_S + 20:
-            run.read()
-        took = time.monotonic() - sent
+        took = run.wait_exit(BOUND_S + 20)
         rc = proc.wait(1)
     finally:
         run.close()

@@ -11,6 +11,9 @@ An actor builds its worker in `setup`, which returns the worker's endpoints
 (its KV receiver address) through Ray, then runs the worker loop in `serve`.
 Its KV receiver binds the address of the node it landed on (`_on_node`), so
 pools on different nodes reach each other (beyond loopback: runtime.curve).
+A service (mode=kvstore's KV store) is an actor too, in a pool of its own,
+placed with the workers and started before them: `run` runs its entry,
+which announces its address in its Ready event.
 A dead actor (killed, its node gone) makes `serve`'s result ready with an
 error, so `alive` turns false and the frontend's usual fault handling takes
 over, as for a dead process.
@@ -55,6 +58,13 @@ class _WorkerActor:
 
     def serve(self) -> int:
         self.worker.serve()
+        return 0
+
+    def run(self, spec: WorkerSpec) -> int:
+        """A service's whole life (the KV store: testbed/runtime/store_process.py), which
+        announces its own endpoint in its Ready event."""
+        from testbed.launchers.local import run_entry
+        run_entry(spec)
         return 0
 
 
@@ -143,13 +153,14 @@ class RayLauncher(Launcher):
 
     # -- the Launcher interface ---------------------------------------------------------
     def start(self, spec: WorkerSpec) -> None:
-        if spec.entry != WorkerSpec.entry:
-            raise ValueError(f"launcher=ray runs workers only, not '{spec.worker_id}' ({spec.entry}): "
-                             "run mode=kvstore with launcher=local")
+        service = spec.entry != WorkerSpec.entry
         if spec.worker_id not in self._actors:
             self.prepare([spec])
         actor = self._actors[spec.worker_id]
         spec = replace(spec, t0=self._t0(spec.worker_id, spec.t0), cfg=self._on_node(spec.worker_id, spec.cfg))
+        if service:
+            self._serve[spec.worker_id] = actor.run.remote(spec)
+            return
         self._setup[spec.worker_id] = actor.setup.remote(spec)
         self._serve[spec.worker_id] = actor.serve.remote()
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
+from dataclasses import replace
 from typing import Callable
 
 import zmq
@@ -190,19 +191,23 @@ class RealRuntime:
             if uses_torch_dist(self.cfg.transfer):
                 from testbed.kv_transfer import start_rendezvous
                 self._store, dist_addr = start_rendezvous(self.cfg.transfer.host, self.cfg.transfer.timeout_s)
-        if self.mode.needs_store:      # the store first: the workers are told where it serves
-            self.launcher.start(WorkerSpec(
-                worker_id=STORE_ID, role=STORE_ID, needs_kv_port=False, rank=-1, world_size=len(self.workers),
-                cmd_addr=f"tcp://{host}:{cmd_port}", event_addr=f"tcp://{host}:{ev_port}", t0=self.clock.t0,
-                dist_addr=None, cfg=cfg_dict, entry=STORE_ENTRY, curve=keys))
-            self.store_addr = self._wait_store_ready()
+        store = WorkerSpec(
+            worker_id=STORE_ID, role=STORE_ID, needs_kv_port=False, rank=-1, world_size=len(self.workers),
+            cmd_addr=f"tcp://{host}:{cmd_port}", event_addr=f"tcp://{host}:{ev_port}", t0=self.clock.t0,
+            dist_addr=None, cfg=cfg_dict, entry=STORE_ENTRY, curve=keys) if self.mode.needs_store else None
         specs = [WorkerSpec(
             worker_id=w.worker_id, role=w.role, needs_kv_port=self.mode.needs_kv_port, rank=rank,
             world_size=len(self.workers), cmd_addr=f"tcp://{host}:{cmd_port}",
             event_addr=f"tcp://{host}:{ev_port}", t0=self.clock.t0, dist_addr=dist_addr, cfg=cfg_dict,
-            store_addr=self.store_addr, curve=keys)
+            curve=keys)
             for rank, w in enumerate(self.workers)]
-        self.launcher.prepare(specs)
+        # every process placed before the first starts: placing (Ray: actors up) blocks this loop, and a
+        # store already serving would hear no heartbeat meanwhile
+        self.launcher.prepare([*([store] if store else []), *specs])
+        if store is not None:          # the store first: the workers are told where it serves
+            self.launcher.start(store)
+            self.store_addr = self._wait_store_ready()
+            specs = [replace(s, store_addr=self.store_addr) for s in specs]
         for spec in specs:
             self.launcher.start(spec)
         addresses = self._wait_ready()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
 
 import zmq
@@ -16,8 +17,9 @@ log = logging.getLogger(__name__)
 
 def store_main(spec) -> None:
     """The store process: serve until the frontend says Stop (or kills it)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)      # the frontend owns shutdown, as for workers
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if threading.current_thread() is threading.main_thread():     # not so in every Ray actor
+        signal.signal(signal.SIGINT, signal.SIG_IGN)      # the frontend owns shutdown, as for workers
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from testbed.config import from_dict
     from testbed.runtime.messages import Ping, Pong, Ready, Stop, StoreStats, WorkerError
     from testbed.runtime.wire import WireError

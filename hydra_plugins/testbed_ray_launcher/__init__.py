@@ -1,0 +1,1 @@
+"""`hydra/launcher=ray`: sweep points as Ray tasks (ray_launcher.py)."""
