@@ -44,8 +44,9 @@ class DisaggController(ModeController):
         self.decode_set = set(self.decode)
         self.prefill_router, self.decode_router = prefill_router, decode_router
         self.queue: deque[str] = deque()
-        self.reserving: str | None = None        # one reservation in flight keeps FCFS order
-        self.reserving_on: str | None = None     # the decode worker asked
+        # decode worker -> the request it was asked to reserve for: one in flight per decode worker,
+        # so the queue goes out in FCFS order and a decode worker slow to answer holds back only itself
+        self.reserving: dict[str, str] = {}
         self.handoffs: dict[str, _HandOff] = {}
         # Prefill sent, Prefilled not read yet: the prefill worker and the decode worker report on
         # separate sockets, so a request can finish before its Prefilled (the KV's bytes) is read
@@ -73,17 +74,17 @@ class DisaggController(ModeController):
         return None
 
     def _dispatch(self) -> None:
-        while self.queue and self.reserving is None:
+        while self.queue:
             rid = self.queue[0]
             ho = self.handoffs[rid]
-            alive = self.alive(self.decode)
-            if not alive:
+            idle = [w for w in self.alive(self.decode) if w not in self.reserving]
+            if not idle:
                 return
-            best = self.decode_router.pick(ho.request, alive, self.pool)
+            best = self.decode_router.pick(ho.request, idle, self.pool)
             if self.pool.free_blocks(best) < self._blocks_needed(ho.request):
                 return                                    # wait for blocks to free up
             self.queue.popleft()
-            self.reserving, self.reserving_on = rid, best
+            self.reserving[best] = rid
             ho.decode = best
             self.location[rid] = {best}
             self.send(best, Reserve(self.request_msg(ho.request)))
@@ -101,7 +102,7 @@ class DisaggController(ModeController):
         if ev.worker in self.dead:
             return      # sent just before it died, read after: its requests are resolved, a reservation re-queued
         if kind is Reserved or kind is Rejected:
-            self.reserving = self.reserving_on = None
+            self.reserving.pop(ev.worker, None)
             self.pool.set_free_blocks(ev.worker, ev.free_blocks)
         ho = self.handoffs.get(rid)
         if ho is None:                     # resolved meanwhile (aborted, a worker died)
@@ -150,11 +151,11 @@ class DisaggController(ModeController):
             rec.exposed_transfer_s = max(0.0, rec.transfer_end_s - ev.t)
 
     def on_worker_died(self, worker_id: str, now: float, reason: str | None = None) -> None:
-        # a reservation asked of the dead worker is never answered, and it would
-        # stall the queue behind it; its request holds nothing anywhere yet, so
-        # it goes back to the head of the queue for another decode worker
-        if self.reserving_on == worker_id:
-            rid, self.reserving, self.reserving_on = self.reserving, None, None
+        # a reservation asked of the dead worker is never answered; its request
+        # holds nothing anywhere yet, so it goes back to the head of the queue
+        # for another decode worker
+        rid = self.reserving.pop(worker_id, None)
+        if rid is not None:
             if rid in self.handoffs:
                 self.handoffs[rid].decode = None
                 self.location[rid] = set()

@@ -222,8 +222,8 @@ def test_decode_worker_killed_with_a_reservation_in_flight():
 
     def hook(rt: RealRuntime, ev: Event) -> None:
         ctl = rt.controller
-        if ev.kind == "reserved" and not killed and ctl.reserving is not None:
-            killed.append((ctl.handoffs[ctl.reserving].decode, ctl.reserving))
+        if ev.kind == "reserved" and not killed and ctl.reserving:
+            killed.append(next(iter(ctl.reserving.items())))    # (decode worker, the request it was asked for)
             rt.kill(killed[0][0])
 
     result = run(cfg, watch, hook)
@@ -365,7 +365,7 @@ def test_decode_worker_out_of_kv_blocks():
 
     def hook(rt: RealRuntime, ev: Event) -> None:
         ctl = rt.controller
-        if ctl.queue and ctl.reserving is None:
+        if ctl.queue and not ctl.reserving:
             head = ctl.handoffs[ctl.queue[0]].request
             waits.append(ctl.pool.free_blocks("decode0") < -(-(head.prompt_len + 1) // 16))
             if not staled:
