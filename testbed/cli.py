@@ -79,7 +79,8 @@ def _hydra_run(argv: list[str]) -> int:
 
 
 def _register_sweep_launchers() -> None:
-    """hydra/launcher=ray (hydra_plugins/testbed_ray_launcher). Hydra finds
+    """hydra/launcher=ray (testbed/launchers/hydra_ray, installed as
+    hydra_plugins.testbed_ray_launcher, the only namespace Hydra takes plugins from). Hydra finds
     plugins by listing the hydra_plugins namespace, which an editable install's
     import hook does not list: register it by name as well (a no-op when found)."""
     from hydra.core.plugins import Plugins

@@ -1,4 +1,4 @@
-"""`testbed run -m hydra/launcher=ray` (hydra_plugins/testbed_ray_launcher):
+"""`testbed run -m hydra/launcher=ray` (testbed/launchers/hydra_ray, installed as hydra_plugins.testbed_ray_launcher):
 three simulator points as Ray tasks on a local cluster that lives in a
 private, loopback-only network namespace, one point deliberately failing.
 Every point's run directory exists, the good ones with their summary, the

@@ -13,7 +13,7 @@ entered before Ray starts: Ray 2.60 listens on every interface otherwise.
 Why not Hydra's hydra-ray-launcher 1.2.2: its local mode runs with Ray 2.60
 (checked with the package on the path, nothing installed), but
 - it cannot keep Ray on loopback: its `ray.init` with
-  `_node_ip_address=127.0.0.1` still left the GCS listening on `*:PORT`
+  `_node_ip_address` set to the loopback address still left the GCS listening on `*:PORT`
   (`ss -ltnp` during a sweep), and it has no hook to start the cluster
   anywhere else;
 - installing it would change the environment: it requires `cloudpickle<3`

@@ -1,1 +1,0 @@
-"""`hydra/launcher=ray`: sweep points as Ray tasks (ray_launcher.py)."""
