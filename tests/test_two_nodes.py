@@ -52,19 +52,10 @@ def two_nodes():
 
 
 def reference_tokens() -> dict[str, list[int]]:
+    sys.path.insert(0, str(HERE))
+    from test_disagg_faults import reference_tokens as colocated_tokens
     from testbed.config import from_dict
-    from testbed.engine import WallClock
-    from testbed.runtime.build import apply_sampling, build_engine
-    from testbed.workloads.build import build_workload
-    cfg = from_dict({"workload": WORKLOAD, "num_kv_blocks": 512, "token_budget": 2048})
-    reqs = build_workload(cfg.workload, cfg.model.vocab_size, cfg.seed)
-    apply_sampling(cfg, reqs)
-    engine = build_engine(cfg, "colocated", WallClock())
-    for r in reqs:
-        engine.add_request(r)
-    while engine.has_work():
-        engine.step()
-    return {r.request_id: r.output_token_ids for r in reqs}
+    return colocated_tokens(from_dict({"workload": WORKLOAD}))
 
 
 def resources_returned(tn, timeout_s: float = 30) -> tuple[dict, dict]:

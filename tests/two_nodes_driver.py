@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -25,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from test_disagg_faults import config, long_request, reference_tokens, workload  # noqa: E402
 
+from testbed.launchers.netns_nodes import kill_namespace  # noqa: E402
 from testbed.runtime.real import RealRuntime  # noqa: E402
 
 
@@ -69,18 +68,6 @@ def main(spec: dict, out: str) -> None:
         "run_s": end - t0, "after_fault_s": end - fault["at"] if "at" in fault else None, "intruder": report,
         "records": {r.request_id: dataclasses.asdict(r) for r in result.records},
         "worker_stats": result.worker_stats}, default=str))
-
-
-def kill_namespace(netns: str) -> list[int]:
-    """Node B dies: SIGKILL every process in its namespace (NetnsNodes.kill, by name)."""
-    pids = [int(p) for p in subprocess.run(["ip", "netns", "pids", netns], capture_output=True,
-                                           text=True).stdout.split()]
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return pids
 
 
 def zmq_last_endpoint() -> int:

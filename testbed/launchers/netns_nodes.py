@@ -137,21 +137,11 @@ class NetnsNodes:
     # -- clean-up -------------------------------------------------------------------------
     def pids(self, names: list[str] | None = None) -> list[int]:
         """Every process still inside one of these namespaces (or of `names`)."""
-        out = []
-        for name in names or self.names:
-            r = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True)
-            out += [int(p) for p in r.stdout.split()] if r.returncode == 0 else []
-        return out
+        return [pid for name in names or self.names for pid in namespace_pids(name)]
 
     def kill(self, node: Node) -> list[int]:
         """SIGKILL every process inside `node`'s namespace (the host dies); returns their pids."""
-        pids = self.pids([node.netns])
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        return pids
+        return kill_namespace(node.netns)
 
     def close(self) -> None:
         if self._closed:
@@ -159,12 +149,28 @@ class NetnsNodes:
         self._closed = True
         deadline = time.monotonic() + 10
         while (left := self.pids()) and time.monotonic() < deadline:
-            for pid in left:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            sigkill(left)
             time.sleep(0.1)
         for name in self.names:
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
         atexit.unregister(self.close)
+
+
+def namespace_pids(netns: str) -> list[int]:
+    r = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True)
+    return [int(p) for p in r.stdout.split()] if r.returncode == 0 else []
+
+
+def kill_namespace(netns: str) -> list[int]:
+    """The host dies: SIGKILL every process inside `netns`; returns their pids."""
+    pids = namespace_pids(netns)
+    sigkill(pids)
+    return pids
+
+
+def sigkill(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -18,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from testbed.launchers.netns_nodes import sigkill
+
 RAY = str(Path(sys.executable).with_name("ray"))
 
 
@@ -114,11 +116,7 @@ class RayCluster:
             left = self.own_pids()
             if not left:
                 break
-            for pid in left:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            sigkill(left)
             time.sleep(0.1)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
