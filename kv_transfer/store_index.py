@@ -16,13 +16,18 @@ to an error.
 An optional second tier (`disk_capacity_bytes` > 0, a directory on disk in the
 real store: DiskTier) takes the blocks DRAM evicts, LRU as well; a block read
 from it moves back to DRAM. A block leaves the store (an eviction) only when
-the last tier drops it.
+the last tier drops it. A tier's block that cannot be read back intact (its
+file damaged, gone or unreadable: TierReadError) is dropped, counted, and
+never served: whoever asked recomputes it. A block is in one tier at a time.
 """
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -44,6 +49,9 @@ class StoreCounters:
     evictions: int = 0            # blocks dropped from the store (from its last tier)
     demotions: int = 0            # blocks moved from DRAM to the disk tier
     disk_hits: int = 0            # blocks served from the disk tier (and moved back to DRAM)
+    disk_corrupt: int = 0         # disk blocks read back damaged (short, or failing their checksum): dropped
+    disk_read_errors: int = 0     # disk blocks that could not be read at all (file gone or unreadable): dropped
+    disk_write_errors: int = 0    # blocks DRAM evicted that the disk tier could not take: they left the store
     bytes_to_store: int = 0
     bytes_from_store: int = 0
 
@@ -51,13 +59,23 @@ class StoreCounters:
         return asdict(self)
 
 
+class TierReadError(Exception):
+    """A second tier's block that cannot be given back intact; the text names
+    where and why. `corrupt`: it was read, but its bytes are wrong."""
+
+    def __init__(self, why: str, corrupt: bool):
+        super().__init__(why)
+        self.corrupt = corrupt
+
+
 class SecondTier(Protocol):
     """Where the disk tier's bytes live (the simulator keeps none)."""
 
-    def write(self, key: int, value: Any) -> None: ...
+    def write(self, key: int, value: Any) -> bool:
+        """False when the value could not be written (nothing of it is kept)."""
 
-    def read(self, key: int) -> Any | None:
-        """The value written under key, or None when it cannot be read back intact."""
+    def read(self, key: int) -> Any:
+        """The value written under key; TierReadError when it cannot be read back intact."""
 
     def remove(self, key: int) -> None: ...
 
@@ -131,8 +149,8 @@ class StoreIndex:
         when no room can be made."""
         c = self.counters
         c.puts += 1
-        if key in self._blocks:
-            self._blocks.move_to_end(key)
+        if key in self._blocks or key in self._disk:
+            (self._blocks if key in self._blocks else self._disk).move_to_end(key)
             c.blocks_refreshed += 1
             return True
         if not self._make_room(nbytes):
@@ -177,14 +195,16 @@ class StoreIndex:
         cap = self.disk_capacity_bytes
         if size > cap:
             return False
+        assert key not in self._disk, f"block {key:#x} in both tiers"
+        if self._disk_tier is not None and not self._disk_tier.write(key, value):
+            self.counters.disk_write_errors += 1
+            return False
         while self.disk_used_bytes + size > cap:
             old, old_size = self._disk.popitem(last=False)
             self.disk_used_bytes -= old_size
             if self._disk_tier is not None:
                 self._disk_tier.remove(old)
             self.counters.evictions += 1
-        if self._disk_tier is not None:
-            self._disk_tier.write(key, value)
         self._disk[key] = size
         self.disk_used_bytes += size
         self.counters.demotions += 1
@@ -195,14 +215,22 @@ class StoreIndex:
         size = self._disk.get(key)
         if size is None:
             return None
-        value = self._disk_tier.read(key) if self._disk_tier is not None else None
         del self._disk[key]
         self.disk_used_bytes -= size
+        value = None
         if self._disk_tier is not None:
-            self._disk_tier.remove(key)
-            if value is None:                  # unreadable: gone, recomputed by whoever wanted it
+            try:
+                value = self._disk_tier.read(key)
+            except TierReadError as e:         # gone from the store, recomputed by whoever wanted it
+                if e.corrupt:
+                    self.counters.disk_corrupt += 1
+                else:
+                    self.counters.disk_read_errors += 1
                 self.counters.evictions += 1
+                log.warning("kv store: disk block %#x dropped, never served: %s", key, e)
                 return None
+            finally:
+                self._disk_tier.remove(key)
         self.counters.disk_hits += 1
         if self._make_room(size):
             self._blocks[key] = (size, value)

@@ -19,7 +19,7 @@ import zmq
 
 from testbed.kv_transfer import store_wire as wire
 from testbed.kv_transfer.store_config import KVStoreConfig
-from testbed.kv_transfer.store_index import StoreIndex
+from testbed.kv_transfer.store_index import StoreIndex, TierReadError
 from testbed.wire_text import shown
 
 log = logging.getLogger(__name__)
@@ -28,7 +28,10 @@ MAX_FRAME_BYTES = 256 << 20     # a header (4 MiB at most) or one block of KV (5
 
 class DiskTier:
     """The store's second tier: one file per block in `path` (8 bytes of
-    checksum, then the block), verified when read back."""
+    checksum, then the block), verified when read back. A damaged, missing or
+    unreadable file is a TierReadError naming the file, never a crash; so is
+    a failed write (False) or removal (one log line): the disk is not ours
+    alone, and what is on it may change under us."""
 
     def __init__(self, path: str):
         self.path = Path(path)
@@ -37,20 +40,33 @@ class DiskTier:
     def _file(self, key: int) -> Path:
         return self.path / f"{key:016x}.kv"
 
-    def write(self, key: int, value) -> None:
+    def write(self, key: int, value) -> bool:
         checksum, block = value
-        self._file(key).write_bytes(checksum.to_bytes(8, "little") + block)
+        try:
+            self._file(key).write_bytes(checksum.to_bytes(8, "little") + block)
+        except OSError as e:
+            log.warning("kv store: disk tier: cannot write %s (%s): the block leaves the store", self._file(key), e)
+            return False
+        return True
 
     def read(self, key: int):
+        file = self._file(key)
         try:
-            raw = self._file(key).read_bytes()
-        except OSError:
-            return None
+            raw = file.read_bytes()
+        except OSError as e:
+            raise TierReadError(f"{file}: unreadable ({type(e).__name__}: {e.strerror})", corrupt=False) from None
+        if len(raw) <= 8:
+            raise TierReadError(f"{file}: {len(raw)} bytes, shorter than its checksum and a block", corrupt=True)
         checksum, block = int.from_bytes(raw[:8], "little"), raw[8:]
-        return (checksum, block) if wire.block_checksum(block) == checksum else None
+        if wire.block_checksum(block) != checksum:
+            raise TierReadError(f"{file}: its {len(block)} bytes of block fail their checksum", corrupt=True)
+        return checksum, block
 
     def remove(self, key: int) -> None:
-        self._file(key).unlink(missing_ok=True)
+        try:
+            self._file(key).unlink(missing_ok=True)
+        except OSError as e:         # e.g. a directory in its place: not ours to delete
+            log.warning("kv store: disk tier: cannot remove %s (%s)", self._file(key), e)
 
 
 class StoreServer:

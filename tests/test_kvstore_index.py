@@ -208,3 +208,50 @@ def test_sim_disk_tier_counts_as_the_real_one():
         idx.put(k, 4)
     assert idx.num_on_disk([1, 2, 3]) == 2 and idx.get([1, 2, 3]) == [(1, 4, None), (2, 4, None), (3, 4, None)]
     assert idx.counters.disk_hits == 3       # 1, 2 promoted push 3, 4 down: 3 is then read from disk too
+
+
+def test_put_of_a_block_on_disk_refreshes_it_there_without_a_second_copy(tmp_path):
+    from testbed.kv_transfer.store_service import DiskTier
+    from testbed.kv_transfer.store_wire import block_checksum
+    value = {k: (block_checksum(bytes([k]) * 4), bytes([k]) * 4) for k in range(1, 5)}
+    idx = StoreIndex(capacity_bytes=4, disk_capacity_bytes=3 * 4, disk=DiskTier(str(tmp_path / "tier")))
+    for k in (1, 2, 3):
+        idx.put(k, 4, value[k])                         # 1, 2 on disk, 3 in DRAM
+    assert idx.put(1, 4, value[1])                      # a worker recomputed 1 and published it again
+    assert idx.keys() == [3] and idx.num_disk_blocks == 2 and idx.counters.blocks_refreshed == 1
+    idx.put(4, 4, value[4])                             # 3 goes down; 2 is now the disk's oldest, not 1
+    assert idx.disk_used_bytes == 3 * 4 and idx.counters.evictions == 0
+    assert idx.get([1, 2, 3]) == [(k, 4, value[k]) for k in (1, 2, 3)]
+    assert idx.disk_used_bytes == len(list((tmp_path / "tier").iterdir())) * 4
+
+
+def test_damaged_disk_files_are_dropped_counted_and_never_served(tmp_path, caplog):
+    from testbed.kv_transfer.store_service import DiskTier
+    from testbed.kv_transfer.store_wire import block_checksum
+    tier = tmp_path / "tier"
+    value = {k: (block_checksum(bytes([k]) * 64), bytes([k]) * 64) for k in range(1, 9)}
+    idx = StoreIndex(capacity_bytes=64, disk_capacity_bytes=100 * 64, disk=DiskTier(str(tier)))
+    for k in range(1, 8):
+        idx.put(k, 64, value[k])                        # 1..6 on disk, 7 in DRAM
+    file = {k: tier / f"{k:016x}.kv" for k in range(1, 9)}
+    file[1].write_bytes(file[1].read_bytes()[:3])       # shorter than its checksum
+    raw = bytearray(file[2].read_bytes())
+    raw[40] ^= 0xFF                                     # a flipped byte inside the block
+    file[2].write_bytes(raw)
+    file[3].write_bytes(b"\xa5" * (8 + 64))             # garbage of the right length
+    file[4].unlink()
+    file[5].unlink()
+    file[5].mkdir()                                     # a directory in its place: unreadable, even for root
+    with caplog.at_level("WARNING"):
+        for k in (1, 2, 3, 4, 5):
+            assert idx.get([k, 6]) == [] and k not in idx     # never served, gone from the index
+    assert [str(file[k]) in caplog.text for k in (1, 2, 3, 4, 5)] == [True] * 5
+    c = idx.counters
+    assert (c.disk_corrupt, c.disk_read_errors, c.disk_hits, c.evictions) == (3, 2, 0, 5)
+    assert idx.get([6]) == [(6, 64, value[6])]          # the intact one still is
+    assert idx.num_disk_blocks == 1 and idx.disk_used_bytes == 64    # 7, pushed down by 6
+    # the directory stays (not the store's to delete); a block evicted onto its name is not kept
+    assert idx.put(5, 64, value[5])                     # recomputed and published again: 6 goes down
+    assert idx.put(8, 64, value[8])                     # 5 goes down, onto the directory: it leaves the store
+    assert file[5].is_dir() and 5 not in idx and c.disk_write_errors == 1 and c.evictions == 6
+    assert idx.num_disk_blocks == 2 and idx.disk_used_bytes == 2 * 64 and idx.get([6, 7]) != []
