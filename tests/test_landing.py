@@ -85,6 +85,10 @@ def test_zmq_receiver_lands_in_the_reserved_blocks_and_refuses_the_rest(caplog):
         assert got.request_id == "a" and got.ok and got.in_place and got.origin == "prefill-0"
         for s, d in zip([3, 4, 5, 9], reserved["a"]):
             assert torch.equal(dst[:, :, d], src_cache[:, :, s])
+        # the stranger's payload comes on a connection of its own: it may be read after "a"
+        deadline = time.monotonic() + 20
+        while receiver.num_refused < 2 and time.monotonic() < deadline:
+            assert receiver.poll(50) == []
         assert not dst[:, :, 33].any() and not dst[:, :, 5].any()
         assert receiver.num_refused == 2 and receiver.num_rejected == 0
         (ack,) = wait_acks(sender, 1)            # the run's sender hears why; the stranger is not answered
