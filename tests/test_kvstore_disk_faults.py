@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import threading
 from pathlib import Path
 
 import pytest
-import zmq
 
+from store_relay import StoreRelay
 from test_kvstore import colocated, config  # noqa: F401  (colocated: the fixture)
 from testbed.block_manager import prefix_block_keys
-from testbed.kv_transfer import store_wire as wire
 from testbed.runtime.build import apply_sampling
 from testbed.runtime.messages import PrefixFetched
 from testbed.runtime.real import RealRuntime
@@ -57,50 +55,18 @@ def directory(f: Path) -> None:
 DAMAGES = (truncate, flip, garbage, delete, directory)
 
 
-class DamagingRelay(threading.Thread):
-    """ROUTER in front, one DEALER to the store per client behind; damages,
-    before forwarding a get, the disk file of its first key held on disk
-    (one kind of damage per get, in DAMAGES order, until each was done once)."""
+class DamagingRelay(StoreRelay):
+    """Damages, before forwarding a get, the disk file of its first key held on
+    disk (one kind of damage per get, in DAMAGES order, until each was done once)."""
 
     def __init__(self, store_addr: str, host: str, disk: Path):
-        super().__init__(daemon=True)
-        self.store_addr, self.disk = store_addr, disk
-        self.ctx = zmq.Context()
-        self.front = self.ctx.socket(zmq.ROUTER)
-        self.front.setsockopt(zmq.LINGER, 0)
-        self.address = f"tcp://{host}:{self.front.bind_to_random_port(f'tcp://{host}')}"
-        self.stop = threading.Event()
+        super().__init__(store_addr, host)
+        self.disk = disk
         self.damaged: list[tuple[int, str]] = []       # (key, damage) in the order done
-        self.error: BaseException | None = None
 
-    def run(self) -> None:
-        try:
-            self._relay()
-        except BaseException as e:     # noqa: BLE001 (the test reads it)
-            self.error = e
-        finally:
-            self.ctx.destroy(0)
-
-    def _relay(self) -> None:
-        backs: dict[bytes, zmq.Socket] = {}
-        poller = zmq.Poller()
-        poller.register(self.front, zmq.POLLIN)
-        while not self.stop.is_set():
-            for sock, _ in poller.poll(50):
-                if sock is self.front:
-                    ident, header, *data = self.front.recv_multipart()
-                    if ident not in backs:
-                        backs[ident] = self.ctx.socket(zmq.DEALER)
-                        backs[ident].setsockopt(zmq.LINGER, 0)
-                        backs[ident].connect(self.store_addr)
-                        poller.register(backs[ident], zmq.POLLIN)
-                    h = wire.decode(header)
-                    if h.get("op") == "get" and len(self.damaged) < len(DAMAGES):
-                        self._damage_first_on_disk(h["keys"])
-                    backs[ident].send_multipart([header, *data])
-                else:
-                    ident = next(i for i, b in backs.items() if b is sock)
-                    self.front.send_multipart([ident, *sock.recv_multipart()])
+    def on_request(self, client: bytes, header: dict) -> None:
+        if header.get("op") == "get" and len(self.damaged) < len(DAMAGES):
+            self._damage_first_on_disk(header["keys"])
 
     def _damage_first_on_disk(self, keys: list[int]) -> None:
         for key in keys:

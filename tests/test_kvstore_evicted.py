@@ -9,13 +9,11 @@ computes the rest, generates the colocated tokens, and frees every block."""
 from __future__ import annotations
 
 import os
-import threading
 
 import pytest
-import zmq
 
+from store_relay import StoreRelay
 from test_kvstore import colocated, config  # noqa: F401  (colocated: the fixture)
-from testbed.kv_transfer import store_wire as wire
 from testbed.kv_transfer.store_client import StoreClient
 from testbed.runtime.build import apply_sampling
 from testbed.runtime.messages import PrefixFetched
@@ -25,62 +23,28 @@ from testbed.workloads.build import build_workload
 CAPACITY_BYTES = 4 * 2**20
 
 
-class EvictingRelay(threading.Thread):
-    """ROUTER in front, one DEALER to the store per client behind (each
-    client's messages stay in order); evicts the store's blocks once, between
-    the first lookup that finds any and its answer."""
+class EvictingRelay(StoreRelay):
+    """Evicts the store's blocks once, between the first lookup that finds any and its answer."""
 
     def __init__(self, store_addr: str, host: str):
-        super().__init__(daemon=True)
-        self.store_addr = store_addr
-        self.ctx = zmq.Context()
-        self.front = self.ctx.socket(zmq.ROUTER)
-        self.front.setsockopt(zmq.LINGER, 0)
-        self.address = f"tcp://{host}:{self.front.bind_to_random_port(f'tcp://{host}')}"
-        self.stop = threading.Event()
+        super().__init__(store_addr, host)
         self.block_nbytes = 0                       # from the first put that passes
         self.evicted_after: tuple[bytes, int] | None = None    # (client, the lookup's request id)
         self.evictions_caused = 0
-        self.error: BaseException | None = None
+        self._lookups: set[tuple[bytes, int]] = set()
 
-    def run(self) -> None:
-        try:
-            self._relay()
-        except BaseException as e:     # noqa: BLE001 (the test reads it)
-            self.error = e
-        finally:
-            self.ctx.destroy(0)
+    def on_request(self, client: bytes, header: dict) -> None:
+        if header.get("op") == "contains":
+            self._lookups.add((client, header["id"]))
+        elif header.get("op") == "put" and header.get("blocks") and not self.block_nbytes:
+            self.block_nbytes = int(header["blocks"][0][2])
 
-    def _relay(self) -> None:
-        backs: dict[bytes, zmq.Socket] = {}
-        lookups: set[tuple[bytes, int]] = set()
-        poller = zmq.Poller()
-        poller.register(self.front, zmq.POLLIN)
-        while not self.stop.is_set():
-            for sock, _ in poller.poll(50):
-                if sock is self.front:
-                    ident, header, *data = self.front.recv_multipart()
-                    if ident not in backs:
-                        backs[ident] = self.ctx.socket(zmq.DEALER)
-                        backs[ident].setsockopt(zmq.LINGER, 0)
-                        backs[ident].connect(self.store_addr)
-                        poller.register(backs[ident], zmq.POLLIN)
-                    h = wire.decode(header)
-                    if h.get("op") == "contains":
-                        lookups.add((ident, h["id"]))
-                    elif h.get("op") == "put" and h.get("blocks") and not self.block_nbytes:
-                        self.block_nbytes = int(h["blocks"][0][2])
-                    backs[ident].send_multipart([header, *data])
-                else:
-                    ident = next(i for i, b in backs.items() if b is sock)
-                    reply, *frames = sock.recv_multipart()
-                    r = wire.decode(reply)
-                    if (ident, r.get("id")) in lookups:
-                        lookups.discard((ident, r["id"]))
-                        if r.get("n", 0) > 0 and self.evicted_after is None:
-                            self.evicted_after = (ident, r["id"])
-                            self._fill_the_store()
-                    self.front.send_multipart([ident, reply, *frames])
+    def on_reply(self, client: bytes, reply: dict) -> None:
+        if (client, reply.get("id")) in self._lookups:
+            self._lookups.discard((client, reply["id"]))
+            if reply.get("n", 0) > 0 and self.evicted_after is None:
+                self.evicted_after = (client, reply["id"])
+                self._fill_the_store()
 
     def _fill_the_store(self) -> None:
         """More new blocks than the store holds: every unpinned block it had is evicted."""
