@@ -107,13 +107,8 @@ class ModeController(ABC):
         """The run is over: a request still unresolved fails with `error` (no
         finish time: it never ended), and every record still here goes to the sink."""
         for rid in sorted(self.unresolved, key=self.arrival_index.__getitem__):
-            rec = self.records[rid]
-            rec.status, rec.error = "failed", error
-            self.unresolved.discard(rid)
-            self.location.pop(rid, None)
-            self.early_tokens.pop(rid, None)
-            self.early_finish.pop(rid, None)
             self.forget(rid)
+            self._resolve(rid, "failed", error, None)
         for rid in sorted(self.records, key=self.arrival_index.__getitem__):
             self._emit(rid)
 
@@ -182,7 +177,8 @@ class ModeController(ABC):
                       f"workload.max_prompt_len / workload.max_output_len", now)
         return True
 
-    def _resolve(self, rid: str, status: str, error: str | None, now: float) -> None:
+    def _resolve(self, rid: str, status: str, error: str | None, now: float | None) -> None:
+        """`now` None: the request never ended (the run did), so it has no finish time."""
         rec = self.records[rid]
         rec.status, rec.error, rec.finish_s = status, error, now
         self.unresolved.discard(rid)
