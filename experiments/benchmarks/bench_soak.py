@@ -160,13 +160,7 @@ def soak_real(args, out: Path) -> dict:
         return found
 
     sampler = RssSampler(pids, lambda: rt.records.stats.num_requests, args.sample_s, args.requests)
-    sampler.start()
-    t0 = time.monotonic()
-    try:
-        result = rt.run(requests)
-    finally:
-        sampler.stop()
-    wall = time.monotonic() - t0
+    result, wall = sampled_run(rt, requests, sampler)
     summary = result.log.summary(result.duration_s or None)
     leaked = {w: s["num_blocks"] - s["num_free_blocks"] for w, s in result.worker_stats.items() if not s["all_free"]}
     return {"kind": "real", "num_requests": args.requests, "rate": args.rate, "wall_s": wall,
@@ -176,21 +170,27 @@ def soak_real(args, out: Path) -> dict:
             "processes": slopes(sampler.samples, args.requests), "samples": sampler.samples}
 
 
-def soak_sim(args, out: Path) -> dict:
-    from testbed.runtime.sim import SimRuntime
-    cfg = sim_config(args)
-    rt = SimRuntime(cfg, record_dir=out)
-    requests = (sampled(cfg, r) for r in iter_workload(cfg.workload, cfg.model.vocab_size, cfg.seed))
-    sampler = RssSampler(lambda: {"sim": os.getpid()}, lambda: rt.records.stats.num_requests, args.sample_s, args.sim)
+def sampled_run(rt, requests, sampler: RssSampler):
+    """rt.run(requests) with the RSS sampler going; returns the result and the run's wall time."""
     sampler.start()
     t0 = time.monotonic()
     try:
         result = rt.run(requests)
     finally:
         sampler.stop()
-    run_s = time.monotonic() - t0
+    return result, time.monotonic() - t0
+
+
+def soak_sim(args, out: Path) -> dict:
+    from testbed.runtime.sim import SimRuntime
+    cfg = sim_config(args)
+    rt = SimRuntime(cfg, record_dir=out)
+    requests = (sampled(cfg, r) for r in iter_workload(cfg.workload, cfg.model.vocab_size, cfg.seed))
+    sampler = RssSampler(lambda: {"sim": os.getpid()}, lambda: rt.records.stats.num_requests, args.sample_s, args.sim)
+    result, run_s = sampled_run(rt, requests, sampler)
+    t0 = time.monotonic()
     summary = result.log.summary(result.duration_s or None)
-    summary_s = time.monotonic() - t0 - run_s
+    summary_s = time.monotonic() - t0
     return {"kind": "sim", "num_requests": args.sim, "rate": args.sim_rate, "wall_s": run_s, "summary_s": summary_s,
             "num_finished": summary["num_finished"], "lost": args.sim - summary["num_finished"],
             "kv_blocks_leaked": {w: s["num_blocks"] - s["num_free_blocks"]
