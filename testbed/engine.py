@@ -8,6 +8,7 @@ simulator (virtual clock, a cost model): `Clock` says which time it reads.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -44,23 +45,41 @@ class Engine:
         self.clock = clock
         self.prefill_only = prefill_only
         self.bm = scheduler.bm
+        # a decode worker's requests whose KV arrived while every seat
+        # (max_num_seqs) was taken: they keep their blocks and join the running
+        # decodes, oldest first, as seats free up
+        self.seat_queue: deque[Request] = deque()
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add(request)
 
     def add_prefilled(self, request: Request) -> None:
         """A decode worker admits a request whose prompt KV already sits in its
-        blocks (written by the transport): it joins the running decodes."""
+        blocks (written by the transport): it joins the running decodes, or
+        waits for a seat when max_num_seqs are already running."""
         request.num_computed_tokens = request.prompt_len
-        request.status = RequestStatus.RUNNING
-        self.scheduler.running.append(request)
+        self.seat_queue.append(request)
+        self._seat_prefilled()
+
+    def _seat_prefilled(self) -> None:
+        queue, running = self.seat_queue, self.scheduler.running
+        while queue and len(running) < self.scheduler.cfg.max_num_seqs:
+            request = queue.popleft()
+            request.status = RequestStatus.RUNNING
+            running.append(request)
 
     def abort(self, request_id: str) -> Request | None:
         req = self.scheduler.find(request_id)
         if req is not None:
             self.scheduler.remove(req)
-            req.status = RequestStatus.ABORTED
-            req.finish_s = self.clock.now()
+        else:
+            req = next((r for r in self.seat_queue if r.request_id == request_id), None)
+            if req is None:
+                return None
+            self.seat_queue.remove(req)
+            self.bm.free(request_id)
+        req.status = RequestStatus.ABORTED
+        req.finish_s = self.clock.now()
         return req
 
     def release(self, request_id: str) -> None:
@@ -68,11 +87,13 @@ class Engine:
         self.bm.free(request_id)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.seat_queue)
 
     def step(self, on_layer_done: Callable[[int, Batch], None] | None = None) -> StepOutput | None:
         """`on_layer_done(layer, batch)` runs after each layer of the forward pass."""
         start = self.clock.now()
+        if self.seat_queue:
+            self._seat_prefilled()
         batch = self.scheduler.schedule()
         if not batch:
             return None

@@ -152,3 +152,27 @@ def test_disagg_generates_the_colocated_tokens(colocated, tmp_path, transport, l
     assert sum(it["num_decode_tokens"] for it in decode_its) == sum(r.max_tokens - 1 for r in reqs.values())
     assert all(it["num_prefill_tokens"] == 0 for it in decode_its)
     assert all(by_role[w] for w in workers), "a decode worker got no request"
+
+
+def test_decode_worker_seats_at_most_max_num_seqs(colocated, tmp_path):
+    """A burst whose KV lands while the one seat is taken: those requests wait
+    in their reserved blocks and join as a seat frees, never running past
+    max_num_seqs (which used to fail the decode worker's scheduler check)."""
+    cfg = config(max_num_seqs=1, workload={"rate": 1000.0})
+    summary = execute(cfg, tmp_path)
+    records = read_jsonl(tmp_path / "requests.jsonl")
+    assert [r["status"] for r in records] == ["finished"] * 8
+    assert_same_tokens(cfg, {r["request_id"]: r["output_token_ids"] for r in records}, colocated)
+    decode_its = [it for it in read_jsonl(tmp_path / "iterations.jsonl") if it["worker"] == "decode0"]
+    assert max(it["num_decode_tokens"] for it in decode_its) == 1
+    assert summary["kv_blocks_leaked"] == {}
+
+
+def test_simulated_decode_worker_queues_past_max_num_seqs(tmp_path):
+    cfg = from_dict({"mode": "disagg", "runtime": {"name": "sim"}, "max_num_seqs": 4, "wandb": {"mode": "disabled"},
+                     "progress": False, "workload": {**WORKLOAD, "num_requests": 40, "rate": 500.0}})
+    summary = execute(cfg, tmp_path)
+    assert summary["num_finished"] == 40
+    decode_its = [it for it in read_jsonl(tmp_path / "iterations.jsonl") if it["worker"] == "decode0"]
+    assert max(it["num_decode_tokens"] for it in decode_its) == 4
+    assert summary["kv_blocks_leaked"] == {}
