@@ -96,6 +96,12 @@ def print_summary(summary: dict, out: Path) -> None:
         ks = summary["kv_store"]
         moved = f"to {ks['bytes_to_store'] / 2**20:.1f} MiB  from {ks['bytes_from_store'] / 2**20:.1f} MiB"
         rows.append(("kv_store", f"hits {ks['hits']}  misses {ks['misses']}  evictions {ks['evictions']}  {moved}"))
+        if ks.get("demotions") or ks.get("disk_hits"):
+            rows.append(("kv_store disk tier", f"demoted {ks['demotions']}  hits {ks['disk_hits']}"))
+        damaged = {k: ks.get(k) for k in ("puts_corrupt", "puts_rejected", "get_misses", "disk_corrupt",
+                                          "disk_read_errors", "disk_write_errors") if ks.get(k)}
+        if damaged:
+            rows.append(("kv_store dropped (blocks)", "  ".join(f"{k} {v}" for k, v in damaged.items())))
     if summary.get("kv_transfer"):
         kt = summary["kv_transfer"]
         exposed = kt["exposed_ms"]["p50"]

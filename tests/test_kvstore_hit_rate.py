@@ -4,6 +4,8 @@ offline LRU replay of the same block sequence (a bounded store); on
 runtime=sim, and on runtime=real for a shortened trace."""
 from __future__ import annotations
 
+import re
+
 import json
 import random
 from collections import OrderedDict
@@ -185,7 +187,7 @@ def test_real_unbounded_store_hit_rate_equals_the_reuse_in_the_hash_ids(tmp_path
         {k: ks[k] for k in ("hits", "misses", "blocks_stored", "evictions")}
 
 
-def test_a_disk_tier_keeps_what_a_small_dram_tier_evicts(tmp_path):
+def test_a_disk_tier_keeps_what_a_small_dram_tier_evicts(tmp_path, capsys):
     prefix_tree_trace(tmp_path / "t.jsonl", 80, BLOCK, seed=5, gap_ms=500)
     rates = {}
     for name, dram, disk in (("unbounded", None, 0), ("dram", 12, 0), ("dram+disk", 12, 10_000)):
@@ -195,6 +197,11 @@ def test_a_disk_tier_keeps_what_a_small_dram_tier_evicts(tmp_path):
         cfg.kvstore.disk_capacity_bytes, cfg.kvstore.disk_path = disk * block_bytes, str(tmp_path / "unused")
         summary = execute(cfg, tmp_path / name)
         rates[name] = summary["prefix_cache"]["store_hit_rate"]
+        ks, printed = summary["kv_store"], capsys.readouterr().out
         if disk:
-            assert summary["kv_store"]["disk_hits"] > 0 and summary["kv_store"]["evictions"] == 0
+            assert ks["disk_hits"] > 0 and ks["evictions"] == 0
+            # the run's printed summary says what the disk tier did
+            assert re.search(rf"kv_store disk tier +demoted {ks['demotions']}  hits {ks['disk_hits']}\n", printed)
+        else:
+            assert "disk tier" not in printed
     assert rates["dram"] < rates["dram+disk"] == rates["unbounded"]
