@@ -4,10 +4,9 @@ offline LRU replay of the same block sequence (a bounded store); on
 runtime=sim, and on runtime=real for a shortened trace."""
 from __future__ import annotations
 
-import re
-
 import json
 import random
+import re
 from collections import OrderedDict
 from pathlib import Path
 
