@@ -125,6 +125,15 @@ class ModeController(ABC):
     def done(self) -> bool:
         return not self.unresolved
 
+    def held_by(self) -> dict[str, list[str]]:
+        """Per worker, the unresolved requests it holds something for: what the
+        frontend still counts on, so the heartbeat renews those leases."""
+        out: dict[str, list[str]] = {}
+        for rid, workers in self.location.items():
+            for w in workers:
+                out.setdefault(w, []).append(rid)
+        return out
+
     # -- shared helpers ----------------------------------------------------------
     def _deliver(self, rid: str, index: int, token: int, now: float) -> None:
         """Token `index` of the request reached the frontend; it and any held

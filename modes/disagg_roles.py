@@ -66,6 +66,11 @@ class PrefillWorker(WorkerService):
             print(f"worker {self.worker_id}: no release of {rid} within transfer.lease_s={lease_s:g} s of "
                   f"sending its KV: lease expired, freed its {n} blocks", file=sys.stderr)
 
+    def renew_leases(self, request_ids: list[str], now: float) -> None:
+        for rid in request_ids:
+            if rid in self.awaiting_release:
+                self.awaiting_release[rid] = now
+
     def _layer_hook(self):
         return self._send_layer if self.layerwise else None
 
@@ -162,6 +167,12 @@ class DecodeWorker(WorkerService):
                    f"freed its {n} blocks")
             print(f"worker {self.worker_id}: {rid}: {why}", file=sys.stderr)
             self.emit(Finished.failed(rid, why))     # a request whose KV was lost gets a status
+
+    def renew_leases(self, request_ids: list[str], now: float) -> None:
+        # a reservation whose prompt still waits for (or is in) its prefill
+        for rid in request_ids:
+            if rid in self.reserved_s:
+                self.reserved_s[rid] = now
 
     def has_work(self) -> bool:
         return self.engine.has_work() or bool(self.reserved)

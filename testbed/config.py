@@ -199,6 +199,10 @@ def validate(cfg: RunConfig) -> None:
     for sub in (cfg.runtime, cfg.model, cfg.workload, cfg.transfer, cfg.kvstore, cfg.hardware, cfg.link,
                 cfg.parallel, cfg.experiment, cfg.adaptive, cfg.ray, cfg.hybrid):
         sub.validate()
+    if cfg.transfer.lease_s <= 2 * cfg.runtime.heartbeat_s:
+        # the heartbeat renews the leases of what the frontend still counts on
+        raise ValueError(f"transfer.lease_s: must exceed two heartbeats (runtime.heartbeat_s="
+                         f"{cfg.runtime.heartbeat_s}), got {cfg.transfer.lease_s}; raise it or lower the heartbeat")
     for name in POOLS:
         getattr(cfg, name).validate(name)
         if cfg.runtime.name == "real":

@@ -45,7 +45,7 @@ class WorkerService:
             Connect: lambda m: self.kv_port.connect(m.peer, m.address),
             ExpectSenders: lambda m: self.kv_port.expect_senders(m.senders),
             Stop: self._stop,
-            Ping: lambda m: self.emit(Pong(self.worker_id)),
+            Ping: self._ping,
         }
 
     # -- commands ----------------------------------------------------------
@@ -58,8 +58,15 @@ class WorkerService:
     def _stop(self, msg: Stop) -> None:
         self.stopping = True
 
+    def _ping(self, msg: Ping) -> None:
+        self.renew_leases(msg.held, self.engine.clock.now())
+        self.emit(Pong(self.worker_id))
+
     def _release(self, request_id: str) -> None:
-        """Free the KV blocks of a request that left the scheduler."""
+        """Free the KV blocks of a request that ended. One still queued or
+        running here ended elsewhere (its decode side failed, say): it leaves
+        the scheduler too, or it would go on computing into freed blocks."""
+        self.engine.abort(request_id)
         self.engine.release(request_id)
 
     def _holds(self, request_id: str) -> bool:
@@ -85,6 +92,10 @@ class WorkerService:
         """Free blocks held for a hand-off whose acknowledgement is older than
         `lease_s` (transfer.lease_s). Only the real runtime's loop calls it: a
         message is lost only on a real wire."""
+
+    def renew_leases(self, request_ids: list[str], now: float) -> None:
+        """The frontend still counts on these requests (its heartbeat says so):
+        what is held for them is waiting, not lost, and its lease starts over."""
 
     def _layer_hook(self) -> Callable[[int, Batch], None] | None:
         return None

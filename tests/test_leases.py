@@ -16,8 +16,11 @@ import time
 
 import pytest
 
-from testbed.runtime.messages import Abort, Release
 from testbed.config import validate
+from testbed.engine import WallClock
+from testbed.request import Request
+from testbed.runtime.build import build_engine, build_worker
+from testbed.runtime.messages import Abort, Prefill, Release, request_to_msg
 from tests.test_disagg_faults import LONG, Watch, check, config, long_request, run
 
 LEASE_S = 3.0
@@ -65,3 +68,55 @@ def test_expired_leases_free_the_blocks_of_lost_acknowledgements(capfd):
 def test_a_lease_must_be_positive():
     with pytest.raises(ValueError, match=r"transfer\.lease_s: must be > 0 seconds, got 0"):
         validate(config(transfer={"lease_s": 0}))
+
+
+def test_a_reservation_queued_behind_long_prefills_outlives_its_lease():
+    """The frontend's heartbeat names what it still counts on, so a decode
+    worker's reservation whose prompt waits at the prefill worker for far
+    longer than transfer.lease_s is renewed, not expired (it used to be: with a
+    1 s lease 7 of 8 such requests failed and the prefill worker went on
+    computing them into freed blocks)."""
+    n = 6
+    cfg = config(runtime={"heartbeat_s": 0.25}, transfer={"lease_s": 1.0},
+                 workload={"num_requests": 1, "inject_arrival_s": [0.05] * n, "inject_prompt_len": [2 * LONG] * n,
+                           "inject_output_len": [4] * n})
+    reserved: dict[str, float] = {}
+    waited: list[float] = []        # s from a reservation to its KV landing
+
+    def hook(rt, ev) -> None:
+        if ev.kind == "reserved":
+            reserved[ev.id] = time.monotonic()
+        elif ev.kind == "kv_received":
+            waited.append(time.monotonic() - reserved[ev.id])
+
+    result = run(cfg, Watch(), hook)
+    check(result, cfg, {}, {"prefill0", "decode0"})
+    assert len(waited) == n + 1 and max(waited) > 2 * cfg.transfer.lease_s, waited
+    stats = result.worker_stats
+    assert stats["prefill0"]["num_leases_expired"] == 0 and stats["decode0"]["num_leases_expired"] == 0
+
+
+def test_a_lease_must_outlast_two_heartbeats():
+    cfg = config(runtime={"heartbeat_s": 1.0}, transfer={"lease_s": 1.5})
+    with pytest.raises(ValueError, match=r"transfer.lease_s: must exceed two heartbeats \(runtime.heartbeat_s=1.0\)"):
+        validate(cfg)
+
+
+def test_a_release_takes_a_prompt_still_at_the_prefill_worker_out_of_its_scheduler():
+    """`Release` of a request that ended elsewhere (its decode side failed)
+    while its prompt is mid-prefill or still queued: the prefill worker stops
+    computing it and every block comes back (it used to free the blocks and
+    keep the request scheduled, computing into blocks it no longer held)."""
+    cfg = config()
+    engine = build_engine(cfg, "prefill", WallClock())
+    worker = build_worker("prefill0", "prefill", engine, lambda ev: None, None, False)
+    mid, queued = (Request(rid, list(range(1, 2 * LONG + 1)), 4) for rid in ("mid", "queued"))
+    for req in (mid, queued):
+        worker.handle(Prefill(request_to_msg(req), "decode0", []))
+    out = worker.step()              # the first chunk of `mid`; `queued` waits behind it
+    assert out.iteration.num_prefill_tokens == cfg.token_budget and not out.prefill_completed
+    assert engine.bm.num_free_blocks < cfg.num_kv_blocks
+    for rid in ("mid", "queued"):
+        worker.handle(Release(rid))
+    assert not worker.has_work() and worker.step() is None
+    assert engine.bm.num_free_blocks == cfg.num_kv_blocks

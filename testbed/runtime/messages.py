@@ -18,7 +18,7 @@ mode=kvstore adds: PrefixFetched (a prefill worker found a prompt's cached
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Sequence
 
 from testbed.kv_transfer.store_index import StoreCounters
@@ -142,8 +142,11 @@ class Stop(Command):
 @dataclass(slots=True)
 class Ping(Command):
     """The frontend's heartbeat (runtime.heartbeat_s); the first also wakes the
-    ROUTER's route to a worker at start-up. A worker answers Pong."""
+    ROUTER's route to a worker at start-up. A worker answers Pong. `held`: the
+    requests the frontend still counts on this worker for; what the worker
+    holds for one of them is not a lost hand-off, so its lease starts over."""
     kind: ClassVar[str] = "ping"
+    held: list[str] = field(default_factory=list)
 
 
 # -- worker -> frontend ----------------------------------------------------------------
