@@ -309,6 +309,9 @@ def test_client_aborts_during_prefill_transfer_and_decode():
     long_rid, watch = long_request(cfg), Watch()
     aborted: dict[str, str] = {}
     prefill_its = [None]
+    # the two workers report on separate sockets: a request's kv_received can be read before its
+    # prefilled, so "on the link" and "decoding" are told apart by which of the two came first
+    prefilled, received = set(), set()
 
     def hook(rt: RealRuntime, ev: Event) -> None:
         kind, rid = ev.kind, getattr(ev, "id", None)
@@ -321,12 +324,16 @@ def test_client_aborts_during_prefill_transfer_and_decode():
             if prefill_its[0] == 2:
                 aborted["prefill"] = long_rid
                 rt.controller.abort(long_rid, now)
-        elif kind == "prefilled" and rid != long_rid and "transfer" not in aborted:
-            aborted["transfer"] = rid
-            rt.controller.abort(rid, now)
-        elif kind == "kv_received" and rid not in aborted.values() and "decode" not in aborted:
-            aborted["decode"] = rid
-            rt.controller.abort(rid, now)
+        elif kind == "prefilled":
+            prefilled.add(rid)
+            if rid != long_rid and rid not in received and "transfer" not in aborted:
+                aborted["transfer"] = rid
+                rt.controller.abort(rid, now)
+        elif kind == "kv_received":
+            received.add(rid)
+            if rid in prefilled and rid not in aborted.values() and "decode" not in aborted:
+                aborted["decode"] = rid
+                rt.controller.abort(rid, now)
 
     result = run(cfg, watch, hook)
     assert set(aborted) == {"prefill", "transfer", "decode"}
