@@ -2,9 +2,15 @@
 fresh `testbed profile`:
 
 1. stall: the `stall` workload (two 1,800-token prompts landing among eight
-   decodes) under a p99 TBT SLO; adaptive against sarathi with a too-large
-   budget (misses the SLO) and a too-small one (slow long prompts). Each
-   policy --repeats times, alternated; the spread between repeats is the noise.
+   decodes) under a p99 TBT SLO; adaptive (planning the bound: the corrected
+   prediction times the tbt_quantile of its recent residuals) and
+   adaptive-mean (`adaptive.tbt_quantile=null`: the mean at tbt_headroom 0.9,
+   the planner before the bound) against sarathi with a too-large budget
+   (misses the SLO) and a too-small one (slow long prompts). Each policy
+   --repeats times, alternated; the spread between repeats is the noise. Late
+   gaps (over the SLO) are split by the worker's iteration they came from:
+   decode-only iterations over the SLO (nothing a budget can fix) and
+   iterations carrying prefill over it (the planner's misses).
 2. self-correction: the stall workload with longer answers (>= 400
    iterations), adaptive planning with the fresh profile deliberately 2x off
    (every term of the cost model doubled), and with it as measured (the noise
@@ -29,7 +35,9 @@ from pathlib import Path
 import numpy as np
 
 SLO_TBT_MS = 50.0
-POLICIES = [("adaptive", None), ("sarathi-1024", 1024), ("sarathi-32", 32)]
+# (label, scheduler, token_budget, adaptive.tbt_quantile): "default" keeps the config's
+POLICIES = [("adaptive", "adaptive", None, "default"), ("adaptive-mean", "adaptive", None, None),
+            ("sarathi-1024", "sarathi", 1024, "default"), ("sarathi-32", "sarathi", 32, "default")]
 WINDOW, THRESHOLD = 20, 0.15
 
 
@@ -61,18 +69,48 @@ def long_prompt_ttft_ms(out: Path, min_len: int) -> float:
     return 1e3 * float(np.mean(ttfts))
 
 
+def late_gaps(out: Path, slo_tbt_ms: float, min_budget: int) -> dict:
+    """Token gaps over the SLO at the frontend, and the decode tokens of the
+    worker's iterations that ended more than one SLO after the previous one:
+    decode-only ones (no budget can help), adaptive's at min_budget (nothing
+    fit: the starvation guard), adaptive's whose mean prediction alone was
+    past the SLO (planned so: banked slack spent, max_slack_tbt > 0), and the
+    other ones carrying prefill (adaptive: the planner's misses; sarathi: its
+    fixed budget). Also the mixed iterations' mean prediction (p50, ms): how
+    much of the SLO the plan gave them."""
+    from testbed.metrics import read_iterations, read_requests
+    gaps = np.concatenate([np.diff(r.token_times_s) for r in read_requests(out / "requests.jsonl")
+                           if len(r.token_times_s) > 1])
+    slo_s, prev_end, planned = slo_tbt_ms * 1e-3, None, []
+    late = {"decode_only": 0, "min_budget": 0, "slack": 0, "with_prefill": 0}
+    for it in read_iterations(out / "iterations.jsonl"):
+        end = it.start_s + it.duration_s
+        if prev_end is not None and it.num_decode_tokens and end - prev_end > slo_s:
+            kind = "with_prefill" if it.num_prefill_tokens else "decode_only"
+            if it.num_prefill_tokens and it.predicted_s is not None:
+                kind = ("min_budget" if it.token_budget - it.num_decode_tokens <= min_budget
+                        else "slack" if it.predicted_s > slo_s else kind)
+            late[kind] += it.num_decode_tokens
+        if it.num_prefill_tokens and it.num_decode_tokens and it.predicted_s is not None:
+            planned.append(it.predicted_s)
+        prev_end = end
+    return {"num_gaps": len(gaps), "late_gaps": int((gaps > slo_s).sum()), **late,
+            "mixed_predicted_p50_ms": 1e3 * float(np.median(planned)) if planned else None}
+
+
 def stall(cfg, out: Path, repeats: int) -> list[dict]:
     rows = []
     for rep in range(repeats):
-        for label, budget in POLICIES:
-            pcfg = dataclasses.replace(cfg, scheduler="adaptive" if budget is None else "sarathi",
-                                       token_budget=budget or cfg.token_budget)
+        for label, scheduler, budget, quantile in POLICIES:
+            acfg = cfg.adaptive if quantile == "default" else dataclasses.replace(cfg.adaptive, tbt_quantile=quantile)
+            pcfg = dataclasses.replace(cfg, scheduler=scheduler, token_budget=budget or cfg.token_budget, adaptive=acfg)
             d = out / "stall" / f"{label}-{rep}"
             s = run(pcfg, d)
             rows.append({"policy": label, "repeat": rep, "tbt_p99_ms": s["tbt_ms"]["p99"],
                          "tbt_max_ms": s["tbt_ms"]["max"], "ttft_p50_ms": s["ttft_ms"]["p50"],
                          "long_ttft_ms": long_prompt_ttft_ms(d, min(cfg.workload.inject_prompt_len)),
-                         "prefill_budget_p50": s["iterations"].get("prefill_budget", {}).get("p50")})
+                         "prefill_budget_p50": s["iterations"].get("prefill_budget", {}).get("p50"),
+                         **late_gaps(d, cfg.slo.tpot_ms, cfg.adaptive.min_budget)})
     return rows
 
 
@@ -154,6 +192,7 @@ def main() -> None:
     parser.add_argument("--profile", default=None, help="use this profile YAML instead of measuring a fresh one")
     parser.add_argument("--slo-tbt-ms", type=float, default=SLO_TBT_MS, help="the p99 TBT SLO (slo.tpot_ms)")
     parser.add_argument("--max-slack-tbt", type=float, default=1.0, help="adaptive.max_slack_tbt")
+    parser.add_argument("--stall-only", action="store_true", help="skip the self-correction runs")
     args = parser.parse_args()
     os.environ.setdefault("WANDB_MODE", "disabled")
     out = Path(args.out)
@@ -163,28 +202,39 @@ def main() -> None:
         from testbed.profiling.profile import profile_main
         assert profile_main(["--out", str(profile)] + (["--quick"] if args.quick_profile else [])) == 0
     cfg = base_config(profile, args.slo_tbt_ms, args.max_slack_tbt)
+    load_before = os.getloadavg()
     rows = stall(cfg, out, args.repeats)
-    sc = selfcorrect(cfg, out)
-    (out / "report.json").write_text(json.dumps({"stall": rows, "selfcorrect": sc}, indent=1))
+    sc = {} if args.stall_only else selfcorrect(cfg, out)
+    (out / "report.json").write_text(json.dumps({"stall": rows, "selfcorrect": sc,
+                                                 "load_average": [load_before, os.getloadavg()]}, indent=1))
     print(f"\nstall workload, real engine (tiny, this CPU), p99 TBT SLO {args.slo_tbt_ms:g} ms, "
-          f"adaptive.max_slack_tbt={args.max_slack_tbt:g}; "
+          f"adaptive.max_slack_tbt={args.max_slack_tbt:g}, adaptive.tbt_quantile={cfg.adaptive.tbt_quantile}; "
+          f"load average (1, 5, 15 min) {' '.join(f'{x:.1f}' for x in load_before)} before, "
+          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} after; "
           f"median [min, max] of {args.repeats} repeats")
-    for label, _ in POLICIES:
+    for label, *_ in POLICIES:
         sel = [r for r in rows if r["policy"] == label]
 
         def m(key):
             v = sorted(r[key] for r in sel)
             return f"{np.median(v):7.1f} [{v[0]:.1f}, {v[-1]:.1f}]"
+        late = " ".join(f"{r['late_gaps']}/{r['num_gaps']} ({r['decode_only']}+{r['min_budget']}+{r['slack']}"
+                        f"+{r['with_prefill']})" for r in sel)
+        planned = [r["mixed_predicted_p50_ms"] for r in sel if r["mixed_predicted_p50_ms"] is not None]
         print(f"  {label:<13} TBT p99 {m('tbt_p99_ms')}  max {m('tbt_max_ms')}  TTFT p50 {m('ttft_p50_ms')}  "
               f"long prompts' TTFT {m('long_ttft_ms')} ms  prefill budget p50 {sel[0]['prefill_budget_p50']}")
-    print(f"\nself-correction (error = |predicted / measured - 1| per iteration, crossing: rolling median of "
-          f"{WINDOW} stays < {THRESHOLD:.0%})")
+        print(f"  {'':<13} late gaps per repeat {late}: over the SLO / all (at the worker: decode-only + "
+              f"at min_budget + slack + other with prefill)" + (f"; mixed steps' mean prediction p50 "
+                                  f"{' '.join(f'{p:.1f}' for p in planned)} ms" if planned else ""))
+    if sc:
+        print(f"\nself-correction (error = |predicted / measured - 1| per iteration, crossing: rolling median of "
+              f"{WINDOW} stays < {THRESHOLD:.0%})")
     for label, r in sc.items():
         print(f"  {label:<12} {r['num_iterations']} iterations, first error {r['first_error']:.0%}, median of the "
               f"first {WINDOW} {r['median_first_20']:.0%}, after 200: median {r['median_after_200']:.1%} "
               f"p90 {r['p90_after_200']:.1%}; first under at iteration {r['first_crossing']}, "
               f"stays under from {r['crossing']}")
-    print(f"-> {out}/report.json, {out}/selfcorrect.png")
+    print(f"-> {out}/report.json" + (f", {out}/selfcorrect.png" if sc else ""))
 
 
 if __name__ == "__main__":

@@ -6,10 +6,13 @@ Each iteration (iteration_budget):
 - every running decode runs, as in sarathi; the prefill budget P is the
   largest multiple of `budget_multiple` in [min_budget, max_budget] for which
   the predicted iteration (the decodes plus the chunks P would schedule, FCFS)
-  ends before the earliest decode's next token deadline, planned at
-  tbt_headroom of one TBT SLO after its last token. Nothing fits: min_budget,
-  so prompts never starve (each scheduled prompt gains at least min_budget
-  tokens, or its remainder);
+  ends before the earliest decode's next token deadline, one TBT SLO after
+  its last token. "Predicted" is a bound, not a mean: the corrected
+  prediction times the `tbt_quantile` of the recent measured/predicted ratios
+  (StepCorrection.bound), so on a noisy machine the plan leaves the room the
+  noise takes (with tbt_quantile null: the mean, planned at tbt_headroom of
+  the SLO). Nothing fits: min_budget, so prompts never starve (each scheduled
+  prompt gains at least min_budget tokens, or its remainder);
 - no running decodes: nobody to protect, P = max_budget;
 - TTFT awareness: when the oldest waiting prompt would miss its TTFT deadline
   at P, the decodes' banked fluidity slack (TokenDeadlines, at most
@@ -17,8 +20,9 @@ Each iteration (iteration_budget):
 
 The predictor is the cost model (SchedulerContext); StepCorrection scales it
 per batch kind by the measured/predicted ratio of finished steps (on_step), so
-a wrong profile converges instead of misleading the budget. Each batch
-carries its budget and corrected prediction into iterations.jsonl."""
+a wrong profile converges instead of misleading the budget, and keeps the
+spread of what is left. Each batch carries its budget and corrected (mean)
+prediction into iterations.jsonl."""
 from __future__ import annotations
 
 import math
@@ -32,6 +36,10 @@ from testbed.schedulers.context import SchedulerContext
 from testbed.schedulers.deadlines import TokenDeadlines
 from testbed.schedulers.sarathi import SarathiScheduler
 from testbed.schedulers.step_correction import MIXED, StepCorrection, batch_kind
+
+# a noise-free simulation plans iterations to end exactly on the deadline: 1 µs keeps the
+# float rounding of token times from putting a gap over the SLO
+_EDGE_S = 1e-6
 
 
 class AdaptiveScheduler(SarathiScheduler):
@@ -50,7 +58,10 @@ class AdaptiveScheduler(SarathiScheduler):
         self.tbt_s = context.slo_tbt_ms * 1e-3
         self.ttft_s = context.slo_ttft_ms * 1e-3
         self.deadlines = TokenDeadlines(self.tbt_s)
-        self.correction = StepCorrection(self.acfg.ewma_alpha)
+        self.correction = StepCorrection(self.acfg.ewma_alpha, self.acfg.tbt_quantile)
+        # the part of a TBT SLO an iteration may take: all of it when bound() carries the error margin
+        self.plan_s = (self.tbt_s - _EDGE_S if self.acfg.tbt_quantile is not None
+                       else self.acfg.tbt_headroom * self.tbt_s)
         self.prefill_budget = self.acfg.max_budget     # the budget of the batch being planned
         self._planned: tuple[Batch, str, float] | None = None    # (batch, kind, raw prediction)
 
@@ -97,7 +108,7 @@ class AdaptiveScheduler(SarathiScheduler):
             self.prefill_budget = cfg.max_budget
             return decode_tokens + cfg.max_budget
         now = self.context.clock.now()
-        plan_s = cfg.tbt_headroom * self.tbt_s
+        plan_s = self.plan_s
         budget = self._largest(decodes, work, last_token_s + plan_s - now)
         head = work[0]
         if cfg.max_slack_tbt and self._misses_ttft(head, budget, plan_s, now):
@@ -128,7 +139,7 @@ class AdaptiveScheduler(SarathiScheduler):
         return work
 
     def _largest(self, decodes: list[tuple[int, int]], work: list[Request], target_s: float) -> int:
-        """The largest prefill budget whose predicted iteration takes at most target_s."""
+        """The largest prefill budget whose predicted iteration (the bound) takes at most target_s."""
         cfg, predict, correct, min_chunk = self.acfg, self.predictor.iteration_time_s, self.correction, self.min_chunk
         todo = [(r.num_tokens - r.num_computed_tokens, r.num_computed_tokens) for r in work]
 
@@ -143,7 +154,7 @@ class AdaptiveScheduler(SarathiScheduler):
                 budget -= n
                 if not budget:
                     break
-            return correct.corrected(predict(pairs, sampled), MIXED) <= target_s
+            return correct.bound(predict(pairs, sampled), MIXED) <= target_s
         return largest_fitting(fits, cfg.min_budget, cfg.max_budget, cfg.budget_multiple)
 
     def _misses_ttft(self, head: Request, budget: int, plan_s: float, now: float) -> bool:

@@ -12,8 +12,16 @@ class AdaptiveConfig:
     min_budget: int = 64           # prefill tokens a scheduled prompt gains per iteration, at least
     max_budget: int = 8192         # prefill tokens per iteration, at most
     budget_multiple: int = 64      # budgets are rounded down to a multiple of this (GEMM tiles)
-    # the part of each token's TBT deadline an iteration is planned to use: the rest is
-    # room for the predictor's error and the engine's time between steps
+    # the share of iterations the adaptive plan keeps within the running decodes' token
+    # deadlines: each is planned so that its corrected prediction times this quantile of the
+    # recent measured/predicted ratios of its batch kind fits the whole TBT SLO, so the room
+    # left for the predictor's error follows the measured noise. 0.995 for a p99 TBT SLO: the
+    # planned iterations get half of its 1% of late gaps, the rest is left to what no budget
+    # prevents (decode-only iterations over the SLO, the estimate's first steps). null: plan
+    # the mean prediction at tbt_headroom of the SLO (no spread).
+    tbt_quantile: float | None = 0.995
+    # the part of each token's TBT deadline an iteration is planned to use by token_budget=auto
+    # (and by adaptive when tbt_quantile is null): the rest is room for the predictor's error
     tbt_headroom: float = 0.9
     # banked fluidity slack (in TBT SLOs) one iteration may spend, and only while the
     # oldest waiting prompt would miss its TTFT deadline at the plain budget
@@ -35,6 +43,9 @@ class AdaptiveConfig:
             raise ValueError(f"adaptive.max_budget: {self.max_budget} is below adaptive.min_budget={self.min_budget}")
         if not 0.0 < self.tbt_headroom <= 1.0:
             raise ValueError(f"adaptive.tbt_headroom: must be in (0, 1], got {self.tbt_headroom}")
+        if self.tbt_quantile is not None and not 0.0 < self.tbt_quantile < 1.0:
+            raise ValueError(f"adaptive.tbt_quantile: must be in (0, 1) (0.995 for a p99 TBT SLO) or null "
+                             f"(plan the mean at adaptive.tbt_headroom), got {self.tbt_quantile}")
         if self.max_slack_tbt < 0:
             raise ValueError(f"adaptive.max_slack_tbt: must be >= 0, got {self.max_slack_tbt}")
         if not 0.0 < self.ewma_alpha <= 1.0:
