@@ -76,6 +76,18 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return None
+        return self._run(batch, start, on_layer_done)
+
+    def step_steady_decodes(self, on_layer_done: Callable[[int, Batch], None] | None = None) -> StepOutput | None:
+        """step() when the scheduler finds the next batch to be only the running
+        decodes (Scheduler.steady_decode_batch); None, having run nothing, otherwise."""
+        start = self.clock.now()
+        batch = self.scheduler.steady_decode_batch()
+        if batch is None:
+            return None
+        return self._run(batch, start, on_layer_done)
+
+    def _run(self, batch: Batch, start: float, on_layer_done: Callable[[int, Batch], None] | None) -> StepOutput:
         hook = None if on_layer_done is None else (lambda layer: on_layer_done(layer, batch))
         result = self.executor.execute(batch, hook)
         if self.clock.virtual:

@@ -154,6 +154,13 @@ class Scheduler(ABC):
     def schedule(self) -> Batch:
         """The slices to run in the next iteration."""
 
+    def steady_decode_batch(self) -> Batch | None:
+        """The batch schedule() would return when it is only the running
+        requests' next decodes, built without the general pass; None (changing
+        nothing) when this policy has no such shortcut or the next iteration
+        may be anything else (a prompt to schedule, a preemption)."""
+        return None
+
     # -- hooks ---------------------------------------------------------------
     def iteration_budget(self) -> int:
         """Tokens the next iteration may schedule (a budgeted policy's input)."""
