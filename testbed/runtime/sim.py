@@ -167,6 +167,7 @@ class SimRuntime:
         # let a worker's later events overtake its earlier ones
         self.fast_forward = cfg.runtime.sim_fast_forward and not (self.hop_s or self.message_s)
         self.next_arrival_s = float("inf")
+        self.num_run_ahead = self.num_steady = 0     # iterations run ahead, and of those on the short path
         # workers whose block manager hashes prompt blocks: they get the prompt as an array
         self.hashing = {w for w, svc in self.services.items() if svc.engine.bm.enable_prefix_caching}
 
@@ -225,11 +226,13 @@ class SimRuntime:
     def _step(self, worker_id: str) -> None:
         self.step_scheduled.discard(worker_id)
         out = self.services[worker_id].step()
-        if out is not None and self.fast_forward:
-            out = self._run_ahead(worker_id, out)
         if out is None:
             self._flush(worker_id)
             return
+        if self.fast_forward:
+            out = self._run_ahead(worker_id, out)
+            if out is None:        # it went back to the heap's order
+                return
         end = out.end_s
         self.busy_until[worker_id] = end
         box = self.outbox[worker_id]
@@ -252,7 +255,8 @@ class SimRuntime:
         reactions send commands (then the heap's next event bounds the run),
         and a KV or store arrival (in the heap). The clock runs ahead meanwhile;
         IterationOrder puts the iteration records back in time order. Returns
-        the last iteration, whose events go through the heap as usual."""
+        the last iteration, whose events go through the heap as usual, or None
+        where the worker went back to the heap's order (as _deliver and _step do)."""
         svc, box, clock, heap = self.services[worker_id], self.outbox[worker_id], self.clock, self._heap
         bounded_by_heap = self.controller.commands_on_events
         while svc.has_work():
@@ -263,9 +267,20 @@ class SimRuntime:
             box.clear()
             clock.t = self.busy_until[worker_id] = end
             self._to_controller(events)
-            out = svc.step(steady_decodes_only=True) or svc.step()
-            if out is None:
+            if worker_id in self.step_scheduled or (bounded_by_heap and heap and heap[0][0] <= end):
+                # the controller's reaction sent it a command, or made something
+                # happen at this instant: the heap decides what goes first
+                self._free(worker_id)
                 return None
+            self.num_run_ahead += 1
+            out = svc.step(steady_decodes_only=True)
+            if out is not None:
+                self.num_steady += 1
+            else:
+                out = svc.step()
+                if out is None:
+                    self._flush(worker_id)
+                    return None
         return out
 
     def _deliver(self, arg: tuple[str, list[Event]]) -> None:
