@@ -134,8 +134,8 @@ SPEED_TRACE = ["runtime=sim", "hardware=h100-sxm", "model=llama3-8b", "token_bud
                "workload=azure_code", "workload.trace_format=mooncake", "workload.time_scale=1",
                "workload.max_prompt_len=200000", "workload.max_output_len=100000", "wandb.mode=disabled",
                "progress=false"]
-SPEED_CASES = {"colocated sarathi 8 replicas": ["mode=colocated", "replicas=8", "scheduler=sarathi"],
-               "kvstore 2P2D rdma-400": ["mode=kvstore", "prefill_workers=2", "decode_workers=2", "link=rdma-400"]}
+SPEED_CASES = {"colocated": ["mode=colocated", "replicas=8", "scheduler=sarathi"],          # sarathi, 8 replicas
+               "kvstore": ["mode=kvstore", "prefill_workers=2", "decode_workers=2", "link=rdma-400"]}   # 2P2D
 
 
 def _rss_kb(pid: int) -> dict[str, int]:
@@ -192,16 +192,18 @@ def speed(args) -> None:
     workload = SPEED_TRACE + [f"workload.trace_path={trace}", f"workload.max_requests={args.requests}",
                               f"runtime.sim_fast_forward={str(not args.no_fast_forward).lower()}"]
     rows = []
-    for label, case in SPEED_CASES.items():
+    for label in args.cases or list(SPEED_CASES):
         for attempt in range(args.repeat):
             load = os.getloadavg()[0]
-            r = _speed_run(workload + case, out / f"{label.split()[0]}-{attempt}", args.requests)
+            r = _speed_run(workload + SPEED_CASES[label], out / f"{label}-{attempt}", args.requests)
             at = " ".join(f"{r['rss_mb_at'].get(q, 0):.0f}" for q in (25, 50, 75, 100))
             rows.append((label, f"{r['wall_s']:.1f}", f"{r['cpu_s']:.1f}", f"{r['iterations']:,}",
-                         f"{r['wall_s'] / r['iterations'] * 1e6:.1f}", f"{r['peak_rss_mb']:.0f}", at, f"{load:.1f}"))
+                         f"{r['wall_s'] / r['iterations'] * 1e6:.1f}", f"{r['peak_rss_mb']:.0f}", at,
+                         f"{load:.1f}-{os.getloadavg()[0]:.1f}"))
+            print(" | ".join(rows[-1]), flush=True)
     # CPU s (the child's user + system time) is what a busy machine inflates least
     table(rows, ("case", "wall s", "CPU s", "iterations", "µs/iteration (wall)", "peak RSS MB",
-                 "RSS MB at 25/50/75/100%", "load avg"))
+                 "RSS MB at 25/50/75/100%", "load avg (start-end)"))
     print(f"children's peak RSS (getrusage): {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024:.0f} MB")
 
 
@@ -213,6 +215,7 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=12_000, help="speed: the trace's length")
     p.add_argument("--repeat", type=int, default=2, help="speed: runs of each case (their spread is the noise)")
     p.add_argument("--no-fast-forward", action="store_true", help="speed: runtime.sim_fast_forward=false")
+    p.add_argument("--cases", nargs="*", choices=sorted(SPEED_CASES), help="speed: only these cases")
     args = p.parse_args()
     {"sim": sim, "capacity": capacity, "routers": routers, "real": real, "speed": speed}[args.what](args)
     return 0
