@@ -68,8 +68,8 @@ class AdaptiveScheduler(SarathiScheduler):
                    for s in batch.slices if not s.is_decode), "a prompt was scheduled below min_budget"
         return batch
 
-    def steady_decode_batch(self) -> Batch | None:
-        return None      # each batch is planned (a budget, a prediction) by schedule()
+    def steady_decodes(self) -> None:
+        return None      # each batch is planned (a budget, a prediction) by schedule() and observed by on_step
 
     def on_step(self, batch: Batch, duration_s: float) -> None:
         planned = self._planned

@@ -57,12 +57,13 @@ class SarathiScheduler(Scheduler):
             batch.slices = [s for s in slices if s.request.status is RequestStatus.RUNNING]
         return self._check(batch, token_budget)
 
-    def steady_decode_batch(self) -> Batch | None:
+    def steady_decodes(self) -> tuple[list[Request], int] | None:
         # nothing waits, every running request is one token behind and each
         # request that starts a block gets one (so nothing is preempted):
         # schedule() would give each a 1-token slice, in running order
         running, bm = self.running, self.bm
-        if self.waiting or not running or len(running) > self.iteration_budget():
+        budget = self.iteration_budget()
+        if self.waiting or not running or len(running) > budget:
             return None
         bs = bm.block_size
         starting = 0
@@ -72,14 +73,14 @@ class SarathiScheduler(Scheduler):
                 return None
             if not computed % bs:
                 starting += 1
-        if starting > bm.num_free_blocks:
-            return None
-        batch = Batch(token_budget=self.iteration_budget())
-        for req in running:
-            if not req.num_computed_tokens % bs:
-                self._grow(req, 1, batch)
-        batch.slices = [ScheduledSlice(req, 1) for req in running]
-        return batch
+        if starting:
+            if starting > bm.num_free_blocks:
+                return None
+            batch = Batch()           # no preemption can reach it
+            for req in running:
+                if not req.num_computed_tokens % bs:
+                    self._grow(req, 1, batch)
+        return list(running), budget
 
     def _add_slice(self, req: Request, budget: int, batch: Batch) -> int:
         """Schedule up to `budget` of a running request's missing tokens; returns how many."""
