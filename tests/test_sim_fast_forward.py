@@ -5,7 +5,8 @@ nothing but the simulator's own speed: requests.jsonl, iterations.jsonl and
 summary.json are byte for byte those of the plain event loop, on workloads
 where requests arrive while others decode, finish, cross block boundaries,
 reuse cached prefixes and (with little memory) preempt each other, with step
-jitter on; colocated, disaggregated 1P2D and kvstore."""
+jitter on; colocated, disaggregated 1P2D and kvstore. And the cost
+executor's decode path gives execute()'s figures for the same batch."""
 import json
 from pathlib import Path
 
@@ -14,9 +15,15 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from testbed.config import RunConfig, register_configs
-from testbed.model.config import CONF_DIR
+from testbed.executor import Executor
+from testbed.model.config import CONF_DIR, load_model_preset
+from testbed.request import Request
 from testbed.runtime.build import sampled
 from testbed.runtime.sim import SimRuntime
+from testbed.sim.config import load_hardware_preset
+from testbed.sim.cost_executor import CostModelExecutor
+from testbed.sim.cost_model import CostModel
+from testbed.sim.jitter import StepJitter
 from testbed.workloads.build import iter_workload
 
 # h100-sxm with no frontend hop (the fast path's condition) and a jitter table, which makes the
@@ -81,3 +88,20 @@ def test_a_frontend_hop_turns_the_fast_path_off(tmp_path):
     """With a hop a worker's later events could reach the frontend before earlier ones."""
     hop, _ = _run(tmp_path, *CASES["colocated"], "hardware.frontend_hop_ms=0.05")
     assert hop.num_run_ahead == 0
+
+
+@pytest.mark.parametrize("num_decodes", [1, 3, 40])     # 40: past the cost model's short-batch path
+def test_the_cost_executors_decode_path_equals_executing_the_batch(num_decodes):
+    """CostModelExecutor.execute_decodes gives what execute() gives for the same
+    batch of 1-token slices (Executor's generic execute_decodes), jitter draws included."""
+    model, hardware = load_model_preset("tiny"), load_hardware_preset("h100-sxm")
+    requests = []
+    for i in range(num_decodes):
+        req = Request(f"r{i}", list(range(100 + 37 * i)), max_tokens=50)
+        req.output_token_ids = [0] * (1 + i % 5)
+        req.num_computed_tokens = req.num_tokens - 1
+        requests.append(req)
+    fast, generic = (CostModelExecutor(CostModel(model, hardware), StepJitter([-0.01, 0.0, 0.3], seed=7))
+                     for _ in range(2))
+    for _ in range(3):
+        assert fast.execute_decodes(requests) == Executor.execute_decodes(generic, requests)
