@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ClassVar
 
 from testbed.metrics import RequestRecord
 from testbed.modes.pool import PoolState
@@ -36,6 +36,9 @@ class WorkerInfo:
 
 class ModeController(ABC):
     record_cls: type[RequestRecord] = RequestRecord     # a mode may record more per request
+    # whether its reaction to a worker's event may send a command (False: only arrivals do,
+    # so the simulator may run a worker ahead to the next arrival: runtime/sim.py)
+    commands_on_events: ClassVar[bool] = True
 
     def __init__(self, workers: list[WorkerInfo], send: Send, copy_prompts: bool = True):
         self.workers = {w.worker_id: w for w in workers}

@@ -35,6 +35,7 @@ class ReplicaRouting(ModeController):
 
 
 class ColocatedController(ReplicaRouting):
+    commands_on_events = False      # it sends only Add, on arrival
     def __init__(self, workers: list[WorkerInfo], send: Send, router: Router, copy_prompts: bool = True):
         super().__init__(workers, send, copy_prompts)
         self.router = router

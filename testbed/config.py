@@ -42,6 +42,10 @@ class RuntimeConfig:
     heartbeat_s: float = 1.0
     hang_timeout_s: float = 60.0
     frontend_timeout_s: float = 15.0
+    # runtime=sim: a worker that nothing can reach before its next iteration ends runs its
+    # iterations back to back, steady decode batches on a short path (runtime/sim.py); the
+    # outputs are the same either way (tests/test_sim_fast_forward.py)
+    sim_fast_forward: bool = True
 
     def validate(self) -> None:
         if self.heartbeat_s <= 0:

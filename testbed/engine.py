@@ -97,6 +97,48 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return None
+        return self._run(batch, start, on_layer_done)
+
+    def step_steady_decodes(self, on_layer_done: Callable[[int, Batch], None] | None = None) -> StepOutput | None:
+        """step() when the scheduler finds the next batch to be one decode of
+        each running request (Scheduler.steady_decodes); None, having run
+        nothing, otherwise. The same updates as _update's, for that batch alone
+        without building it (the simulator runs most of its iterations here)."""
+        if on_layer_done is not None or self.prefill_only:
+            return None
+        steady = self.scheduler.steady_decodes()
+        if steady is None:
+            return None
+        requests, token_budget = steady
+        start = self.clock.now()
+        tokens, duration, kv_bytes_read = self.executor.execute_decodes(requests)
+        if self.clock.virtual:
+            end = start + duration
+            self.clock.t = end
+        else:
+            end = self.clock.now()
+        out = StepOutput(None)
+        new_tokens, finished = out.new_tokens, out.finished
+        bs, commit, remove = self.bm.block_size, self.bm.commit, self.scheduler.remove
+        for req, token in zip(requests, tokens):
+            if req.first_scheduled_s is None:
+                req.first_scheduled_s = start
+            req.num_computed_tokens = computed = req.num_computed_tokens + 1
+            if computed % bs == 0:
+                commit(req)
+            req.output_token_ids.append(token)
+            req.token_times_s.append(end)
+            new_tokens.append((req, token))
+            if len(req.output_token_ids) >= req.max_tokens or (not req.sampling.ignore_eos
+                                                                and req.is_finished_generating()):
+                req.status = RequestStatus.FINISHED
+                req.finish_s = end
+                remove(req)
+                finished.append(req)
+        out.iteration = IterationRecord(start, end - start, 0, len(requests), kv_bytes_read, None, token_budget, None)
+        return out
+
+    def _run(self, batch: Batch, start: float, on_layer_done: Callable[[int, Batch], None] | None) -> StepOutput:
         hook = None if on_layer_done is None else (lambda layer: on_layer_done(layer, batch))
         result = self.executor.execute(batch, hook)
         if self.clock.virtual:

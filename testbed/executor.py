@@ -6,7 +6,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Callable
 
-from testbed.batch import Batch, StepResult
+from testbed.batch import Batch, ScheduledSlice, StepResult
+from testbed.request import Request
 
 LayerHook = Callable[[int], None]
 
@@ -18,6 +19,12 @@ class Executor(ABC):
     def execute(self, batch: Batch, on_layer_done: LayerHook | None = None) -> StepResult:
         """Compute the batch's slices (KV written into each request's blocks)
         and sample a token for every slice that brings its request up to date."""
+
+    def execute_decodes(self, requests: list[Request]) -> tuple[list[int], float, int]:
+        """execute() of a batch of one decode per request (Engine.step_steady_decodes):
+        the sampled tokens in request order, the duration and the KV bytes read."""
+        result = self.execute(Batch([ScheduledSlice(r, 1) for r in requests]))
+        return ([result.sampled[r.request_id] for r in requests], result.duration_s, result.kv_bytes_read)
 
     def kv_bytes_read(self, batch: Batch) -> int:
         """Attention reads each request's whole context (cached prefix and the

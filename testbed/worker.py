@@ -106,9 +106,13 @@ class WorkerService:
     def _after_finished(self, out: StepOutput) -> None:
         """Between the step's `finished` events and its `preempted` ones."""
 
-    def step(self) -> StepOutput | None:
+    def step(self, steady_decodes_only: bool = False) -> StepOutput | None:
+        """One iteration. `steady_decodes_only`: only if it is a steady decode
+        batch (Engine.step_steady_decodes), else None, having run nothing:
+        the simulator's short path for back-to-back decodes."""
         self._before_step()
-        out = self.engine.step(self._layer_hook())
+        engine = self.engine
+        out = (engine.step_steady_decodes if steady_decodes_only else engine.step)(self._layer_hook())
         if out is None:
             return None
         now = out.end_s

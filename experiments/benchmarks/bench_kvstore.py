@@ -6,11 +6,17 @@ Prints tables; never part of the test run.
     python experiments/benchmarks/bench_kvstore.py capacity  # the same, highest rate within the SLOs, per GPU
     python experiments/benchmarks/bench_kvstore.py routers   # cache_aware vs round_robin vs least_prompt_tokens
     python experiments/benchmarks/bench_kvstore.py real      # tiny on this CPU, real processes, 1P1D and 2P1D
+    python experiments/benchmarks/bench_kvstore.py speed     # the simulator's own speed on a Mooncake-like trace
 """
 from __future__ import annotations
 
 import argparse
+import os
+import resource
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 from testbed.config import RunConfig
@@ -123,13 +129,95 @@ def real(args) -> None:
     table(rows)
 
 
+# the simulator-speed runs (issue 15): a 12K-request trace with Mooncake's conversation statistics
+SPEED_TRACE = ["runtime=sim", "hardware=h100-sxm", "model=llama3-8b", "token_budget=2048", "enable_prefix_caching=true",
+               "workload=azure_code", "workload.trace_format=mooncake", "workload.time_scale=1",
+               "workload.max_prompt_len=200000", "workload.max_output_len=100000", "wandb.mode=disabled",
+               "progress=false"]
+SPEED_CASES = {"colocated": ["mode=colocated", "replicas=8", "scheduler=sarathi"],          # sarathi, 8 replicas
+               "kvstore": ["mode=kvstore", "prefill_workers=2", "decode_workers=2", "link=rdma-400"]}   # 2P2D
+
+
+def _rss_kb(pid: int) -> dict[str, int]:
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return {}
+    return {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in lines) if k in ("VmRSS", "VmHWM")}
+
+
+def _speed_run(overrides: list[str], out: Path, num_requests: int) -> dict:
+    """One `testbed run` in a subprocess: wall time, iterations, peak RSS, and
+    the RSS when 25/50/75/100% of the requests had been written (requests.jsonl
+    grows in arrival order as they end)."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "testbed.cli", "run", *overrides, f"hydra.run.dir={out}"]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(out / "stderr.log", "w"))
+    marks, quarter, done, read_at, peak = {}, 1, 0, 0, 0
+    requests = out / "requests.jsonl"
+    while child.poll() is None:
+        time.sleep(0.25)
+        rss = _rss_kb(child.pid)
+        peak = max(peak, rss.get("VmHWM", 0))
+        if requests.exists():
+            with open(requests, "rb") as f:
+                f.seek(read_at)
+                chunk = f.read()
+            done += chunk.count(b"\n")
+            read_at += len(chunk)
+        while quarter <= 4 and done >= quarter * num_requests / 4:
+            marks[quarter * 25] = rss.get("VmRSS", 0) / 1024
+            quarter += 1
+    wall = time.perf_counter() - start
+    if child.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed; see {out / 'stderr.log'}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    iterations = sum(1 for _ in open(out / "iterations.jsonl", "rb"))
+    return {"wall_s": wall, "cpu_s": cpu, "iterations": iterations, "peak_rss_mb": peak / 1024, "rss_mb_at": marks}
+
+
+def speed(args) -> None:
+    """Wall seconds, iterations, µs per iteration and peak RSS of simulating
+    the trace, and the RSS as the run goes (flat: it holds what is in
+    flight, never the run). Run each case twice: the spread is the noise."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    trace = out / f"mooncake-like-{args.requests}.jsonl"
+    here = Path(__file__).resolve().parent
+    subprocess.run([sys.executable, str(here / "mooncake_like_trace.py"), str(trace), "--requests",
+                    str(args.requests)], check=True)
+    workload = SPEED_TRACE + [f"workload.trace_path={trace}", f"workload.max_requests={args.requests}",
+                              f"runtime.sim_fast_forward={str(not args.no_fast_forward).lower()}"]
+    rows = []
+    for label in args.cases or list(SPEED_CASES):
+        for attempt in range(args.repeat):
+            load = os.getloadavg()[0]
+            r = _speed_run(workload + SPEED_CASES[label], out / f"{label}-{attempt}", args.requests)
+            at = " ".join(f"{r['rss_mb_at'].get(q, 0):.0f}" for q in (25, 50, 75, 100))
+            rows.append((label, f"{r['wall_s']:.1f}", f"{r['cpu_s']:.1f}", f"{r['iterations']:,}",
+                         f"{r['wall_s'] / r['iterations'] * 1e6:.1f}", f"{r['peak_rss_mb']:.0f}", at,
+                         f"{load:.1f}-{os.getloadavg()[0]:.1f}"))
+            print(" | ".join(rows[-1]), flush=True)
+    # CPU s (the child's user + system time) is what a busy machine inflates least
+    table(rows, ("case", "wall s", "CPU s", "iterations", "µs/iteration (wall)", "peak RSS MB",
+                 "RSS MB at 25/50/75/100%", "load avg (start-end)"))
+    print(f"children's peak RSS (getrusage): {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024:.0f} MB")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("sim", "capacity", "routers", "real"))
+    p.add_argument("what", choices=("sim", "capacity", "routers", "real", "speed"))
     p.add_argument("--rate", type=float, default=6.0, help="requests/s (sim, capacity's first probe, routers)")
     p.add_argument("--out", default=tempfile.mkdtemp(prefix="bench-kvstore-"))
+    p.add_argument("--requests", type=int, default=12_000, help="speed: the trace's length")
+    p.add_argument("--repeat", type=int, default=2, help="speed: runs of each case (their spread is the noise)")
+    p.add_argument("--no-fast-forward", action="store_true", help="speed: runtime.sim_fast_forward=false")
+    p.add_argument("--cases", nargs="*", choices=sorted(SPEED_CASES), help="speed: only these cases")
     args = p.parse_args()
-    {"sim": sim, "capacity": capacity, "routers": routers, "real": real}[args.what](args)
+    {"sim": sim, "capacity": capacity, "routers": routers, "real": real, "speed": speed}[args.what](args)
     return 0
 
 

@@ -24,7 +24,7 @@ import sys
 from typing import Any, Callable, Iterable, Iterator
 
 from testbed.config import RunConfig
-from testbed.engine import VirtualClock
+from testbed.engine import StepOutput, VirtualClock
 from testbed.modes.registry import get_role
 from testbed.request import Request
 from testbed.runtime.build import build_engine, build_worker, pool_config, pool_parallel
@@ -37,6 +37,7 @@ from testbed.sim.jitter import StepJitter
 from testbed.sim.kv_sharding import handoff_links
 from testbed.sim.link_model import LinkModel
 from testbed.sim.memory import format_footprint, kv_footprint
+from testbed.runtime.sim_iteration_order import IterationOrder
 from testbed.runtime.sim_store import SimStoreNode, SimStorePort
 from testbed.worker import WorkerService
 from testbed.workloads.tokens import stream_key
@@ -160,7 +161,13 @@ class SimRuntime:
                                                       port, cfg.transfer.layerwise, store)
             self.busy_until[w.worker_id] = 0.0
         self.controller = self.mode.controller(self.workers, self._send, copy_prompts=False)
-        self.controller.sink = self.records
+        self.order = IterationOrder(self.records, self.clock, [w.worker_id for w in self.workers])
+        self.controller.sink = self.order
+        # fast-forward (_run_ahead): only without frontend hops, whose delivery times would
+        # let a worker's later events overtake its earlier ones
+        self.fast_forward = cfg.runtime.sim_fast_forward and not (self.hop_s or self.message_s)
+        self.next_arrival_s = float("inf")
+        self.num_run_ahead = self.num_steady = 0     # iterations run ahead, and of those on the short path
         # workers whose block manager hashes prompt blocks: they get the prompt as an array
         self.hashing = {w for w, svc in self.services.items() if svc.engine.bm.enable_prefix_caching}
 
@@ -222,6 +229,10 @@ class SimRuntime:
         if out is None:
             self._flush(worker_id)
             return
+        if self.fast_forward:
+            out = self._run_ahead(worker_id, out)
+            if out is None:        # it went back to the heap's order
+                return
         end = out.end_s
         self.busy_until[worker_id] = end
         box = self.outbox[worker_id]
@@ -233,6 +244,44 @@ class SimRuntime:
             self.at(end + self.hop_s, self._to_controller, events)
         else:
             self.at(end, self._deliver, (worker_id, events))
+
+    def _run_ahead(self, worker_id: str, out: StepOutput) -> StepOutput | None:
+        """Fast-forward: while nothing can reach the worker before its iteration
+        ends, what the heap would do next is this: the frontend receives the
+        iteration's events at its end, and the worker starts its next iteration
+        then (the same code, or its steady-decode short path). So do it now,
+        iteration after iteration. What can reach a worker: a command, sent
+        on an arrival, or on another worker's event where the controller's
+        reactions send commands (then the heap's next event bounds the run),
+        and a KV or store arrival (in the heap). The clock runs ahead meanwhile;
+        IterationOrder puts the iteration records back in time order. Returns
+        the last iteration, whose events go through the heap as usual, or None
+        where the worker went back to the heap's order (as _deliver and _step do)."""
+        svc, box, clock, heap = self.services[worker_id], self.outbox[worker_id], self.clock, self._heap
+        bounded_by_heap = self.controller.commands_on_events
+        while svc.has_work():
+            end = out.end_s
+            if end >= self.next_arrival_s or (bounded_by_heap and heap and end >= heap[0][0]):
+                break
+            events = list(box)
+            box.clear()
+            clock.t = self.busy_until[worker_id] = end
+            self._to_controller(events)
+            if worker_id in self.step_scheduled or (bounded_by_heap and heap and heap[0][0] <= end):
+                # the controller's reaction sent it a command, or made something
+                # happen at this instant: the heap decides what goes first
+                self._free(worker_id)
+                return None
+            self.num_run_ahead += 1
+            out = svc.step(steady_decodes_only=True)
+            if out is not None:
+                self.num_steady += 1
+            else:
+                out = svc.step()
+                if out is None:
+                    self._flush(worker_id)
+                    return None
+        return out
 
     def _deliver(self, arg: tuple[str, list[Event]]) -> None:
         """The iteration's events reach the frontend as the worker frees up."""
@@ -269,18 +318,25 @@ class SimRuntime:
         arrivals = iter(sorted(requests, key=lambda r: r.arrival_s)) if isinstance(requests, list) else \
             _in_arrival_order(requests)
         ctl, clock, heap, pop = self.controller, self.clock, self._heap, heapq.heappop
+        order = self.order
         nxt = next(arrivals, None)
+        inf = float("inf")
+        self.next_arrival_s = inf if nxt is None else nxt.arrival_s
         with _cyclic_gc_paused():
             while nxt is not None or heap:
                 # an arrival goes before a worker event at the same instant
                 if nxt is not None and (not heap or nxt.arrival_s <= heap[0][0]):
                     req, nxt = nxt, next(arrivals, None)
+                    self.next_arrival_s = inf if nxt is None else nxt.arrival_s
                     clock.t = req.arrival_s
+                    order.release_before(clock.t)
                     ctl.on_arrival(req, req.arrival_s)
                     continue
                 t, _, action, arg = pop(heap)
                 clock.t = t
+                order.release_before(t)
                 action(arg)
+            order.release_all()
         stats = {w: svc.stats().to_dict() for w, svc in self.services.items()}
         stuck = [w for w, svc in self.services.items() if svc.has_work()]
         # nothing left to happen: what is unresolved can never finish

@@ -79,6 +79,9 @@ class AdaptiveScheduler(SarathiScheduler):
                    for s in batch.slices if not s.is_decode), "a prompt was scheduled below min_budget"
         return batch
 
+    def steady_decodes(self) -> None:
+        return None      # each batch is planned (a budget, a prediction) by schedule() and observed by on_step
+
     def on_step(self, batch: Batch, duration_s: float) -> None:
         planned = self._planned
         if planned is not None and planned[0] is batch:

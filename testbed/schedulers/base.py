@@ -154,6 +154,15 @@ class Scheduler(ABC):
     def schedule(self) -> Batch:
         """The slices to run in the next iteration."""
 
+    def steady_decodes(self) -> tuple[list[Request], int | None] | None:
+        """When schedule() would return only one decode of each running request
+        (in running order), those requests, their KV grown as schedule() grows
+        it, and the batch's token_budget: the engine's short path
+        (Engine.step_steady_decodes), which calls no on_step. None, changing
+        nothing, when this policy has no such path or the next iteration may
+        be anything else (a prompt to schedule, a preemption)."""
+        return None
+
     # -- hooks ---------------------------------------------------------------
     def iteration_budget(self) -> int:
         """Tokens the next iteration may schedule (a budgeted policy's input)."""

@@ -1,0 +1,107 @@
+"""runtime=sim's fast-forward (runtime.sim_fast_forward, testbed/runtime/sim.py):
+a worker that nothing can reach before its iteration ends runs its next
+iterations at once, steady decode batches on their short path. It must change
+nothing but the simulator's own speed: requests.jsonl, iterations.jsonl and
+summary.json are byte for byte those of the plain event loop, on workloads
+where requests arrive while others decode, finish, cross block boundaries,
+reuse cached prefixes and (with little memory) preempt each other, with step
+jitter on; colocated, disaggregated 1P2D and kvstore. And the cost
+executor's decode path gives execute()'s figures for the same batch."""
+import json
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from testbed.config import RunConfig, register_configs
+from testbed.executor import Executor
+from testbed.model.config import CONF_DIR, load_model_preset
+from testbed.request import Request
+from testbed.runtime.build import sampled
+from testbed.runtime.sim import SimRuntime
+from testbed.sim.config import load_hardware_preset
+from testbed.sim.cost_executor import CostModelExecutor
+from testbed.sim.cost_model import CostModel
+from testbed.sim.jitter import StepJitter
+from testbed.workloads.build import iter_workload
+
+# h100-sxm with no frontend hop (the fast path's condition) and a jitter table, which makes the
+# times differ unless each worker's draws stay in order. profiled_for=h100-sxm keeps these measured
+# fields (and the CPU preset's other ones: an odd machine, but only on-equals-off matters here)
+BASE = ["runtime=sim", "model=tiny", "hardware=h100-sxm", "hardware.profiled_for=h100-sxm",
+        "hardware.frontend_hop_ms=0", "hardware.frontend_message_ms=0",
+        "hardware.step_jitter_ms=[-0.02,0.0,0.01,0.05,0.4]", "enable_prefix_caching=true", "scheduler=sarathi",
+        "token_budget=256"]
+# conversations: each turn reuses the previous prompt (prefix hits), outputs of 8..80 tokens
+# cross 16-token blocks, and turns arrive while other requests decode
+NUM_REQUESTS = 32
+CHAT = ["workload=multiturn", f"workload.num_requests={NUM_REQUESTS}", "workload.rate=40",
+        "workload.think_time_s=0.02", "workload.output_min=8", "workload.output_max=80"]
+CASES = {
+    "colocated": ["mode=colocated", "replicas=3"],
+    "colocated_preempting": ["mode=colocated", "replicas=2", "num_kv_blocks=64"],
+    "disagg_1p2d": ["mode=disagg", "prefill_workers=1", "decode_workers=2", "link=rdma-400"],
+    "kvstore_1p2d": ["mode=kvstore", "prefill_workers=1", "decode_workers=2", "link=rdma-400"],
+}
+
+
+def config(*overrides: str) -> RunConfig:
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return OmegaConf.to_object(compose("config", ["wandb.mode=disabled", "progress=false", *overrides]))
+
+
+def _run(tmp: Path, *overrides: str) -> tuple[SimRuntime, dict]:
+    """The run and summary.json's figures (testbed/run.py's execute, less the config echo)."""
+    cfg = config(*BASE, *CHAT, *overrides)
+    runtime = SimRuntime(cfg, log=lambda line: None, record_dir=tmp)
+    result = runtime.run(sampled(cfg, r) for r in iter_workload(cfg.workload, cfg.model.vocab_size, cfg.seed))
+    summary = result.log.summary(duration_s=result.duration_s or None)
+    summary.update(workers=result.worker_stats, prefix_cache=result.log.stats.prefix.summary(),
+                   kv_store=result.store_stats)
+    return runtime, summary
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_fast_path_writes_the_same_run(case, tmp_path):
+    on, on_summary = _run(tmp_path / "on", *CASES[case], "runtime.sim_fast_forward=true")
+    off, off_summary = _run(tmp_path / "off", *CASES[case], "runtime.sim_fast_forward=false")
+    assert on_summary["num_finished"] == on_summary["num_requests"] == NUM_REQUESTS
+    for name in ("requests.jsonl", "iterations.jsonl"):
+        assert (tmp_path / "on" / name).read_bytes() == (tmp_path / "off" / name).read_bytes(), name
+    assert json.dumps(on_summary) == json.dumps(off_summary)
+    # not vacuous: iterations were run ahead (most of them steady decodes), none with it off
+    assert on.num_steady > 0 and on.num_run_ahead > 0 and off.num_run_ahead == 0
+    if case == "colocated":
+        iterations = sum(1 for _ in open(tmp_path / "on" / "iterations.jsonl"))
+        assert on.num_run_ahead > iterations / 2 and on.num_steady > on.num_run_ahead / 2
+    if case == "colocated_preempting":
+        assert on_summary["num_preemptions"] > 0    # the fallback when an allocation could fail is exercised
+    # the order IterationOrder restores: by the instant each iteration ended
+    rows = [json.loads(line) for line in open(tmp_path / "on" / "iterations.jsonl")]
+    ends = [r["start_s"] + r["duration_s"] for r in rows]
+    assert ends == sorted(ends) and len({r["worker"] for r in rows}) >= 2
+
+
+def test_a_frontend_hop_turns_the_fast_path_off(tmp_path):
+    """With a hop a worker's later events could reach the frontend before earlier ones."""
+    hop, _ = _run(tmp_path, *CASES["colocated"], "hardware.frontend_hop_ms=0.05")
+    assert hop.num_run_ahead == 0
+
+
+@pytest.mark.parametrize("num_decodes", [1, 3, 40])     # 40: past the cost model's short-batch path
+def test_the_cost_executors_decode_path_equals_executing_the_batch(num_decodes):
+    """CostModelExecutor.execute_decodes gives what execute() gives for the same
+    batch of 1-token slices (Executor's generic execute_decodes), jitter draws included."""
+    model, hardware = load_model_preset("tiny"), load_hardware_preset("h100-sxm")
+    requests = []
+    for i in range(num_decodes):
+        req = Request(f"r{i}", list(range(100 + 37 * i)), max_tokens=50)
+        req.output_token_ids = [0] * (1 + i % 5)
+        req.num_computed_tokens = req.num_tokens - 1
+        requests.append(req)
+    fast, generic = (CostModelExecutor(CostModel(model, hardware), StepJitter([-0.01, 0.0, 0.3], seed=7))
+                     for _ in range(2))
+    for _ in range(3):
+        assert fast.execute_decodes(requests) == Executor.execute_decodes(generic, requests)
