@@ -104,8 +104,8 @@ class Engine:
         each running request (Scheduler.steady_decodes); None, having run
         nothing, otherwise. The same updates as _update's, for that batch alone
         without building it (the simulator runs most of its iterations here)."""
-        if on_layer_done is not None or self.prefill_only:
-            return None
+        if on_layer_done is not None or self.prefill_only or self.seat_queue:
+            return None         # (a request waiting for a seat joins in step())
         steady = self.scheduler.steady_decodes()
         if steady is None:
             return None

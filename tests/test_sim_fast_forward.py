@@ -5,7 +5,7 @@ nothing but the simulator's own speed: requests.jsonl, iterations.jsonl and
 summary.json are byte for byte those of the plain event loop, on workloads
 where requests arrive while others decode, finish, cross block boundaries,
 reuse cached prefixes and (with little memory) preempt each other, with step
-jitter on; colocated, disaggregated 1P2D and kvstore. And the cost
+jitter on; colocated, disaggregated 1P2D (and 1P1D with two seats) and kvstore. And the cost
 executor's decode path gives execute()'s figures for the same batch."""
 import json
 from pathlib import Path
@@ -42,6 +42,8 @@ CASES = {
     "colocated": ["mode=colocated", "replicas=3"],
     "colocated_preempting": ["mode=colocated", "replicas=2", "num_kv_blocks=64"],
     "disagg_1p2d": ["mode=disagg", "prefill_workers=1", "decode_workers=2", "link=rdma-400"],
+    # KV landing while both seats of the one decode worker are taken: it waits for a seat
+    "disagg_seats": ["mode=disagg", "prefill_workers=1", "decode_workers=1", "link=rdma-400", "max_num_seqs=2"],
     "kvstore_1p2d": ["mode=kvstore", "prefill_workers=1", "decode_workers=2", "link=rdma-400"],
 }
 
