@@ -102,6 +102,9 @@ class TorchDistSender(ChannelSender):
         self._ranks[peer] = int(rank)
 
     def send(self, peer: str, payload: KVPayload) -> None:
+        if payload.parts is not None:
+            raise ValueError(f"request {payload.request_id}: torch_dist sends one contiguous tensor; "
+                             "pack_kv the payload (view_kv's parts are for senders with takes_parts)")
         sock = self._client.socket(peer)
         flat = payload.data.reshape(-1).view(torch.uint8)
         if flat.device != self.group.device:

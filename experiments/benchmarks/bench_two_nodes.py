@@ -28,7 +28,11 @@ after its prefill (not layer-wise), so:
                no qdisc (the host's own ceiling: CURVE encryption, copies, a
                shared CPU): what the path can carry, whatever the tbf allows.
 
-    sudo python experiments/benchmarks/bench_two_nodes.py [--rates 1 5] [--reps 2]
+    sudo python experiments/benchmarks/bench_two_nodes.py [--rates 1 5] [--reps 2] [--transport zmq|torch_dist]
+
+--transport torch_dist sends the data over gloo (plain TCP between the nodes'
+addresses: gloo's pairs and the TCPStore rendezvous are unauthenticated; the
+headers and acks still go over zmq under CURVE); zmq sends it over CURVE.
 
 Needs root (namespaces, tc). Targets (issue 17): transfer within 10% of R; sim
 exposed within 15% of the measured exposed."""
@@ -124,6 +128,37 @@ def zmq_ceiling_gbps(tn: TwoNodes, curve: bool) -> float:
         srv.wait()
 
 
+GLOO_PAIR = """
+import datetime, sys, time, torch, torch.distributed as dist
+host, port, rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+store = dist.TCPStore(host, port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
+opts = dist.ProcessGroupGloo._Options()
+opts._devices = [dist.ProcessGroupGloo.create_device(hostname=sys.argv[4])]
+pg = dist.ProcessGroupGloo(store, rank, 2, opts)
+buf = torch.empty(32 << 20, dtype=torch.uint8)
+pg.barrier().wait()
+t = time.perf_counter()
+for _ in range(4):
+    (pg.send([buf], 1, 0) if rank == 0 else pg.recv([buf], 0, 0)).wait()
+if rank == 1:
+    print(8 * 4 * buf.numel() / (time.perf_counter() - t) / 1e9, flush=True)
+pg.barrier().wait()
+"""
+
+
+def gloo_ceiling_gbps(tn: TwoNodes) -> float:
+    """Raw gloo send -> recv, A -> B over the unshaped veth, 4 x 32 MiB, rendezvous on A:
+    what plain TCP through gloo carries before any of the transport's work."""
+    port = "5997"
+    snd = subprocess.Popen(tn.a.exec(PY, "-c", GLOO_PAIR, tn.a.address, port, "0", tn.a.address))
+    try:
+        out = subprocess.run(tn.b.exec(PY, "-c", GLOO_PAIR, tn.a.address, port, "1", tn.b.address),
+                             capture_output=True, text=True, check=True, timeout=120).stdout
+        return float(out)
+    finally:
+        snd.wait(timeout=60)
+
+
 def workload_args(a) -> list[str]:
     w = {"name": "two_nodes_bench", "num_requests": a.num_requests, "arrival": "constant", "rate": a.arrival_rate,
          "prompt_dist": "fixed", "prompt_len": a.prompt_len, "output_dist": "fixed", "output_len": 4}
@@ -131,7 +166,8 @@ def workload_args(a) -> list[str]:
     return [f"workload.{k}={v}" for k, v in w.items()] + [
         "model.num_kv_heads=8", f"num_kv_blocks={blocks}", "scheduler=vllm_v0",
         f"max_num_batched_tokens={a.prompt_len}", f"token_budget={a.prompt_len}",
-        "progress=false", "wandb.mode=disabled", "timeout_s=300", "transfer.timeout_s=60"]
+        "progress=false", "wandb.mode=disabled", "timeout_s=300", "transfer.timeout_s=60",
+        f"transfer.transport={a.transport}"]
 
 
 def wire_rates(samples: list[tuple[float, int]], min_bytes: int) -> list[float]:
@@ -228,19 +264,24 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=3)
     p.add_argument("--arrival-rate", type=float, default=0.12,
                    help="requests/s: one prefill or transfer at a time (a 4096-token prefill is 3-5 s here)")
-    p.add_argument("--ceiling-only", action="store_true", help="only the raw pyzmq rates over the veth")
+    p.add_argument("--transport", choices=["zmq", "torch_dist"], default="zmq",
+                   help="transfer.transport of the real runs (torch_dist: gloo, plain TCP)")
+    p.add_argument("--ceiling-only", action="store_true", help="only the raw pyzmq and gloo rates over the veth")
     p.add_argument("--run-timeout-s", type=float, default=400)
     a = p.parse_args()
     out_dir = Path(tempfile.mkdtemp(prefix="bench2n-"))
     t0 = time.monotonic()
     with TwoNodes() as tn:
-        print(f"cluster up in {time.monotonic() - t0:.0f} s; runs under {out_dir}", flush=True)
+        print(f"cluster up in {time.monotonic() - t0:.0f} s; transfer.transport={a.transport}; runs under {out_dir}",
+              flush=True)
         rtt = rtt_s(tn)
         latency_us = rtt / 2 * 1e6
         print(f"veth TCP round trip p50 {rtt * 1e6:.0f} us -> link.latency_us={latency_us:.0f}", flush=True)
         for curve in (False, True, False, True):
             print(f"raw pyzmq over the veth, {'CURVE' if curve else 'plain'}: {zmq_ceiling_gbps(tn, curve):.2f} Gb/s",
                   flush=True)
+        for _ in range(2):
+            print(f"raw gloo over the veth (plain TCP): {gloo_ceiling_gbps(tn):.2f} Gb/s", flush=True)
         if a.ceiling_only:
             return
         host_us = host_cost_s(a) * 1e6
