@@ -165,10 +165,3 @@ def test_zmq_sends_the_cache_segments_themselves_into_the_reserved_blocks(corrup
     others = [b for b in range(NB) if b not in reserved]
     assert not dst[:, :, others].any()
 
-
-def test_torch_dist_refuses_parts_it_cannot_send():
-    from testbed.kv_transfer.torch_dist import TorchDistSender
-    assert not TorchDistSender.takes_parts
-    with pytest.raises(ValueError, match="one contiguous tensor"):
-        TorchDistSender.send(object.__new__(TorchDistSender), "d",
-                             view_kv(make_cache(), (0, 3), [1, 2], [3, 4], 8, "r"))

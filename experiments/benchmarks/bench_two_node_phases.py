@@ -7,7 +7,8 @@ engine), the same payload as bench_two_nodes.py (4096 tokens of the tiny
 model made MHA: 32 MiB).
 
 Timestamps (time.monotonic, one clock for every namespace of the machine):
-  sender:   t0 (the hand-off), packed (pack_kv returned: gather + xxh3), sent (send() returned),
+  sender:   t0 (the hand-off), packed (view_kv or pack_kv returned: xxh3, or gather + xxh3;
+            --packed: pack_kv even for zmq, the path before view_kv), sent (send() returned),
             acked (the receiver's ack came back);
   receiver: header (header decoded), first/last (first and last data bytes read; gloo: the recv
             posted and completed), landed (poll returned the verified payload);
@@ -34,16 +35,17 @@ from testbed.kv_transfer.curve import CurveKeys
 from testbed.launchers.netns_nodes import NetnsNodes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_two_nodes import SAMPLER  # noqa: E402
+from bench_two_nodes import DATA_RISE, SAMPLER  # noqa: E402
 
 PY = sys.executable
 
 PEER = """
 import json, sys, time, torch
-from testbed.kv_transfer import TransferConfig, make_receiver, make_sender, pack_kv
+from testbed.kv_transfer import TransferConfig, make_receiver, make_sender, pack_kv, view_kv
 from testbed.kv_transfer.curve import CurveKeys
 from testbed.kv_transfer.landing import BlockLanding
-role, host, transport, keys_path, reps, dist_addr = sys.argv[1:7]
+role, host, transport, keys_path, reps, dist_addr, packed = sys.argv[1:8]
+packed = packed == 'packed'
 reps = int(reps)
 torch.set_num_threads(1)
 keys = CurveKeys.read(keys_path)
@@ -89,7 +91,9 @@ else:
     for i in range(reps):
         rid = f"r{i}"
         m = marks[rid] = {"t0": time.monotonic()}
-        payload = pack_kv(cache, (0, 4), ids, ids, 16 * blocks, rid, out=staging)
+        # what RealKVPort does: the blocks themselves where the sender takes parts, else packed
+        payload = view_kv(cache, (0, 4), ids, ids, 16 * blocks, rid) if tx.takes_parts and not packed else None
+        payload = payload or pack_kv(cache, (0, 4), ids, ids, 16 * blocks, rid, out=staging)
         m["packed"] = time.monotonic()
         tx.send("rx", payload)
         m["sent"] = time.monotonic()
@@ -105,10 +109,11 @@ else:
 
 
 def bursts(samples: list[tuple[float, int]], min_bytes: int) -> list[tuple[float, float, int]]:
-    """(first rise, last rise, bytes) of each run of the counter (gaps under 20 ms) carrying >= min_bytes."""
+    """(first rise, last rise, bytes) of each run of the counter (rises >= DATA_RISE a sample, gaps
+    under 20 ms) carrying >= min_bytes."""
     out, cur = [], None
     for (t0, b0), (t1, b1) in zip(samples, samples[1:]):
-        if b1 > b0:
+        if b1 - b0 >= DATA_RISE:
             if cur is not None and t0 - cur[1] < 0.02:
                 cur = (cur[0], t1, cur[2] + b1 - b0)
             else:
@@ -136,9 +141,10 @@ def probe(net: NetnsNodes, rate: float, a, keys_path: str, work: Path) -> list[d
                                                  "timeout=datetime.timedelta(seconds=120)); time.sleep(120)"))
             time.sleep(1.0)
         rx = subprocess.Popen(b_node.exec(PY, "-c", PEER, "recv", b_node.address, a.transport, keys_path,
-                                          str(a.reps), dist_addr), stdout=subprocess.PIPE, text=True, env=env)
+                                          str(a.reps), dist_addr, "-"), stdout=subprocess.PIPE, text=True, env=env)
         tx = subprocess.Popen(a_node.exec(PY, "-c", PEER, "send", a_node.address, a.transport, keys_path,
-                                          str(a.reps), dist_addr), stdin=subprocess.PIPE,
+                                          str(a.reps), dist_addr, "packed" if a.packed else "parts"),
+                              stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, env=env)
         tx.stdin.write(rx.stdout.readline())
         tx.stdin.flush()
@@ -175,6 +181,7 @@ def main() -> None:
     p.add_argument("--rates", type=float, nargs="+", default=[0, 1.0, 5.0], help="tbf rates, Gbit/s (0: none)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--transport", choices=["zmq", "torch_dist"], default="zmq")
+    p.add_argument("--packed", action="store_true", help="pack_kv even where the sender takes parts (the old path)")
     a = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="phases-"))
     keys_path = str(work / "keys.json")
@@ -185,7 +192,7 @@ def main() -> None:
     with NetnsNodes(2) as net:
         for rate in a.rates:
             rows = probe(net, rate, a, keys_path, work)
-            print(f"\n{a.transport}, tbf {rate or 'none'} Gb/s ({rows[0]['qdisc']}), ms after the hand-off (t0):")
+            print(f"\n{a.transport}{' packed' if a.packed else ''}, tbf {rate or 'none'} Gb/s ({rows[0]['qdisc']}), ms after the hand-off (t0):")
             print(" ".join(f"{c:>18}" for c in ["rid", *cols, "transfer Gb/s"]))
             for r in rows:
                 print(" ".join(f"{r.get(c, float('nan')):>18.2f}" if c != "rid" else f"{r[c]:>18}"
