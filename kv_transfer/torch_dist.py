@@ -12,7 +12,7 @@ Order: the sender sends the header on the channel, with its rank and the
 sizes of the data's pieces (each at most frame_bytes, a part of pack.view_kv
 never split across two: a piece is a zero-copy view of the cache or of the
 packed data), then posts one send per piece; the receiver posts the matching
-recvs when it reads the header, two at a time, and hashes and lands each
+recvs when it reads the header, RECV_DEPTH at a time, and hashes and lands each
 piece while the next is on the wire. Point-to-point messages between two
 ranks match in order, as do the headers on one channel.
 
@@ -42,6 +42,9 @@ from testbed.kv_transfer.payload import KVPayload
 
 DATA_TAG = 0
 MAX_PIECES = 1 << 16          # pieces one header may announce (1 MiB pieces: 64 GiB)
+# recvs posted ahead: gloo sends a piece only once its recv is posted, so with two a receiver
+# descheduled for one piece's time on the wire (1.7 ms at 5 Gb/s) stalled the link
+RECV_DEPTH = 4
 
 
 def _host_port(address: str) -> tuple[str, int]:
@@ -162,22 +165,23 @@ class TorchDistReceiver(ChannelReceiver):
         bad = _bad_extras(src_rank, sizes, payload.nbytes, self.group)
         if bad is not None:            # nothing can be taken off the group: it is not known what comes
             return [] if landing is None else [self._drop(payload, landing, bad)]
-        # each piece into the landing when it is one buffer, else into one of two pooled ones, from
-        # which it is written to the landing (and hashed) while the next piece is on the wire
+        # each piece into the landing when it is one buffer, else into one of RECV_DEPTH pooled ones,
+        # from which it is written to the landing (and hashed) while the next pieces are on the wire
         view = landing.view(0) if landing is not None else None
         offsets = [0, *itertools.accumulate(sizes)]
-        slots = [] if view is not None else [self._buffers.take(max(sizes)) for _ in range(min(2, len(sizes)))]
+        depth = min(RECV_DEPTH, len(sizes))
+        slots = [] if view is not None else [self._buffers.take(max(sizes)) for _ in range(depth)]
         hasher = xxhash.xxh3_64()
         posted: collections.deque = collections.deque()
 
         def post(i: int) -> None:
             host = torch.frombuffer(view[offsets[i]:offsets[i] + sizes[i]], dtype=torch.uint8) \
-                if view is not None else slots[i % 2][:sizes[i]]
+                if view is not None else slots[i % depth][:sizes[i]]
             on_group = host if self.group.device.type == "cpu" else torch.empty_like(host, device=self.group.device)
             posted.append((host, on_group, self.group.pg.recv([on_group], src_rank, DATA_TAG)))
 
         try:
-            for i in range(min(2, len(sizes))):
+            for i in range(depth):
                 post(i)
             for i in range(len(sizes)):
                 host, on_group, work = posted.popleft()
@@ -189,8 +193,8 @@ class TorchDistReceiver(ChannelReceiver):
                     hasher.update(chunk)
                     if view is None:
                         landing.write(offsets[i], chunk)
-                if i + 2 < len(sizes):
-                    post(i + 2)
+                if i + depth < len(sizes):
+                    post(i + depth)
         except RuntimeError as e:
             # pieces still posted may yet be written: their pooled buffers are not reused
             if landing is None:
