@@ -11,7 +11,7 @@ import importlib
 _EXPORTS = {
     "Ack": "base", "KVReceiver": "base", "KVSender": "base", "TransferError": "base",
     "TransferConfig": "config",
-    "coalesce_runs": "pack", "pack_kv": "pack", "unpack_kv": "pack",
+    "coalesce_runs": "pack", "pack_kv": "pack", "unpack_kv": "pack", "view_kv": "pack",
     "KVPayload": "payload", "PayloadError": "payload",
     "make_receiver": "registry", "make_sender": "registry",
     "TorchDistGroup": "torch_dist", "start_rendezvous": "torch_dist",

@@ -63,6 +63,7 @@ class KVReceiver(ABC):
 
 class KVSender(ABC):
     name: str             # receivers see it as payload.origin
+    takes_parts = False   # send() takes a payload with `parts` (pack.view_kv) instead of packed data
 
     @abstractmethod
     def connect(self, peer: str, address: str) -> None:

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+import torch
+
 from testbed.kv_transfer.base import Ack, KVSender
-from testbed.kv_transfer.payload import KVPayload, byte_view
+from testbed.kv_transfer.payload import DTYPES, KVPayload
 
 
 class CorruptingSender(KVSender):
@@ -21,6 +24,7 @@ class CorruptingSender(KVSender):
         self.name = inner.name
         self.nth = nth
         self.num_sent = 0
+        self.takes_parts = inner.takes_parts
 
     def connect(self, peer: str, address: str) -> None:
         self.inner.connect(peer, address)
@@ -28,10 +32,11 @@ class CorruptingSender(KVSender):
     def send(self, peer: str, payload: KVPayload) -> None:
         self.num_sent += 1
         if self.num_sent == self.nth:
-            data = payload.data.clone()       # the caller's buffer (and cache) stay intact
-            raw = byte_view(data)
+            # a copy: the caller's buffer (and cache, which parts are views of) stay intact
+            raw = np.concatenate(payload.byte_parts())
             raw[len(raw) // 2] ^= 0xFF
-            payload = dataclasses.replace(payload, data=data)
+            data = torch.from_numpy(raw).view(DTYPES[payload.dtype]).view(payload.shape)
+            payload = dataclasses.replace(payload, data=data, parts=None)
         self.inner.send(peer, payload)
 
     def flush(self, timeout_s: float | None = None) -> None:

@@ -8,15 +8,26 @@ slices, many short runs as one index_select/index_copy (per-run copies cost
 ~5 us each, so 256 single blocks would be 5x slower than one gather).
 GPU caches are gathered on the device and staged through host memory (pinned
 when `out` is a pinned buffer), because the payload's data is always on the CPU.
+
+`view_kv` is pack_kv without the gather, for senders that take `parts`
+(zmq): the payload's bytes are the cache's own contiguous segments, one per
+(layer, k/v, run of adjacent source blocks), hashed in place, sent zero-copy.
+Only the checksum (~2 ms for 32 MiB) precedes the first byte on the wire,
+instead of gather + checksum (6-16 ms, 50+ ms into fresh staging memory:
+bench_two_node_phases.py). The blocks must not change until the receiver
+has acknowledged the payload: the prefill worker holds them until `Release`
+(a lease that expires first frees them, and the receiver's checksum then
+fails a payload whose blocks were rewritten meanwhile).
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import torch
+import xxhash
 
 from testbed.kernels.kv_ops import gather_blocks, scatter_blocks
-from testbed.kv_transfer.payload import DTYPE_NAMES, DTYPES, KVPayload, PayloadError, checksum
+from testbed.kv_transfer.payload import DTYPE_NAMES, DTYPES, KVPayload, PayloadError, byte_view, checksum
 
 MAX_SLICED_RUNS = 8
 
@@ -49,13 +60,9 @@ def _check_ids(what: str, ids: Sequence[int], num_blocks: int) -> None:
         raise PayloadError(f"{what} has duplicates: {list(ids)[:16]}")
 
 
-def pack_kv(cache: torch.Tensor, layers: tuple[int, int], src_block_ids: Sequence[int],
-            dst_block_ids: Sequence[int], num_tokens: int, request_id: str, *, last: bool = True,
-            meta: dict | None = None, out: torch.Tensor | None = None) -> KVPayload:
-    """Gather `cache[layers[0]:layers[1], :, src_block_ids]` into a payload for
-    the receiver's `dst_block_ids`. `out`: an optional flat uint8 CPU buffer
-    (reused, or pinned for GPU caches) the data is written into; do not reuse
-    it before the sender's flush()."""
+def _check_request(cache: torch.Tensor, layers: tuple[int, int], src_block_ids: Sequence[int],
+                   dst_block_ids: Sequence[int], num_tokens: int, request_id: str) -> tuple[int, ...]:
+    """The payload's shape, once the arguments are checked against the cache."""
     _check_cache(cache)
     layer_start, layer_end = layers
     num_layers, _, num_blocks, block_size = cache.shape[:4]
@@ -68,7 +75,38 @@ def pack_kv(cache: torch.Tensor, layers: tuple[int, int], src_block_ids: Sequenc
     if not 0 < num_tokens <= len(src_block_ids) * block_size:
         raise ValueError(f"request {request_id}: num_tokens={num_tokens} does not fit "
                          f"{len(src_block_ids)} blocks of {block_size}")
-    shape = (layer_end - layer_start, 2, len(src_block_ids), *cache.shape[3:])
+    return (layer_end - layer_start, 2, len(src_block_ids), *cache.shape[3:])
+
+
+def view_kv(cache: torch.Tensor, layers: tuple[int, int], src_block_ids: Sequence[int],
+            dst_block_ids: Sequence[int], num_tokens: int, request_id: str, *, last: bool = True,
+            meta: dict | None = None) -> KVPayload | None:
+    """pack_kv's payload with `parts` (views of `cache`) instead of packed data; None
+    where a gather is better: a GPU or non-contiguous cache, or more than
+    MAX_SLICED_RUNS runs of adjacent source blocks (many small segments)."""
+    shape = _check_request(cache, layers, src_block_ids, dst_block_ids, num_tokens, request_id)
+    runs = coalesce_runs(src_block_ids)
+    if cache.is_cuda or not cache.is_contiguous() or len(runs) > MAX_SLICED_RUNS:
+        return None
+    parts = [cache[layer, kv, first:first + n] for layer in range(*layers) for kv in (0, 1) for first, n in runs]
+    hasher = xxhash.xxh3_64()
+    for part in parts:
+        hasher.update(byte_view(part))
+    return KVPayload(request_id=request_id, layer_start=layers[0], layer_end=layers[1],
+                     block_ids=list(dst_block_ids), num_tokens=num_tokens, dtype=DTYPE_NAMES[cache.dtype],
+                     shape=shape, checksum=hasher.intdigest(), data=torch.empty(0, dtype=cache.dtype), last=last,
+                     meta=dict(meta or {}), parts=parts)
+
+
+def pack_kv(cache: torch.Tensor, layers: tuple[int, int], src_block_ids: Sequence[int],
+            dst_block_ids: Sequence[int], num_tokens: int, request_id: str, *, last: bool = True,
+            meta: dict | None = None, out: torch.Tensor | None = None) -> KVPayload:
+    """Gather `cache[layers[0]:layers[1], :, src_block_ids]` into a payload for
+    the receiver's `dst_block_ids`. `out`: an optional flat uint8 CPU buffer
+    (reused, or pinned for GPU caches) the data is written into; do not reuse
+    it before the sender's flush()."""
+    shape = _check_request(cache, layers, src_block_ids, dst_block_ids, num_tokens, request_id)
+    layer_start, layer_end = layers
     if out is None:
         data = torch.empty(shape, dtype=cache.dtype, pin_memory=cache.is_cuda)
     else:

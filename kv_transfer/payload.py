@@ -5,7 +5,9 @@ A request's KV travels as one payload (whole) or one per layer range
 (layer-wise streaming, `last` marks the final piece). The data is
 `cache[layer_start:layer_end, :, src_blocks]` made contiguous, shape
 `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`; `block_ids`
-are where it goes on the receiver. The header is msgpack (never pickle) and is
+are where it goes on the receiver. On the sending side the data may instead be
+`parts`: contiguous pieces whose bytes, in order, are the payload's (pack.py
+view_kv: views of the cache itself, so nothing is copied before the wire). The header is msgpack (never pickle) and is
 decoded defensively: every field is type- and range-checked, and the declared
 size is capped before anything is allocated for the data.
 """
@@ -75,10 +77,15 @@ class KVPayload:
     origin: str = ""                      # set by the receiver: the sender's name, for ack()
     error: str | None = None              # set by the receiver: why this payload failed
     in_place: bool = False                # set by the receiver: already written into block_ids (data empty)
+    parts: list[torch.Tensor] | None = None   # sender side, instead of data: contiguous CPU pieces, in order
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+    def byte_parts(self) -> list:
+        """The data's bytes as numpy views, in order, without copying: `parts`, or `data` whole."""
+        return [byte_view(t) for t in self.parts] if self.parts is not None else [byte_view(self.data)]
 
     @property
     def ok(self) -> bool:

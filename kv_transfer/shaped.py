@@ -29,6 +29,7 @@ class ShapedSender(KVSender):
                              f"{latency_s} s >= 0")
         self.inner = inner
         self.name = inner.name
+        self.takes_parts = inner.takes_parts
         self.rate_bytes_per_s = rate_bytes_per_s
         self.latency_s = latency_s
         self.timeout_s = timeout_s

@@ -8,9 +8,13 @@ size, and each worker builds one `TorchDistGroup` that its sender and receiver
 share. The group is an object, not torch's global default group, so several
 can coexist in tests and close() really tears it down.
 
-Order: the sender sends the header on the channel, then posts the data send;
-the receiver posts the matching recv when it reads the header. Point-to-point
-messages between two ranks match in order, as do the headers on one channel.
+Order: the sender sends the header on the channel, with its rank and the
+sizes of the data's pieces (each at most frame_bytes, a part of pack.view_kv
+never split across two: a piece is a zero-copy view of the cache or of the
+packed data), then posts one send per piece; the receiver posts the matching
+recvs when it reads the header, RECV_DEPTH at a time, and hashes and lands each
+piece while the next is on the wire. Point-to-point messages between two
+ranks match in order, as do the headers on one channel.
 
 NCCL cannot put two ranks on one GPU, so one GPU means the zmq transport with
 host staging. With NCCL the data is staged host -> GPU on the sender and GPU
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import itertools
 import time
 from urllib.parse import urlparse
 
@@ -36,6 +41,10 @@ from testbed.kv_transfer.landing import Landing
 from testbed.kv_transfer.payload import KVPayload
 
 DATA_TAG = 0
+MAX_PIECES = 1 << 16          # pieces one header may announce (1 MiB pieces: 64 GiB)
+# recvs posted ahead: gloo sends a piece only once its recv is posted, so with two a receiver
+# descheduled for one piece's time on the wire (1.7 ms at 5 Gb/s) stalled the link
+RECV_DEPTH = 4
 
 
 def _host_port(address: str) -> tuple[str, int]:
@@ -87,6 +96,8 @@ class TorchDistGroup:
 
 
 class TorchDistSender(ChannelSender):
+    takes_parts = True
+
     def __init__(self, cfg: TransferConfig, group: TorchDistGroup, name: str | None = None, curve=None) -> None:
         super().__init__(cfg, name, curve)
         self.group = group
@@ -103,16 +114,24 @@ class TorchDistSender(ChannelSender):
 
     def send(self, peer: str, payload: KVPayload) -> None:
         sock = self._client.socket(peer)
-        flat = payload.data.reshape(-1).view(torch.uint8)
-        if flat.device != self.group.device:
-            flat = flat.to(self.group.device)
-        sock.send_multipart([HEADER, payload.encode_header(), msgpack.packb(self.group.rank)])
-        # the work keeps `flat` alive until the receiver has taken it
-        try:
-            work = self.group.pg.send([flat], self._ranks[peer], DATA_TAG)
-        except RuntimeError as e:      # gloo: the peer's rank is gone
-            raise TransferError(f"sender {self.name}: send to {peer} (rank {self._ranks[peer]}) failed: {e}") from None
-        self._in_flight.append((work, flat))
+        step = self.cfg.frame_bytes
+        pieces = [torch.from_numpy(part[off:off + step]) for part in payload.byte_parts()
+                  for off in range(0, len(part), step)]
+        if sum(len(p) for p in pieces) != payload.nbytes or not 0 < len(pieces) <= MAX_PIECES:
+            raise ValueError(f"request {payload.request_id}: payload has {sum(len(p) for p in pieces)} bytes of "
+                             f"data in {len(pieces)} pieces, its header declares {payload.nbytes}")
+        sock.send_multipart([HEADER, payload.encode_header(),
+                             msgpack.packb([self.group.rank, [len(p) for p in pieces]])])
+        for piece in pieces:
+            if piece.device != self.group.device:
+                piece = piece.to(self.group.device)
+            # the work keeps `piece` (a view of the caller's memory) alive until the receiver has taken it
+            try:
+                work = self.group.pg.send([piece], self._ranks[peer], DATA_TAG)
+            except RuntimeError as e:      # gloo: the peer's rank is gone
+                raise TransferError(f"sender {self.name}: send to {peer} (rank {self._ranks[peer]}) "
+                                    f"failed: {e}") from None
+            self._in_flight.append((work, piece))
         while self._in_flight and self._in_flight[0][0].is_completed():
             self._in_flight.popleft()
 
@@ -140,38 +159,59 @@ class TorchDistReceiver(ChannelReceiver):
 
     def _on_header(self, origin: str, payload: KVPayload, landing: Landing | None) -> list[KVPayload]:
         try:
-            src_rank = msgpack.unpackb(self._server.sock.recv()) if self._server.more() else None
+            src_rank, sizes = msgpack.unpackb(self._server.sock.recv()) if self._server.more() else (None, None)
         except Exception:
-            src_rank = None
-        # the process group delivers the data whole: into the landing when it is one buffer, else via a pooled one
+            src_rank, sizes = None, None
+        bad = _bad_extras(src_rank, sizes, payload.nbytes, self.group)
+        if bad is not None:            # nothing can be taken off the group: it is not known what comes
+            return [] if landing is None else [self._drop(payload, landing, bad)]
+        # each piece into the landing when it is one buffer, else into one of RECV_DEPTH pooled ones,
+        # from which it is written to the landing (and hashed) while the next pieces are on the wire
         view = landing.view(0) if landing is not None else None
-        buf = torch.frombuffer(view, dtype=torch.uint8) if view is not None else self._buffers.take(payload.nbytes)
-        if not isinstance(src_rank, int) or not 0 <= src_rank < self.group.world_size or src_rank == self.group.rank:
-            self._release_staging(buf, view)
-            if landing is None:
-                return []
-            return [self._drop(payload, landing, f"header without a valid sender rank ({src_rank!r})")]
-        landing_buf = buf if self.group.device.type == "cpu" else torch.empty_like(buf, device=self.group.device)
+        offsets = [0, *itertools.accumulate(sizes)]
+        depth = min(RECV_DEPTH, len(sizes))
+        slots = [] if view is not None else [self._buffers.take(max(sizes)) for _ in range(depth)]
+        hasher = xxhash.xxh3_64()
+        posted: collections.deque = collections.deque()
+
+        def post(i: int) -> None:
+            host = torch.frombuffer(view[offsets[i]:offsets[i] + sizes[i]], dtype=torch.uint8) \
+                if view is not None else slots[i % depth][:sizes[i]]
+            on_group = host if self.group.device.type == "cpu" else torch.empty_like(host, device=self.group.device)
+            posted.append((host, on_group, self.group.pg.recv([on_group], src_rank, DATA_TAG)))
+
         try:
-            self.group.pg.recv([landing_buf], src_rank, DATA_TAG).wait(
-                datetime.timedelta(seconds=self.cfg.timeout_s))
+            for i in range(depth):
+                post(i)
+            for i in range(len(sizes)):
+                host, on_group, work = posted.popleft()
+                work.wait(datetime.timedelta(seconds=self.cfg.timeout_s))
+                if on_group is not host:
+                    host.copy_(on_group)
+                if landing is not None:
+                    chunk = memoryview(host.numpy())
+                    hasher.update(chunk)
+                    if view is None:
+                        landing.write(offsets[i], chunk)
+                if i + depth < len(sizes):
+                    post(i + depth)
         except RuntimeError as e:
-            self._release_staging(buf, view)
+            # pieces still posted may yet be written: their pooled buffers are not reused
             if landing is None:
                 return []
             return [self._drop(payload, landing, f"data from rank {src_rank} did not arrive: {e}")]
-        if landing_buf is not buf:
-            buf.copy_(landing_buf)
+        for buf in slots:
+            self._buffers.release(buf)
         if landing is None:                      # refused: the data had to be taken off the group anyway
-            self._release_staging(buf, view)
             return []
-        digest = xxhash.xxh3_64_intdigest(buf.numpy())
-        if view is None:                          # verified before a byte reaches the destination
-            if digest == payload.checksum:
-                landing.write(0, memoryview(buf.numpy()))
-            self._buffers.release(buf)
-        return [self._land(payload, landing, digest)]
+        return [self._land(payload, landing, hasher.intdigest())]
 
-    def _release_staging(self, buf: torch.Tensor, view) -> None:
-        if view is None:
-            self._buffers.release(buf)
+
+def _bad_extras(src_rank, sizes, nbytes: int, group: TorchDistGroup) -> str | None:
+    """Why a header's [rank, piece sizes] cannot be received from (None: it can)."""
+    if not isinstance(src_rank, int) or not 0 <= src_rank < group.world_size or src_rank == group.rank:
+        return f"header without a valid sender rank ({src_rank!r})"
+    if (not isinstance(sizes, list) or not 0 < len(sizes) <= MAX_PIECES
+            or not all(isinstance(n, int) and n > 0 for n in sizes) or sum(sizes) != nbytes):
+        return f"header without valid piece sizes for its {nbytes} bytes"
+    return None

@@ -2,8 +2,9 @@
 of about frame_bytes, each its own single-frame message, from the sender's
 DEALER to the receiver's ROUTER.
 
-The sender's chunks are zero-copy views of the payload's tensor (`copy=False`:
-the zmq I/O thread reads the tensor's memory). The receiver copies each chunk
+The sender's chunks are zero-copy views of the payload's tensor, or of its
+parts (pack.view_kv: the cache's own segments) (`copy=False`: the zmq I/O
+thread reads that memory); a part ends a chunk, the receiver only counts bytes. The receiver copies each chunk
 once, to its landing (kv_transfer/landing.py): with recv_into into one reused
 contiguous buffer, or from the frame straight into the destination blocks of
 the KV cache, and hashes it while the next is on the wire; zmq frees the chunk
@@ -31,11 +32,13 @@ from testbed.kv_transfer.base import TransferError
 from testbed.kv_transfer.channel import HEADER, ChannelSender
 from testbed.kv_transfer.config import TransferConfig
 from testbed.kv_transfer.landing import Landing
-from testbed.kv_transfer.payload import KVPayload, byte_view
+from testbed.kv_transfer.payload import KVPayload
 from testbed.kv_transfer.receiver import ChannelReceiver
 
 
 class ZmqSender(ChannelSender):
+    takes_parts = True           # each part goes as its own chunks: the receiver only counts bytes
+
     def __init__(self, cfg: TransferConfig, name: str | None = None, curve=None) -> None:
         super().__init__(cfg, name, curve)
         # a tracker per payload, on its last chunk: a socket's messages leave in order
@@ -43,14 +46,15 @@ class ZmqSender(ChannelSender):
 
     def send(self, peer: str, payload: KVPayload) -> None:
         sock = self._client.socket(peer)
-        data = byte_view(payload.data)
-        if len(data) == 0:
-            raise ValueError(f"request {payload.request_id}: payload has no data to send")
-        step = self.cfg.frame_bytes
+        chunks = [part[off:off + self.cfg.frame_bytes] for part in payload.byte_parts()
+                  for off in range(0, len(part), self.cfg.frame_bytes)]
+        if sum(len(c) for c in chunks) != payload.nbytes or not chunks:
+            raise ValueError(f"request {payload.request_id}: payload has {sum(len(c) for c in chunks)} bytes of "
+                             f"data, its header declares {payload.nbytes}")
         sock.send_multipart([HEADER, payload.encode_header()])
-        for off in range(0, len(data), step):
-            tracker = sock.send(data[off:off + step], copy=False, track=off + step >= len(data))
-        self._in_flight.append(tracker)
+        for chunk in chunks[:-1]:
+            sock.send(chunk, copy=False)
+        self._in_flight.append(sock.send(chunks[-1], copy=False, track=True))
         while self._in_flight and self._in_flight[0].done:
             self._in_flight.popleft()
 

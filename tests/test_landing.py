@@ -10,7 +10,7 @@ import pytest
 import torch
 import zmq
 
-from testbed.kv_transfer import TransferConfig, make_receiver, make_sender, pack_kv, unpack_kv
+from testbed.kv_transfer import TransferConfig, make_receiver, make_sender, pack_kv, unpack_kv, view_kv
 from testbed.kv_transfer.channel import HEADER
 from testbed.kv_transfer.landing import BlockLanding
 
@@ -139,3 +139,29 @@ def test_zmq_receiver_in_place_payload_that_fails_its_checksum_is_not_admitted()
         bad, good = poll_until(receiver, 2)
     assert not bad.ok and "checksum mismatch" in bad.error and not bad.in_place
     assert good.ok and good.in_place and torch.equal(dst[:, :, 7:10], src_cache[:, :, 1:4])
+
+
+@pytest.mark.parametrize("corrupt", [0, 1])
+def test_zmq_sends_the_cache_segments_themselves_into_the_reserved_blocks(corrupt):
+    """view_kv's parts (the sender's own blocks, no gather) over real sockets, chunks that
+    straddle the receiver's segments: exact values; a corrupted copy fails, the cache is untouched."""
+    cfg = TransferConfig(frame_bytes=5000, fault_corrupt_nth=corrupt)
+    src_cache, dst = make_cache(seed=4), torch.zeros(L, 2, NB, BS, H, D)
+    before = src_cache.clone()
+    src, reserved = [3, 4, 5, 9, 20, 21], [10, 11, 2, 20, 38, 39]
+    with make_receiver(TransferConfig()) as receiver, make_sender(cfg, name="p") as sender:
+        assert sender.takes_parts
+        receiver.land_with(lambda p: BlockLanding(dst, p))
+        sender.connect("d", receiver.address)
+        sender.send("d", view_kv(src_cache, (0, 3), src, reserved, len(src) * BS, "a"))
+        (got,) = poll_until(receiver, 1)
+    assert torch.equal(src_cache, before)
+    if corrupt:
+        assert not got.ok and "checksum mismatch" in got.error
+        return
+    assert got.ok and got.in_place
+    for s, d in zip(src, reserved):
+        assert torch.equal(dst[:, :, d], src_cache[:, :, s])
+    others = [b for b in range(NB) if b not in reserved]
+    assert not dst[:, :, others].any()
+

@@ -10,7 +10,7 @@ import torch
 import xxhash
 
 from testbed.kv_transfer import (KVPayload, PayloadError, TransferConfig, coalesce_runs, make_sender,
-                                 pack_kv, unpack_kv)
+                                 pack_kv, unpack_kv, view_kv)
 from testbed.kv_transfer.payload import decode_header
 
 L, NB, BS, H, D = 3, 40, 4, 2, 8
@@ -50,6 +50,28 @@ def test_pack_unpack_places_blocks_at_destination(src, dst, dtype):
     written = torch.zeros(NB, dtype=torch.bool)
     written[dst] = True
     assert not out[:, :, ~written].any() and not out[0].any()     # nothing else touched
+
+
+@pytest.mark.parametrize("src", [[7, 8, 9, 2, 30, 31], [5], list(range(NB))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_view_kv_is_pack_kv_without_the_copy(src, dtype):
+    cache = make_cache(dtype)
+    dst = list(range(len(src)))
+    packed = pack_kv(cache, (1, 3), src, dst, len(src) * BS - 1, "r", meta={"first_token": 5})
+    viewed = view_kv(cache, (1, 3), src, dst, len(src) * BS - 1, "r", meta={"first_token": 5})
+    assert viewed.encode_header() == packed.encode_header()          # the same header, checksum included
+    joined = torch.cat([torch.from_numpy(b) for b in viewed.byte_parts()])
+    assert torch.equal(joined, packed.data.reshape(-1).view(torch.uint8))
+    assert len(viewed.parts) == 2 * 2 * len(coalesce_runs(src))      # (layer, k/v, run)
+    lo, hi = cache.data_ptr(), cache.data_ptr() + cache.nbytes      # views of the cache: nothing copied
+    assert all(lo <= part.data_ptr() < hi for part in viewed.parts)
+
+
+def test_view_kv_leaves_scattered_blocks_to_pack_kv():
+    cache = make_cache()
+    assert view_kv(cache, (0, 3), list(range(0, 40, 2)), list(range(20)), 20, "r") is None   # 20 runs
+    with pytest.raises(ValueError, match="out of range"):
+        view_kv(cache, (0, 3), [NB], [0], 1, "r")
 
 
 def test_pack_into_preallocated_buffer_shares_its_memory():

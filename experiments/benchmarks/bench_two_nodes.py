@@ -22,13 +22,18 @@ after its prefill (not layer-wise), so:
                link.per_message_us = the tcp-25 preset's 15 us (documented):
                its exposed_ms p50 (the link alone);
   sim+host   = the same, per_message_us plus the host's serial work per
-               transfer (pack_kv + xxh3 check + unpack_kv of one request's KV,
-               timed in-process before the runs): one message per request here;
+               transfer (view_kv's xxh3 before the header, the last frame's
+               landing + xxh3 after the last byte; timed in-process before the
+               runs): one message per request here;
   sim@ceil   = the link at min(R, C), C the transfer rate of a first run with
                no qdisc (the host's own ceiling: CURVE encryption, copies, a
                shared CPU): what the path can carry, whatever the tbf allows.
 
-    sudo python experiments/benchmarks/bench_two_nodes.py [--rates 1 5] [--reps 2]
+    sudo python experiments/benchmarks/bench_two_nodes.py [--rates 1 5] [--reps 2] [--transport zmq|torch_dist]
+
+--transport torch_dist sends the data over gloo (plain TCP between the nodes'
+addresses: gloo's pairs and the TCPStore rendezvous are unauthenticated; the
+headers and acks still go over zmq under CURVE); zmq sends it over CURVE.
 
 Needs root (namespaces, tc). Targets (issue 17): transfer within 10% of R; sim
 exposed within 15% of the measured exposed."""
@@ -124,6 +129,37 @@ def zmq_ceiling_gbps(tn: TwoNodes, curve: bool) -> float:
         srv.wait()
 
 
+GLOO_PAIR = """
+import datetime, sys, time, torch, torch.distributed as dist
+host, port, rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+store = dist.TCPStore(host, port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
+opts = dist.ProcessGroupGloo._Options()
+opts._devices = [dist.ProcessGroupGloo.create_device(hostname=sys.argv[4])]
+pg = dist.ProcessGroupGloo(store, rank, 2, opts)
+buf = torch.empty(32 << 20, dtype=torch.uint8)
+pg.barrier().wait()
+t = time.perf_counter()
+for _ in range(4):
+    (pg.send([buf], 1, 0) if rank == 0 else pg.recv([buf], 0, 0)).wait()
+if rank == 1:
+    print(8 * 4 * buf.numel() / (time.perf_counter() - t) / 1e9, flush=True)
+pg.barrier().wait()
+"""
+
+
+def gloo_ceiling_gbps(tn: TwoNodes) -> float:
+    """Raw gloo send -> recv, A -> B over the unshaped veth, 4 x 32 MiB, rendezvous on A:
+    what plain TCP through gloo carries before any of the transport's work."""
+    port = "5997"
+    snd = subprocess.Popen(tn.a.exec(PY, "-c", GLOO_PAIR, tn.a.address, port, "0", tn.a.address))
+    try:
+        out = subprocess.run(tn.b.exec(PY, "-c", GLOO_PAIR, tn.a.address, port, "1", tn.b.address),
+                             capture_output=True, text=True, check=True, timeout=120).stdout
+        return float(out)
+    finally:
+        snd.wait(timeout=60)
+
+
 def workload_args(a) -> list[str]:
     w = {"name": "two_nodes_bench", "num_requests": a.num_requests, "arrival": "constant", "rate": a.arrival_rate,
          "prompt_dist": "fixed", "prompt_len": a.prompt_len, "output_dist": "fixed", "output_len": 4}
@@ -131,14 +167,19 @@ def workload_args(a) -> list[str]:
     return [f"workload.{k}={v}" for k, v in w.items()] + [
         "model.num_kv_heads=8", f"num_kv_blocks={blocks}", "scheduler=vllm_v0",
         f"max_num_batched_tokens={a.prompt_len}", f"token_budget={a.prompt_len}",
-        "progress=false", "wandb.mode=disabled", "timeout_s=300", "transfer.timeout_s=60"]
+        "progress=false", "wandb.mode=disabled", "timeout_s=300", "transfer.timeout_s=60",
+        f"transfer.transport={a.transport}"]
+
+
+DATA_RISE = 4096      # bytes per ~1 ms sample that count as data, not acks or Ray's heartbeats
 
 
 def wire_rates(samples: list[tuple[float, int]], min_bytes: int) -> list[float]:
-    """Gb/s of each burst of the counter (rising, gaps under 20 ms) carrying >= min_bytes."""
+    """Gb/s of each burst of the counter (rising by >= DATA_RISE a sample, gaps under 20 ms)
+    carrying >= min_bytes."""
     bursts, cur = [], None
     for (t0, b0), (t1, b1) in zip(samples, samples[1:]):
-        if b1 > b0:
+        if b1 - b0 >= DATA_RISE:
             if cur is not None and t0 - cur[1] < 0.02:
                 cur = [cur[0], t1, cur[2] + b1 - b0]
             else:
@@ -200,22 +241,25 @@ def sim_run(a, rate_gbps: float, latency_us: float, per_message_us: float, run_d
 
 
 def host_cost_s(a, reps: int = 5) -> float:
-    """pack_kv (gather + checksum) + the receiver's xxh3 check + unpack_kv of one request's
-    KV, in this process, median of `reps`: the host's serial work around the wire."""
+    """The host's serial work around the wire for one request's KV, in this process, median of
+    `reps`: the sender's view_kv (the xxh3 of the blocks, before the header can go) and the
+    receiver's landing + xxh3 of the last 1 MiB frame (after its last byte); the frames in
+    between land while the next is on the wire."""
     import torch
-    from testbed.kv_transfer import pack_kv, unpack_kv
-    from testbed.kv_transfer.payload import checksum
+    import xxhash
+    from testbed.kv_transfer import view_kv
+    from testbed.kv_transfer.landing import BlockLanding
     torch.set_num_threads(1)
     blocks = -(-a.prompt_len // 16)
     cache = torch.randn(4, 2, 2 * blocks + 1, 16, 8, 32)     # tiny with num_kv_heads=8: [L, 2, blocks, 16, 8, 32]
     src, dst = list(range(blocks)), list(range(blocks, 2 * blocks))
-    buf = torch.empty(4 * 2 * blocks * 16 * 8 * 32 * 4, dtype=torch.uint8)
+    frame = memoryview(torch.randn(1 << 18).numpy()).cast("B")
     times = []
     for _ in range(reps + 1):
         t = time.perf_counter()
-        payload = pack_kv(cache, (0, 4), src, dst, a.prompt_len, "r", out=buf)
-        checksum(payload.data)
-        unpack_kv(cache, payload)
+        payload = view_kv(cache, (0, 4), src, dst, a.prompt_len, "r")
+        BlockLanding(cache, payload).write(payload.nbytes - len(frame), frame)
+        xxhash.xxh3_64(frame).intdigest()
         times.append(time.perf_counter() - t)
     return statistics.median(times[1:])
 
@@ -228,24 +272,29 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=3)
     p.add_argument("--arrival-rate", type=float, default=0.12,
                    help="requests/s: one prefill or transfer at a time (a 4096-token prefill is 3-5 s here)")
-    p.add_argument("--ceiling-only", action="store_true", help="only the raw pyzmq rates over the veth")
+    p.add_argument("--transport", choices=["zmq", "torch_dist"], default="zmq",
+                   help="transfer.transport of the real runs (torch_dist: gloo, plain TCP)")
+    p.add_argument("--ceiling-only", action="store_true", help="only the raw pyzmq and gloo rates over the veth")
     p.add_argument("--run-timeout-s", type=float, default=400)
     a = p.parse_args()
     out_dir = Path(tempfile.mkdtemp(prefix="bench2n-"))
     t0 = time.monotonic()
     with TwoNodes() as tn:
-        print(f"cluster up in {time.monotonic() - t0:.0f} s; runs under {out_dir}", flush=True)
+        print(f"cluster up in {time.monotonic() - t0:.0f} s; transfer.transport={a.transport}; runs under {out_dir}",
+              flush=True)
         rtt = rtt_s(tn)
         latency_us = rtt / 2 * 1e6
         print(f"veth TCP round trip p50 {rtt * 1e6:.0f} us -> link.latency_us={latency_us:.0f}", flush=True)
         for curve in (False, True, False, True):
             print(f"raw pyzmq over the veth, {'CURVE' if curve else 'plain'}: {zmq_ceiling_gbps(tn, curve):.2f} Gb/s",
                   flush=True)
+        for _ in range(2):
+            print(f"raw gloo over the veth (plain TCP): {gloo_ceiling_gbps(tn):.2f} Gb/s", flush=True)
         if a.ceiling_only:
             return
         host_us = host_cost_s(a) * 1e6
-        print(f"host work per request (pack_kv + xxh3 check + unpack_kv, in-process, median): {host_us / 1e3:.1f} ms",
-              flush=True)
+        print(f"host serial work per request (view_kv's xxh3 + the last frame's landing and xxh3, in-process, "
+              f"median): {host_us / 1e3:.1f} ms", flush=True)
         ceiling = real_run(tn, a, None, out_dir / "real-unshaped")
         print(f"unshaped: {ceiling}", flush=True)
         rows = [(None, 0, ceiling, None, None, None)]

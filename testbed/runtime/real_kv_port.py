@@ -1,5 +1,6 @@
 """KVPort over a real kv_transfer transport (zmq, torch_dist, shaped): the
-prefill side packs a request's blocks out of its KV cache and sends them; the
+prefill side sends a request's blocks out of its KV cache (zmq: the cache's
+own segments, zero-copy, pack.view_kv; torch_dist: packed first); the
 decode side's receiver writes each chunk straight into the reserved blocks as
 it arrives (kv_transfer/landing.py), the request is admitted once the checksum
 passed, and the sender is acknowledged. Nothing is taken for a request with
@@ -13,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from testbed.engine import Engine
-from testbed.kv_transfer import PayloadError, TransferError, make_receiver, make_sender, pack_kv, unpack_kv
+from testbed.kv_transfer import PayloadError, TransferError, make_receiver, make_sender, pack_kv, unpack_kv, \
+    view_kv
 from testbed.kv_transfer.config import TransferConfig
 from testbed.kv_transfer.landing import BlockLanding
 from testbed.kv_transfer.payload import KVPayload
@@ -46,7 +48,9 @@ class _Send:
 
 
 class RealKVPort(KVPort):
-    """Packing goes into reused staging buffers: fresh multi-MB allocations
+    """A sender that takes parts sends the held blocks themselves, which the
+    prefill worker keeps until `Release`. Packing (torch_dist, GPU caches,
+    scattered blocks) goes into reused staging buffers: fresh multi-MB allocations
     page-fault at a few GB/s here, slower than the link. A buffer is reused
     only once the receiver has acknowledged the request it carried (by then
     every byte has left); one never acknowledged is simply not reused.
@@ -113,9 +117,11 @@ class RealKVPort(KVPort):
         return num_tokens * self.kv_bytes_per_token * (layers[1] - layers[0]) // self.num_layers
 
     def _start(self, job: _Send) -> None:
-        out = self._staging(job.request_id, job.nbytes)
-        payload = pack_kv(self.cache, job.layers, job.src_block_ids, job.dst_block_ids, job.num_tokens,
-                          job.request_id, last=job.last, meta=job.meta, out=out)
+        args = (self.cache, job.layers, job.src_block_ids, job.dst_block_ids, job.num_tokens, job.request_id)
+        # zero-copy from the held blocks where the sender can (pack.view_kv), else gathered into staging
+        payload = view_kv(*args, last=job.last, meta=job.meta) if self.sender.takes_parts else None
+        if payload is None:
+            payload = pack_kv(*args, last=job.last, meta=job.meta, out=self._staging(job.request_id, job.nbytes))
         try:
             self.sender.send(job.peer, payload)
         except (TransferError, RuntimeError) as e:
