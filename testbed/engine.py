@@ -118,23 +118,14 @@ class Engine:
         else:
             end = self.clock.now()
         out = StepOutput(None)
-        new_tokens, finished = out.new_tokens, out.finished
-        bs, commit, remove = self.bm.block_size, self.bm.commit, self.scheduler.remove
+        bs, commit = self.bm.block_size, self.bm.commit
         for req, token in zip(requests, tokens):
             if req.first_scheduled_s is None:
                 req.first_scheduled_s = start
             req.num_computed_tokens = computed = req.num_computed_tokens + 1
             if computed % bs == 0:
                 commit(req)
-            req.output_token_ids.append(token)
-            req.token_times_s.append(end)
-            new_tokens.append((req, token))
-            if len(req.output_token_ids) >= req.max_tokens or (not req.sampling.ignore_eos
-                                                                and req.is_finished_generating()):
-                req.status = RequestStatus.FINISHED
-                req.finish_s = end
-                remove(req)
-                finished.append(req)
+            self._sampled(req, token, end, out)
         out.iteration = IterationRecord(start, end - start, 0, len(requests), kv_bytes_read, None, token_budget, None)
         return out
 
@@ -156,7 +147,6 @@ class Engine:
         sampled = result.sampled
         bs = self.bm.block_size
         commit = self.bm.commit
-        new_tokens = out.new_tokens
         prefill_only = self.prefill_only
         num_decode = num_prefill = 0
         for sl in batch.slices:
@@ -174,19 +164,26 @@ class Engine:
             token = sampled.get(req.request_id)
             if token is None:
                 continue
-            req.output_token_ids.append(token)
-            req.token_times_s.append(end)
-            new_tokens.append((req, token))
-            # the max_tokens test first: is_finished_generating() adds only the EOS check
-            if len(req.output_token_ids) >= req.max_tokens or (not req.sampling.ignore_eos
-                                                                 and req.is_finished_generating()):
-                req.status = RequestStatus.FINISHED
-                req.finish_s = end
-                self.scheduler.remove(req)
-                out.finished.append(req)
-            elif prefill_only and len(req.output_token_ids) == 1:
+            if self._sampled(req, token, end, out):
+                continue
+            if prefill_only and len(req.output_token_ids) == 1:
                 self.scheduler.running.remove(req)     # keeps its blocks for the hand-off
                 out.prefill_completed.append(req)
         out.iteration = IterationRecord(start, end - start, num_prefill, num_decode, result.kv_bytes_read, None,
                                         batch.token_budget, batch.predicted_s)
         return out
+
+    def _sampled(self, req: Request, token: int, end: float, out: StepOutput) -> bool:
+        """`token` sampled for `req` at `end`; True when that finished it."""
+        req.output_token_ids.append(token)
+        req.token_times_s.append(end)
+        out.new_tokens.append((req, token))
+        # the max_tokens test first: is_finished_generating() adds only the EOS check
+        if len(req.output_token_ids) >= req.max_tokens or (not req.sampling.ignore_eos
+                                                             and req.is_finished_generating()):
+            req.status = RequestStatus.FINISHED
+            req.finish_s = end
+            self.scheduler.remove(req)
+            out.finished.append(req)
+            return True
+        return False
