@@ -38,6 +38,7 @@ import csv
 import io
 import json
 import os
+import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -189,6 +190,7 @@ def search(args: tuple) -> dict:
     gpus = num_gpus(cfg)
     bound = "none" if lo is None else "lower" if hi is None else "bracketed"
     fail = next((p["why"] for p in probes if p["rate"] == hi), "")
+    print(f"  {label} seed {seed}: {fmt(lo)} req/s ({len(probes)} probes)", file=sys.stderr, flush=True)
     return {"deployment": label, "family": family, "seed": seed, "num_gpus": gpus, "capacity_rps": lo,
             "capacity_per_gpu": None if lo is None else lo / gpus, "bound": bound, "first_failing_rps": hi,
             "fails_by": fail, "num_probes": len(probes), "probes": probes}
