@@ -86,14 +86,16 @@ def deployments(gpus: int, quick: bool, schedulers: tuple[str, ...] = ("sarathi"
         tag, s = SHORT.get(sched, "-" + sched), f"scheduler={sched}"
         out += [(f"sarathi-{b}{tag}", "colocated", ["mode=colocated", f"replicas={gpus}", f"token_budget={b}", s])
                 for b in (512, 2048)]
-        for p in range(1, gpus):
-            out.append((f"disagg-{p}P{gpus - p}D{tag}", "disaggregated",
-                        ["mode=disagg", f"prefill_workers={p}", f"decode_workers={gpus - p}", s]))
-        for p in range(1, gpus // 2):            # prefill at tp=2: 2p GPUs of prefill, the rest decode
-            if gpus - 2 * p >= 1:
-                out.append((f"disagg-{p}P{gpus - 2 * p}D-p_tp2-d_tp1{tag}", "disaggregated",
-                            ["mode=disagg", f"prefill_workers={p}", f"decode_workers={gpus - 2 * p}",
-                             "prefill.parallel.tp=2", s]))
+        # the prefill workers chunk at the GPU's default 2,048 or at hybrid's 512 ("-b512")
+        for btag, budget in (("", []), ("-b512", ["token_budget=512"])):
+            for p in range(1, gpus):
+                out.append((f"disagg-{p}P{gpus - p}D{btag}{tag}", "disaggregated",
+                            ["mode=disagg", f"prefill_workers={p}", f"decode_workers={gpus - p}", s, *budget]))
+            for p in range(1, gpus // 2):            # prefill at tp=2: 2p GPUs of prefill, the rest decode
+                if gpus - 2 * p >= 1:
+                    out.append((f"disagg-{p}P{gpus - 2 * p}D-p_tp2-d_tp1{btag}{tag}", "disaggregated",
+                                ["mode=disagg", f"prefill_workers={p}", f"decode_workers={gpus - 2 * p}",
+                                 "prefill.parallel.tp=2", s, *budget]))
         for c in range(1, gpus - 1):
             for p in range(1, gpus - c):
                 d = gpus - c - p
