@@ -1,10 +1,11 @@
-"""Capacity per GPU of mode=hybrid against the best colocated (sarathi at
-token budgets 512 and 2,048) and the best disaggregated deployment (xPyD
-splits, prefill at tp 1 or 2) at the same GPU count, in the simulator, on a
-mixed-length workload: Azure-conversation-like lengths plus a long-context
-tail to 128K tokens.
+"""Capacity per GPU of mode=hybrid against the best colocated (token budgets
+512 and 2,048) and the best disaggregated deployment (xPyD splits, prefill at
+tp 1 or 2, prefill budget 2,048 or 512) at the same GPU count, each with every
+scheduler of --schedulers, in the simulator, on a mixed-length workload:
+Azure-conversation-like lengths plus a long-context tail to 128K tokens.
 
     python experiments/benchmarks/bench_hybrid_capacity.py [--out DIR] [--jobs N] [--quick] [--gpus 4]
+        [--ttft-floor-ms 0] [--schedulers sarathi,sarathi_srpt] [--thresholds 4096,16384] [--only LABEL,...]
 
 The workload (written to --out as a lengths-only trace, Poisson arrivals at
 the probed rate): 95% of prompts lognormal with median 1,020 tokens and
