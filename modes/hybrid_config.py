@@ -2,7 +2,10 @@
 modes/hybrid.py). A colocated pool of `colocated_replicas` replicas beside
 the run's P/D pools (`prefill_workers`, `decode_workers`); the hybrid router
 (`router`, modes/hybrid_router.py) sends a prompt shorter than `threshold`
-tokens to the colocated pool and a longer one to the P/D pools.
+tokens to the colocated pool and a longer one to the P/D pools. The
+colocated pool batches with the run's `token_budget` and `scheduler`; the P/D
+pools may set their own (`prefill.token_budget`, `prefill.scheduler`:
+testbed/pool_config.py).
 
 `threshold=auto` reads the system crossover L* that the decision study wrote
 (`decision_summary`, a decision_summary.json) for this model, hardware and

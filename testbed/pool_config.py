@@ -2,7 +2,11 @@
 (the `prefill:` and `decode:` sections of the run config). DistServe's point
 is that prefill wants compute and decode wants memory, so each pool may split
 its model replica its own way: `prefill.parallel.tp=2 decode.parallel.tp=1`.
-A pool that sets nothing runs with the run's `parallel`.
+Likewise its batching: `prefill.token_budget=8192` chunks prompts on the
+prefill workers at 8,192 while the run's `token_budget` (mode=hybrid's
+colocated pool, say) stays at 512, and `prefill.scheduler=vllm_v0` prefills
+whole prompts there. A pool that sets nothing runs with the run's `parallel`,
+`token_budget` and `scheduler`.
 
 The runtimes read it through testbed/runtime/build.py (`pool_config`), which
 gives each worker the run config of its role's pool (WorkerService.pool)."""
@@ -10,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from testbed.sim.config import ParallelConfig
 
@@ -36,6 +40,8 @@ class ParallelOverride(ParallelConfig):
 @dataclass
 class PoolConfig:
     parallel: Optional[ParallelConfig] = None     # None: the run's `parallel`
+    token_budget: Optional[Union[int, str]] = None     # an int or "auto"; None: the run's `token_budget`
+    scheduler: Optional[str] = None               # a name in testbed.schedulers.SCHEDULERS; None: the run's
 
     def resolve(self, section: str, run_parallel: ParallelConfig) -> None:
         """A ParallelOverride becomes the run's `parallel` with the fields it set (or None)."""
@@ -49,6 +55,15 @@ class PoolConfig:
     def validate(self, section: str) -> None:
         if self.parallel is not None:
             self._check(section, {"tp": self.parallel.tp, "pp": self.parallel.pp})
+        from testbed.schedulers import SCHEDULERS
+        from testbed.schedulers.budget import AUTO
+        b = self.token_budget
+        if b is not None and b != AUTO and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            raise ValueError(f"{section}.token_budget: must be an integer >= 1 or '{AUTO}' (or unset: the run's "
+                             f"token_budget), got {b!r}")
+        if self.scheduler is not None and self.scheduler not in SCHEDULERS:
+            raise ValueError(f"{section}.scheduler='{self.scheduler}' is not known; choose one of: "
+                             f"{', '.join(sorted(SCHEDULERS))} (or unset it: the run's scheduler)")
 
     @staticmethod
     def _check(section: str, given: dict) -> None:

@@ -1,10 +1,11 @@
-"""Capacity per GPU of mode=hybrid against the best colocated (sarathi at
-token budgets 512 and 2,048) and the best disaggregated deployment (xPyD
-splits, prefill at tp 1 or 2) at the same GPU count, in the simulator, on a
-mixed-length workload: Azure-conversation-like lengths plus a long-context
-tail to 128K tokens.
+"""Capacity per GPU of mode=hybrid against the best colocated (token budgets
+512 and 2,048) and the best disaggregated deployment (xPyD splits, prefill at
+tp 1 or 2, prefill budget 2,048 or 512) at the same GPU count, each with every
+scheduler of --schedulers, in the simulator, on a mixed-length workload:
+Azure-conversation-like lengths plus a long-context tail to 128K tokens.
 
     python experiments/benchmarks/bench_hybrid_capacity.py [--out DIR] [--jobs N] [--quick] [--gpus 4]
+        [--ttft-floor-ms 0] [--schedulers sarathi,sarathi_srpt] [--thresholds 4096,16384] [--only LABEL,...]
 
 The workload (written to --out as a lengths-only trace, Poisson arrivals at
 the probed rate): 95% of prompts lognormal with median 1,020 tokens and
@@ -25,7 +26,10 @@ than two iterations of any GPU that batches), p99 TBT over all token gaps <=
 100 ms, and every request finished. testbed.capacity's judge has one fixed TTFT
 for the whole run, so the search here is its bracket-and-bisect over rates
 with this judge; capacity per GPU divides by testbed.runtime.deployment.num_gpus.
-The noise floor is the best hybrid's capacity with a second workload seed.
+The noise floor: the best deployment of each family searched again on a
+second workload seed (the simulator is deterministic; the draw is the noise).
+Every deployment is searched with each scheduler of --schedulers (sarathi,
+and sarathi_srpt: chunks shortest-remaining-prompt-first) for every family.
 Figures and their reading: experiments/README.md, "hybrid capacity"."""
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ import csv
 import io
 import json
 import os
+import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -68,28 +73,41 @@ def write_workload(path: Path, n: int, seed: int) -> dict:
             "output_median": float(np.median(outputs)), "output_mean": float(outputs.mean())}
 
 
-def deployments(gpus: int, quick: bool) -> list[tuple[str, str, list[str]]]:
-    """(label, family, overrides) of every deployment searched at `gpus` GPUs."""
-    out = [(f"sarathi-{b}", "colocated", ["mode=colocated", f"replicas={gpus}", f"token_budget={b}"])
-           for b in (512, 2048)]
-    for p in range(1, gpus):
-        out.append((f"disagg-{p}P{gpus - p}D", "disaggregated",
-                    ["mode=disagg", f"prefill_workers={p}", f"decode_workers={gpus - p}"]))
-    for p in range(1, gpus // 2):            # prefill at tp=2: 2p GPUs of prefill, the rest decode
-        if gpus - 2 * p >= 1:
-            out.append((f"disagg-{p}P{gpus - 2 * p}D-p_tp2-d_tp1", "disaggregated",
-                        ["mode=disagg", f"prefill_workers={p}", f"decode_workers={gpus - 2 * p}",
-                         "prefill.parallel.tp=2"]))
-    for c in range(1, gpus - 1):
-        for p in range(1, gpus - c):
-            d = gpus - c - p
-            for threshold in (4096, 16384):      # Dynamo's fixed threshold, and the tail's start
-                out.append((f"hybrid-{c}C{p}P{d}D-t{threshold}", "hybrid",
-                            ["mode=hybrid", f"hybrid.colocated_replicas={c}", f"prefill_workers={p}",
-                             f"decode_workers={d}", f"hybrid.threshold={threshold}", "token_budget=512"]))
+SHORT = {"sarathi": "", "sarathi_srpt": "-srpt", "adaptive": "-adaptive"}
+
+
+def deployments(gpus: int, quick: bool, schedulers: tuple[str, ...] = ("sarathi",),
+                thresholds: tuple[int, ...] = (4096, 16384)) -> list[tuple[str, str, list[str]]]:
+    """(label, family, overrides) of every deployment searched at `gpus` GPUs,
+    each with every scheduler in `schedulers` (the same policy choice for every
+    family: colocated replicas, disaggregated prefill workers, and both of
+    hybrid's pools; decode workers only decode)."""
+    out = []
+    for sched in schedulers:
+        tag, s = SHORT.get(sched, "-" + sched), f"scheduler={sched}"
+        out += [(f"sarathi-{b}{tag}", "colocated", ["mode=colocated", f"replicas={gpus}", f"token_budget={b}", s])
+                for b in (512, 2048)]
+        # the prefill workers chunk at the GPU's default 2,048 or at hybrid's 512 ("-b512")
+        for btag, budget in (("", []), ("-b512", ["token_budget=512"])):
+            for p in range(1, gpus):
+                out.append((f"disagg-{p}P{gpus - p}D{btag}{tag}", "disaggregated",
+                            ["mode=disagg", f"prefill_workers={p}", f"decode_workers={gpus - p}", s, *budget]))
+            for p in range(1, gpus // 2):            # prefill at tp=2: 2p GPUs of prefill, the rest decode
+                if gpus - 2 * p >= 1:
+                    out.append((f"disagg-{p}P{gpus - 2 * p}D-p_tp2-d_tp1{btag}{tag}", "disaggregated",
+                                ["mode=disagg", f"prefill_workers={p}", f"decode_workers={gpus - 2 * p}",
+                                 "prefill.parallel.tp=2", s, *budget]))
+        for c in range(1, gpus - 1):
+            for p in range(1, gpus - c):
+                d = gpus - c - p
+                for threshold in thresholds:      # Dynamo's fixed 4,096, and the tail's start
+                    out.append((f"hybrid-{c}C{p}P{d}D-t{threshold}{tag}", "hybrid",
+                                ["mode=hybrid", f"hybrid.colocated_replicas={c}", f"prefill_workers={p}",
+                                 f"decode_workers={d}", f"hybrid.threshold={threshold}", "token_budget=512", s]))
     if quick:
-        keep = {"sarathi-512", f"disagg-{gpus // 2}P{gpus - gpus // 2}D", f"disagg-{gpus - 1}P1D",
-                "hybrid-1C2P1D-t16384", "hybrid-2C1P1D-t16384"}
+        keep = {f"{name}{SHORT.get(sched, '-' + sched)}" for sched in schedulers
+                for name in ("sarathi-512", f"disagg-{gpus // 2}P{gpus - gpus // 2}D", f"disagg-{gpus - 1}P1D",
+                             "hybrid-1C2P1D-t16384", "hybrid-2C1P1D-t16384")}
         out = [d for d in out if d[0] in keep]
     return out
 
@@ -175,6 +193,7 @@ def search(args: tuple) -> dict:
     gpus = num_gpus(cfg)
     bound = "none" if lo is None else "lower" if hi is None else "bracketed"
     fail = next((p["why"] for p in probes if p["rate"] == hi), "")
+    print(f"  {label} seed {seed}: {fmt(lo)} req/s ({len(probes)} probes)", file=sys.stderr, flush=True)
     return {"deployment": label, "family": family, "seed": seed, "num_gpus": gpus, "capacity_rps": lo,
             "capacity_per_gpu": None if lo is None else lo / gpus, "bound": bound, "first_failing_rps": hi,
             "fails_by": fail, "num_probes": len(probes), "probes": probes}
@@ -202,6 +221,10 @@ def main() -> None:
     parser.add_argument("--max-probes", type=int, default=10)
     parser.add_argument("--quick", action="store_true", help="five deployments instead of all")
     parser.add_argument("--ttft-floor-ms", type=float, default=250.0, help="the shortest TTFT target (250 ms)")
+    parser.add_argument("--schedulers", default="sarathi,sarathi_srpt",
+                        help="comma-separated: every deployment is searched with each")
+    parser.add_argument("--thresholds", default="4096,16384", help="hybrid.threshold values, comma-separated")
+    parser.add_argument("--only", default="", help="comma-separated deployment labels: search just these")
     args = parser.parse_args()
     os.environ.setdefault("WANDB_MODE", "disabled")
     out = Path(args.out).resolve()
@@ -209,28 +232,31 @@ def main() -> None:
     traces = {seed: out / f"workload_seed{seed}.csv" for seed in (0, 1)}
     stats = {seed: write_workload(path, args.requests, seed) for seed, path in traces.items()}
     start = 2.0 * args.gpus
+    searched = deployments(args.gpus, args.quick, tuple(args.schedulers.split(",")),
+                           tuple(int(t) for t in args.thresholds.split(",")))
+    if args.only:
+        searched = [d for d in searched if d[0] in args.only.split(",")]
     jobs = [(str(traces[0]), 0, label, fam, ov, start, args.rel_tol, args.max_probes, args.ttft_floor_ms)
-            for label, fam, ov in deployments(args.gpus, args.quick)]
+            for label, fam, ov in searched]
     with ProcessPoolExecutor(args.jobs) as pool:
         rows = list(pool.map(search, jobs))
-    hybrid = best(rows, "hybrid")
-    noise = None
-    if hybrid is not None:        # the noise floor: the best hybrid on a second draw of the workload
-        label, fam, ov = next(d for d in deployments(args.gpus, False) if d[0] == hybrid["deployment"])
-        noise = search((str(traces[1]), 1, label, fam, ov, start, args.rel_tol, args.max_probes, args.ttft_floor_ms))
-        rows.append(noise)
+        # the noise floor: the best deployment of each family on a second draw of the workload
+        again = [next(d for d in searched if d[0] == b["deployment"])
+                 for b in (best(rows, f) for f in ("colocated", "disaggregated", "hybrid")) if b is not None]
+        rows += list(pool.map(search, [(str(traces[1]), 1, label, fam, ov, start, args.rel_tol, args.max_probes,
+                                        args.ttft_floor_ms) for label, fam, ov in again]))
     write_csv(out / "capacity.csv", [{k: v for k, v in r.items() if k != "probes"} for r in rows])
     (out / "report.json").write_text(json.dumps({"workload": stats, "ttft_k": TTFT_K, "ttft_floor_ms": args.ttft_floor_ms,
                                                  "tbt_slo_ms": TBT_SLO_MS,
                                                  "rows": rows}, indent=1))
-    report(rows, stats[0], args.gpus, noise, args.ttft_floor_ms)
+    report(rows, stats[0], args.gpus, args.ttft_floor_ms)
 
 
 def fmt(x, spec=".3g") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def report(rows: list[dict], stats: dict, gpus: int, noise: dict | None, floor_ms: float) -> None:
+def report(rows: list[dict], stats: dict, gpus: int, floor_ms: float) -> None:
     print(f"workload: {stats['requests']} requests, prompt median {stats['prompt_median']:.0f} mean "
           f"{stats['prompt_mean']:.0f} max {stats['prompt_max']}, {stats['tail_requests']} in the 16K-128K tail "
           f"({stats['tail_share_of_prompt_tokens']:.0%} of prompt tokens); output median {stats['output_median']:.0f}")
@@ -242,20 +268,16 @@ def report(rows: list[dict], stats: dict, gpus: int, noise: dict | None, floor_m
         tag = " (seed 1)" if r["seed"] == 1 else ""
         print(f"{r['deployment'] + tag:<28} {r['num_gpus']:>4} {fmt(r['capacity_rps']):>7} "
               f"{fmt(r['capacity_per_gpu']):>8}  {r['bound']:<10} {r['fails_by'] or '-'}")
-    seed0 = [r for r in rows if r["seed"] == 0]
-    col, dis, hyb = best(seed0, "colocated"), best(seed0, "disaggregated"), best(seed0, "hybrid")
-    if col and dis and hyb:
-        other = max(col, dis, key=lambda r: r["capacity_per_gpu"])
-        print(f"best colocated {col['deployment']} {col['capacity_per_gpu']:.3g}, best disaggregated "
-              f"{dis['deployment']} {dis['capacity_per_gpu']:.3g}, best hybrid {hyb['deployment']} "
-              f"{hyb['capacity_per_gpu']:.3g} req/s per GPU")
-        print(f"hybrid / better of the two ({other['deployment']}): {hyb['capacity_per_gpu'] / other['capacity_per_gpu']:.2f}x "
-              f"(target >= 1.15x)")
-    if noise is not None and hyb and noise["capacity_per_gpu"]:
-        print(f"noise floor: {hyb['deployment']} seed 0 {hyb['capacity_per_gpu']:.3g}, seed 1 "
-              f"{noise['capacity_per_gpu']:.3g} req/s per GPU "
-              f"({abs(noise['capacity_per_gpu'] / hyb['capacity_per_gpu'] - 1):.0%} apart)")
-
+    for seed in (0, 1):
+        sel = [r for r in rows if r["seed"] == seed]
+        col, dis, hyb = best(sel, "colocated"), best(sel, "disaggregated"), best(sel, "hybrid")
+        if col and dis and hyb:
+            other = max(col, dis, key=lambda r: r["capacity_per_gpu"])
+            print(f"seed {seed}: best colocated {col['deployment']} {col['capacity_per_gpu']:.3g}, best disaggregated "
+                  f"{dis['deployment']} {dis['capacity_per_gpu']:.3g}, best hybrid {hyb['deployment']} "
+                  f"{hyb['capacity_per_gpu']:.3g} req/s per GPU")
+            print(f"seed {seed}: hybrid / better of the two ({other['deployment']}): "
+                  f"{hyb['capacity_per_gpu'] / other['capacity_per_gpu']:.2f}x (target >= 1.15x)")
 
 if __name__ == "__main__":
     main()

@@ -29,15 +29,21 @@ def pool_parallel(cfg: RunConfig, pool: str | None) -> ParallelConfig:
 
 def pool_config(cfg: RunConfig, pool: str | None) -> RunConfig:
     """The run config a worker of `pool` is built with: the run's, with the
-    pool's parallel config, and (num_kv_blocks=auto) the KV blocks that one
-    GPU of that split holds."""
-    parallel = pool_parallel(cfg, pool)
-    if parallel == cfg.parallel:
+    pool's parallel config, token budget and scheduler where it sets them, and
+    (num_kv_blocks=auto) the KV blocks that one GPU of that split holds."""
+    own = getattr(cfg, pool) if pool is not None else None
+    changes = {"parallel": pool_parallel(cfg, pool)}
+    if own is not None and own.token_budget is not None:
+        changes["token_budget"] = own.token_budget
+    if own is not None and own.scheduler is not None:
+        changes["scheduler"] = own.scheduler
+    if all(getattr(cfg, k) == v for k, v in changes.items()):
         return cfg
     out = copy.copy(cfg)
-    out.parallel = parallel
-    if getattr(cfg, "num_kv_blocks_from_memory", False):
-        out.num_kv_blocks = cfg.kv_blocks_from_memory(parallel)
+    for k, v in changes.items():
+        setattr(out, k, v)
+    if getattr(cfg, "num_kv_blocks_from_memory", False):      # activations grow with the budget
+        out.num_kv_blocks = out.kv_blocks_from_memory(out.parallel)
     return out
 
 

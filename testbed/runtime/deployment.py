@@ -66,7 +66,7 @@ def router_context(cfg: RunConfig) -> RouterContext:
     from testbed.sim.link_model import LinkModel
     link = LinkModel(cfg.link)
     return RouterContext(CostModel(cfg.model, cfg.hardware, pool_parallel(cfg, "prefill")), link.transfer_time_s,
-                         cfg.model.kv_bytes_per_token, cfg.token_budget)
+                         cfg.model.kv_bytes_per_token, pool_config(cfg, "prefill").token_budget)
 
 
 def hybrid_threshold(cfg: RunConfig) -> int:

@@ -8,11 +8,12 @@ from testbed.schedulers.context import SchedulerContext
 from testbed.schedulers.orca import OrcaScheduler
 from testbed.schedulers.request_level import RequestLevelScheduler
 from testbed.schedulers.sarathi import SarathiScheduler
+from testbed.schedulers.sarathi_srpt import SarathiSRPTScheduler
 from testbed.schedulers.vllm_v0 import VllmV0Scheduler
 
 SCHEDULERS: dict[str, type[Scheduler]] = {
     cls.name: cls for cls in (RequestLevelScheduler, VllmV0Scheduler, OrcaScheduler, SarathiScheduler,
-                        AdaptiveScheduler)
+                        SarathiSRPTScheduler, AdaptiveScheduler)
 }
 
 

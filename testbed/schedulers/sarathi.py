@@ -21,7 +21,6 @@ class SarathiScheduler(Scheduler):
         batch = Batch()
         slices = batch.slices
         budget = token_budget = batch.token_budget = self.iteration_budget()
-        min_chunk = self.min_chunk
         prefills = []
         grow, bs = self._grow, self.bm.block_size
         for req in list(self.running):               # decodes first, in running order
@@ -38,24 +37,30 @@ class SarathiScheduler(Scheduler):
                 if n:
                     slices.append(ScheduledSlice(req, n))
                     budget -= n
-        for req in prefills:
+        self._schedule_prefills(prefills, budget, batch)
+        # a preempted request may already have a slice scheduled: drop it
+        if batch.preempted:
+            batch.slices = [s for s in slices if s.request.status is RequestStatus.RUNNING]
+        return self._check(batch, token_budget)
+
+    def _schedule_prefills(self, partial: list[Request], budget: int, batch: Batch) -> None:
+        """Chunks into what the decodes left of the budget: the partial
+        prefills (in running order), then new requests FCFS."""
+        min_chunk = self.min_chunk
+        for req in partial:
             if budget < min(min_chunk, req.num_tokens - req.num_computed_tokens):
                 break
             budget -= self._add_slice(req, budget, batch)
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not batch.preempted:
             req = self.waiting[0]
             if budget < min(min_chunk, req.num_uncomputed_tokens):
-                break
+                return
             n = self._try_admit(req, budget)
             if n == 0:
-                break
+                return
             self._start(req)
-            slices.append(ScheduledSlice(req, n))
+            batch.slices.append(ScheduledSlice(req, n))
             budget -= n
-        # a preempted request may already have a slice scheduled: drop it
-        if batch.preempted:
-            batch.slices = [s for s in slices if s.request.status is RequestStatus.RUNNING]
-        return self._check(batch, token_budget)
 
     def steady_decodes(self) -> tuple[list[Request], int] | None:
         # nothing waits, every running request is one token behind and each
