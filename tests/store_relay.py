@@ -2,14 +2,17 @@
 faults that must land between two of the store's messages. A ROUTER in
 front, one DEALER to the store per client behind (each client's messages
 stay in order); subclasses see every request (`on_request`) before it is
-forwarded and every reply (`on_reply`) before it goes back."""
+forwarded and every reply (`on_reply`) before it goes back. RelayedRuntime:
+a real run whose workers are told the relay's address instead of the store's."""
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 import zmq
 
 from testbed.kv_transfer import store_wire as wire
+from testbed.runtime.real import RealRuntime
 
 
 class StoreRelay(threading.Thread):
@@ -57,3 +60,26 @@ class StoreRelay(threading.Thread):
                     reply, *frames = sock.recv_multipart()
                     self.on_reply(ident, wire.decode(reply))
                     self.front.send_multipart([ident, reply, *frames])
+
+
+class RelayedRuntime(RealRuntime):
+    """`make_relay(store_address, host)` builds the relay once the store is up;
+    run() stops it at the end (the test reads `relay.error`)."""
+
+    def __init__(self, cfg, make_relay: Callable[[str, str], StoreRelay], **kwargs):
+        super().__init__(cfg, **kwargs)
+        self.make_relay = make_relay
+        self.relay: StoreRelay | None = None
+
+    def _wait_store_ready(self) -> str:
+        self.relay = self.make_relay(super()._wait_store_ready(), self.cfg.runtime.host)
+        self.relay.start()
+        return self.relay.address
+
+    def run(self, requests):
+        try:
+            return super().run(requests)
+        finally:
+            if self.relay is not None:
+                self.relay.stop.set()
+                self.relay.join(5)

@@ -18,12 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from store_relay import StoreRelay
+from store_relay import RelayedRuntime, StoreRelay
 from test_kvstore import colocated, config  # noqa: F401  (colocated: the fixture)
 from testbed.block_manager import prefix_block_keys
 from testbed.runtime.build import apply_sampling
 from testbed.runtime.messages import PrefixFetched
-from testbed.runtime.real import RealRuntime
 from testbed.workloads.build import build_workload
 
 BLOCK_BYTES = 2048 * 16          # tiny: 2 KiB of KV per token, 16-token blocks
@@ -78,17 +77,6 @@ class DamagingRelay(StoreRelay):
                 return
 
 
-class RelayedRuntime(RealRuntime):
-    """The prefill worker is told the relay's address instead of the store's."""
-    relay: DamagingRelay
-    disk: Path
-
-    def _wait_store_ready(self) -> str:
-        self.relay = DamagingRelay(super()._wait_store_ready(), self.cfg.runtime.host, self.disk)
-        self.relay.start()
-        return self.relay.address
-
-
 @pytest.mark.slow          # ~22 s here with its colocated reference (2 shared cores, loaded)
 def test_damaged_disk_blocks_are_never_used_and_recomputed(colocated, tmp_path, capfd):  # noqa: F811
     disk = tmp_path / "disk"
@@ -100,14 +88,9 @@ def test_damaged_disk_blocks_are_never_used_and_recomputed(colocated, tmp_path, 
     apply_sampling(cfg, requests)
     keys_of = {r.request_id: prefix_block_keys(r, cfg.block_size, r.prompt_len // cfg.block_size) for r in requests}
     fetched: dict[str, PrefixFetched] = {}
-    rt = RelayedRuntime(cfg, on_event=lambda _, ev: fetched.setdefault(ev.id, ev) if type(ev) is PrefixFetched
-                        else None)
-    rt.disk = disk
-    try:
-        result = rt.run(requests)
-    finally:
-        rt.relay.stop.set()
-        rt.relay.join(5)
+    rt = RelayedRuntime(cfg, lambda store, host: DamagingRelay(store, host, disk),
+                        on_event=lambda _, ev: fetched.setdefault(ev.id, ev) if type(ev) is PrefixFetched else None)
+    result = rt.run(requests)
     assert rt.relay.error is None, rt.relay.error
     assert [name for _, name in rt.relay.damaged] == [d.__name__ for d in DAMAGES], \
         "fewer gets read the disk tier than there are kinds of damage"

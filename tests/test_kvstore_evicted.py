@@ -12,12 +12,11 @@ import os
 
 import pytest
 
-from store_relay import StoreRelay
+from store_relay import RelayedRuntime, StoreRelay
 from test_kvstore import colocated, config  # noqa: F401  (colocated: the fixture)
 from testbed.kv_transfer.store_client import StoreClient
 from testbed.runtime.build import apply_sampling
 from testbed.runtime.messages import PrefixFetched
-from testbed.runtime.real import RealRuntime
 from testbed.workloads.build import build_workload
 
 CAPACITY_BYTES = 4 * 2**20
@@ -62,16 +61,6 @@ class EvictingRelay(StoreRelay):
             client.close()
 
 
-class RelayedRuntime(RealRuntime):
-    """The workers are told the relay's address instead of the store's."""
-    relay: EvictingRelay
-
-    def _wait_store_ready(self) -> str:
-        self.relay = EvictingRelay(super()._wait_store_ready(), self.cfg.runtime.host)
-        self.relay.start()
-        return self.relay.address
-
-
 @pytest.mark.slow          # ~55 s here with its colocated reference (2 shared cores, loaded)
 def test_a_block_evicted_between_lookup_and_fetch_is_recomputed(colocated):  # noqa: F811
     # two prefill workers, round robin: a conversation's next turn lands on the other one,
@@ -80,12 +69,9 @@ def test_a_block_evicted_between_lookup_and_fetch_is_recomputed(colocated):  # n
     fetched: list[PrefixFetched] = []
     requests = build_workload(cfg.workload, cfg.model.vocab_size, cfg.seed)
     apply_sampling(cfg, requests)
-    rt = RelayedRuntime(cfg, on_event=lambda _, ev: fetched.append(ev) if type(ev) is PrefixFetched else None)
-    try:
-        result = rt.run(requests)
-    finally:
-        rt.relay.stop.set()
-        rt.relay.join(5)
+    rt = RelayedRuntime(cfg, EvictingRelay,
+                        on_event=lambda _, ev: fetched.append(ev) if type(ev) is PrefixFetched else None)
+    result = rt.run(requests)
     assert rt.relay.error is None, rt.relay.error
     assert rt.relay.evicted_after is not None, "no lookup found a block in the store: nothing was evicted"
     assert rt.relay.evictions_caused > 0
