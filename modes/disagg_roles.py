@@ -42,7 +42,12 @@ class PrefillWorker(WorkerService):
         self.engine.add_request(req)
 
     def _release(self, request_id: str) -> None:
-        """The decode side has the KV (or the request ended)."""
+        """The decode side has the KV (or the request ended). A prompt not yet
+        handed off is still queued or mid-prefill here: it ended elsewhere
+        (its decode side failed, say) and leaves the scheduler too, or it
+        would go on computing into freed blocks."""
+        if request_id in self.handoff and request_id not in self.awaiting_release:
+            self.engine.abort(request_id)
         self.awaiting_release.pop(request_id, None)
         self.handoff.pop(request_id, None)
         self.streamed.pop(request_id, None)

@@ -63,10 +63,7 @@ class WorkerService:
         self.emit(Pong(self.worker_id))
 
     def _release(self, request_id: str) -> None:
-        """Free the KV blocks of a request that ended. One still queued or
-        running here ended elsewhere (its decode side failed, say): it leaves
-        the scheduler too, or it would go on computing into freed blocks."""
-        self.engine.abort(request_id)
+        """Free the KV blocks of a request that left the scheduler."""
         self.engine.release(request_id)
 
     def _holds(self, request_id: str) -> bool:

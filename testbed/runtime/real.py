@@ -149,16 +149,16 @@ class RealRuntime:
             print(f"frontend: dropped a message from {shown(frames[0])} on the command socket (which takes none)",
                   file=sys.stderr)
 
-    def _heartbeat(self, targets, held: dict[str, list[str]] | None = None) -> None:
+    def _heartbeat(self, targets, held: Callable[[], dict[str, list[str]]] | None = None) -> None:
         """Ping `targets` once every runtime.heartbeat_s: they answer Pong (the
         frontend sees a hung worker), and hearing it tells them the frontend
-        lives; `held` (worker -> requests) renews the leases of what they hold."""
+        lives; `held()` (worker -> requests) renews the leases of what they hold."""
         now = time.monotonic()
         if now >= self._next_ping:
             self._next_ping = now + self.cfg.runtime.heartbeat_s
-            held = held or {}
+            leases = held() if held is not None else {}
             for w in targets:
-                self._send(w, Ping(held.get(w, [])))
+                self._send(w, Ping(leases.get(w, [])))
 
     def _hung(self) -> list[str]:
         """Live workers silent for longer than runtime.hang_timeout_s."""
@@ -313,7 +313,7 @@ class RealRuntime:
                 if now >= next_liveness:
                     next_liveness = now + 0.2
                     self._heartbeat([*(w.worker_id for w in self.workers if w.worker_id not in ctl.dead),
-                                     *([STORE_ID] if self.store_addr else [])], ctl.held_by())
+                                     *([STORE_ID] if self.store_addr else [])], ctl.held_by)
                     for w in self.workers:
                         if w.worker_id not in ctl.dead and not self.launcher.alive(w.worker_id):
                             ctl.on_worker_died(w.worker_id, now)
