@@ -45,6 +45,12 @@ class KVReceiver(ABC):
         until the next poll() (torch_dist reuses its landing buffers):
         unpack_kv it, or copy it, before polling again."""
 
+    def wake_socket(self):
+        """The zmq socket that turns readable when this receiver has something
+        to take, for a loop to sleep on between polls; None when it has none
+        (the loop then polls on a short timer)."""
+        return None
+
     @abstractmethod
     def ack(self, origin: str, request_id: str, ok: bool = True, reason: str = "") -> bool:
         """Tell the sender named `origin` (payload.origin) how request_id went.

@@ -65,6 +65,11 @@ class ChannelReceiver(KVReceiver):
         """Take payloads only from senders with these names (KVSender.name)."""
         self._senders = frozenset(names)
 
+    def wake_socket(self):
+        # every message comes on the channel first; gloo's data is taken inside
+        # poll(), behind its header, so nothing arrives that this socket misses
+        return self._server.sock
+
     @abstractmethod
     def _on_header(self, origin: str, payload: KVPayload, landing: Landing | None) -> list[KVPayload]:
         """A header from `origin` passed every check; the rest of its message

@@ -209,3 +209,23 @@ def test_close_releases_port_socket_file_and_threads(protocol):
         ctx.term()
     else:
         assert not Path(address.removeprefix("ipc://")).parent.exists()
+
+
+def test_wake_socket_turns_readable_when_kv_comes_and_quiet_once_taken():
+    # a decode worker awaiting KV sleeps on this socket (runtime/worker_process.py)
+    # instead of waking every millisecond: it must wake for a payload, and be
+    # quiet again once poll() took it, or the loop would spin
+    cfg = TransferConfig(frame_bytes=5000)
+    with make_receiver(cfg) as receiver, make_sender(cfg, name="p") as sender:
+        poller = zmq.Poller()
+        poller.register(receiver.wake_socket(), zmq.POLLIN)
+        assert poller.poll(50) == []
+        sender.connect("d", receiver.address)
+        payload = pack_kv(make_cache(4), (0, 4), [1, 2, 3], [5, 6, 7], 40, "r")
+        sender.send("d", payload)
+        assert poller.poll(10_000) != []
+        got = []
+        while not got:
+            got = receiver.poll(1000)
+        assert got[0].error is None and torch.equal(got[0].data, payload.data)
+        assert poller.poll(50) == []

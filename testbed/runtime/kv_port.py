@@ -45,6 +45,11 @@ class KVPort(ABC):
     def connect(self, peer: str, address: str) -> None:
         """Learn a peer's address (real transports)."""
 
+    def wake_socket(self):
+        """Receiving side: a zmq socket that turns readable when KV arrives, so
+        that a worker awaiting KV sleeps on it; None: poll on a short timer."""
+        return None
+
     @property
     def address(self) -> str:
         return ""

@@ -96,6 +96,9 @@ class RealKVPort(KVPort):
     def address(self) -> str:
         return self.receiver.address if self.receiver is not None else ""
 
+    def wake_socket(self):
+        return self.receiver.wake_socket() if self.receiver is not None else None
+
     def expect_senders(self, senders: list[str]) -> None:
         self.receiver.expect_senders(senders)
 

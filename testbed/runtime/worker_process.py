@@ -106,10 +106,18 @@ class WorkerProcess:
         service, dealer, kv_port = self.service, self.dealer, self.kv_port
         last_heard = time.monotonic()       # the frontend pings every runtime.heartbeat_s
         next_lease_check = 0.0
+        # a worker awaiting KV sleeps until a command or its KV comes (it had woken
+        # every 1 ms for as long as the prompt took to prefill and send)
+        poller = zmq.Poller()
+        poller.register(dealer, zmq.POLLIN)
+        kv_socket = kv_port.wake_socket() if kv_port is not None else None
+        if kv_socket is not None:
+            poller.register(kv_socket, zmq.POLLIN)
         try:
             while not service.stopping:
-                timeout = 0 if service.engine.has_work() else (1 if service.awaits_kv() else POLL_IDLE_MS)
-                if dealer.poll(timeout):
+                timeout = 0 if service.engine.has_work() else \
+                    (1 if kv_socket is None and service.awaits_kv() else POLL_IDLE_MS)
+                if dealer in dict(poller.poll(timeout)):
                     while True:
                         try:
                             raw = dealer.recv(zmq.NOBLOCK)
