@@ -78,6 +78,9 @@ def test_the_fast_path_writes_the_same_run(case, tmp_path):
     if case == "colocated":
         iterations = sum(1 for _ in open(tmp_path / "on" / "iterations.jsonl"))
         assert on.num_run_ahead > iterations / 2 and on.num_steady > on.num_run_ahead / 2
+        assert on.num_in_runs > on.num_steady / 4      # steady stretches ran as DecodeRuns (Engine.step_decode_run)
+    if CASES[case][0] != "mode=colocated":
+        assert on.num_in_runs == 0      # a controller that may react with commands sees every iteration
     if case == "colocated_preempting":
         assert on_summary["num_preemptions"] > 0    # the fallback when an allocation could fail is exercised
     # the order IterationOrder restores: by the instant each iteration ended

@@ -33,6 +33,12 @@ class IterationOrder:
     def iteration(self, record: IterationRecord) -> None:
         heapq.heappush(self.held, (self.clock.t, self.place[record.worker], next(self._count), record))
 
+    def iterations(self, records: list[IterationRecord], received_s: list[float]) -> None:
+        """iteration() of each record, had the clock been at its instant in `received_s`."""
+        held, push, count, place = self.held, heapq.heappush, self._count, self.place
+        for record, t in zip(records, received_s):
+            push(held, (t, place[record.worker], next(count), record))
+
     def release_before(self, t: float) -> None:
         """Pass on what the frontend received before `t` (nothing can still come before it)."""
         held, pop, iteration = self.held, heapq.heappop, self.sink.iteration
