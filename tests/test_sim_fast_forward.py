@@ -7,7 +7,9 @@ where requests arrive while others decode, finish, cross block boundaries,
 reuse cached prefixes and (with little memory) preempt each other, with step
 jitter on; colocated, disaggregated 1P2D (and 1P1D with two seats) and kvstore. And the cost
 executor's decode path gives execute()'s figures for the same batch."""
+import dataclasses
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -110,3 +112,22 @@ def test_the_cost_executors_decode_path_equals_executing_the_batch(num_decodes):
                      for _ in range(2))
     for _ in range(3):
         assert fast.execute_decodes(requests) == Executor.execute_decodes(generic, requests)
+
+
+@pytest.mark.parametrize("model", ["tiny", "llama3-8b"])
+def test_decodes_priced_by_their_sum_and_longest_equal_the_slices(model):
+    """CostModel.decode_iteration_s (what the decode path and DecodeRuns price
+    with) is iteration_time_s of the 1-token slices, float for float, on both
+    sides of the short-batch path (32 slices); None for attention that needs
+    each slice (the roofline), whose executor keeps building the slices."""
+    rng = random.Random(5)
+    cost = CostModel(load_model_preset(model), load_hardware_preset("h100-sxm"))
+    for n in (1, 2, 7, 31, 32, 33, 200):
+        for _ in range(20):
+            contexts = [rng.randint(1, 130_000) for _ in range(n)]
+            fast = cost.decode_iteration_s(n, sum(contexts), max(contexts))
+            assert fast == cost.iteration_time_s([(1, c) for c in contexts], n)
+            assert type(fast) is float
+    roofline = dataclasses.replace(load_hardware_preset("h100-sxm"), attention_kernel="")
+    assert CostModel(load_model_preset(model), roofline).decode_iteration_s(2, 10, 6) is None
+    assert not CostModelExecutor(CostModel(load_model_preset(model), roofline)).prices_decodes_by_sum

@@ -22,6 +22,7 @@ class CostModelExecutor(Executor):
         self.jitter = jitter
         self.kv_bytes_per_token = cost_model.model.kv_bytes_per_token
         self.num_layers = cost_model.model.num_layers
+        self.prices_decodes_by_sum = cost_model.decode_iteration_s(1, 1, 1) is not None
 
     def execute(self, batch: Batch, on_layer_done: LayerHook | None = None) -> StepResult:
         # one pass over the slices (this runs ~10^5 times per simulated run):
@@ -41,12 +42,21 @@ class CostModelExecutor(Executor):
     def execute_decodes(self, requests: list[Request]) -> tuple[list[int], float, int]:
         # execute()'s figures for one decode per request, without the batch's objects
         # (most of a simulated run's iterations: ~1/3 of the steady decode step's time)
+        n = len(requests)
+        if self.prices_decodes_by_sum:
+            # (the kernel model: by the contexts' sum and longest, no slices; ~2x faster per iteration)
+            contexts = [r.num_computed_tokens for r in requests]
+            context = sum(contexts) + n
+            duration = self._jittered(self.cost_model.decode_iteration_s(n, context, max(contexts) + 1))
+            return [0] * n, duration, context * self.kv_bytes_per_token
         pairs = [(1, r.num_computed_tokens + 1) for r in requests]
         context = sum(end for _, end in pairs)
-        return [0] * len(pairs), self._duration_s(pairs, len(pairs)), context * self.kv_bytes_per_token
+        return [0] * n, self._duration_s(pairs, n), context * self.kv_bytes_per_token
 
     def _duration_s(self, pairs: list[tuple[int, int]], num_sampled: int) -> float:
-        duration = self.cost_model.iteration_time_s(pairs, num_sampled)
+        return self._jittered(self.cost_model.iteration_time_s(pairs, num_sampled))
+
+    def _jittered(self, duration: float) -> float:
         if self.jitter is not None:
             duration = max(duration + self.jitter(), duration * _FLOOR)
         return duration

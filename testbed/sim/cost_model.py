@@ -115,6 +115,17 @@ class CostModel:
         # travel in messages whose decoder takes float and int only (runtime/wire.py)
         return float(sum(self._terms(slices, num_sampled)))
 
+    def decode_iteration_s(self, num_decodes: int, context_tokens: int, longest_context: int) -> float | None:
+        """iteration_time_s of `num_decodes` 1-token slices (each sampled) whose
+        contexts sum to `context_tokens`, the longest `longest_context`, without
+        the slices: the same float. None where the attention model needs each
+        slice (only the kernel model prices decodes by their sum and longest)."""
+        decode_seconds = getattr(self._attention, "decode_seconds", None)
+        if decode_seconds is None:
+            return None
+        attention = decode_seconds(num_decodes, context_tokens, longest_context)
+        return float(sum(self._with_counted(attention, float(num_decodes), num_decodes, num_decodes)))
+
     def breakdown(self, slices: Slices, num_sampled: int | None = None) -> dict[str, float]:
         """The iteration's seconds by part (keys ending in _s, and total_s),
         plus num_tokens and kv_bytes_read; for plots and debugging."""
@@ -140,7 +151,11 @@ class CostModel:
             m = float(q.sum())
             attention = self._attention.seconds(q, ctx)
         sampled = len(slices) if num_sampled is None else num_sampled
-        key = (m, sampled, len(slices))
+        return self._with_counted(attention, m, sampled, len(slices))
+
+    def _with_counted(self, attention: float, m: float, sampled: int, num_slices: int) -> tuple[float, ...]:
+        """The terms of an iteration whose attention takes `attention` seconds."""
+        key = (m, sampled, num_slices)
         counted = self._counted.get(key)
         if counted is None:
             counted = self._counted[key] = self._counted_terms(*key)
