@@ -138,20 +138,23 @@ class Engine:
         times as those calls, one by one (tests/test_sim_fast_forward.py)."""
         if self.prefill_only or self.seat_queue or not self.clock.virtual:
             return None, None
-        scheduler, execute_decodes, clock = self.scheduler, self.executor.execute_decodes, self.clock
+        scheduler, clock = self.scheduler, self.clock
         bs, commit = self.bm.block_size, self.bm.commit
-        run, left = None, 0
+        run, left, steps, block_starts = None, 0, None, True
         while True:
-            steady = scheduler.steady_decodes()
-            if steady is None:
-                return run, None
-            requests, token_budget = steady
-            if run is None:
+            if block_starts:      # else the same answer as last time (Scheduler.steady_decodes)
+                steady = scheduler.steady_decodes()
+                if steady is None:
+                    return run, None
+                requests, token_budget = steady
+                block_starts = False
+            if steps is None:
                 # iterations until one of them may finish a request (an EOS may end any)
                 left = min(r.max_tokens - len(r.output_token_ids) if r.sampling.ignore_eos else 1
                            for r in requests)
+                steps = self.executor.decode_steps(requests)
             start = clock.t
-            tokens, duration, kv_bytes_read = execute_decodes(requests)
+            tokens, duration, kv_bytes_read = next(steps)
             end = start + duration
             ends_s = start + (end - start)
             if left <= 1 or ends_s >= until_s:
@@ -165,6 +168,7 @@ class Engine:
                 req.num_computed_tokens = computed = req.num_computed_tokens + 1
                 if computed % bs == 0:
                     commit(req)
+                    block_starts = True     # its next token starts a block
                 req.output_token_ids.append(token)
                 req.token_times_s.append(end)
             run.tokens.append(tokens)

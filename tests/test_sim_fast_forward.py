@@ -128,6 +128,7 @@ def test_decodes_priced_by_their_sum_and_longest_equal_the_slices(model):
             fast = cost.decode_iteration_s(n, sum(contexts), max(contexts))
             assert fast == cost.iteration_time_s([(1, c) for c in contexts], n)
             assert type(fast) is float
+            assert cost.decode_pricer(n)(sum(contexts), max(contexts)) == fast
     roofline = dataclasses.replace(load_hardware_preset("h100-sxm"), attention_kernel="")
     assert CostModel(load_model_preset(model), roofline).decode_iteration_s(2, 10, 6) is None
     assert not CostModelExecutor(CostModel(load_model_preset(model), roofline)).prices_decodes_by_sum

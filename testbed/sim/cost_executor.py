@@ -7,6 +7,8 @@ iteration's time gains a deviation drawn from it (never below half the
 modeled time: a hand-written table cannot make a step free)."""
 from __future__ import annotations
 
+from typing import Iterator
+
 from testbed.batch import Batch, StepResult
 from testbed.executor import Executor, LayerHook
 from testbed.request import Request
@@ -52,6 +54,20 @@ class CostModelExecutor(Executor):
         pairs = [(1, r.num_computed_tokens + 1) for r in requests]
         context = sum(end for _, end in pairs)
         return [0] * n, self._duration_s(pairs, n), context * self.kv_bytes_per_token
+
+    def decode_steps(self, requests: list[Request]) -> Iterator[tuple[list[int], float, int]]:
+        if not self.prices_decodes_by_sum:
+            yield from super().decode_steps(requests)
+            return
+        # execute_decodes' figures, the contexts' sum and longest carried from one iteration to the next
+        n, kv_bytes_per_token = len(requests), self.kv_bytes_per_token
+        price, jittered = self.cost_model.decode_pricer(n), self._jittered
+        contexts = [r.num_computed_tokens for r in requests]
+        context, longest = sum(contexts) + n, max(contexts) + 1
+        while True:
+            yield [0] * n, jittered(price(context, longest)), context * kv_bytes_per_token
+            context += n
+            longest += 1
 
     def _duration_s(self, pairs: list[tuple[int, int]], num_sampled: int) -> float:
         return self._jittered(self.cost_model.iteration_time_s(pairs, num_sampled))
