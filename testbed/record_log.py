@@ -73,6 +73,13 @@ class RecordLog:
     def iteration(self, record: IterationRecord) -> None:
         self._add("iterations", record)       # (RunStats counts them as they are written)
 
+    def extend_iterations(self, records: list[IterationRecord]) -> None:
+        """iteration() of each, in order."""
+        pending = self._pending["iterations"]
+        pending += records
+        if len(pending) >= self.chunk or time.monotonic() - self._flushed_at >= self.flush_s:
+            self.flush()
+
     def _add(self, kind: str, record) -> None:
         pending = self._pending[kind]
         pending.append(record)
