@@ -251,7 +251,10 @@ class SimRuntime:
         ends, what the heap would do next is this: the frontend receives the
         iteration's events at its end, and the worker starts its next iteration
         then (the same code, or its steady-decode short path). So do it now,
-        iteration after iteration. What can reach a worker: a command, sent
+        iteration after iteration. Where the controller sends commands on
+        arrivals alone (colocated), the steady decode iterations before the
+        last go as one DecodeRun (Engine.step_decode_run): the controller
+        and IterationOrder take them at their own instants all at once. What can reach a worker: a command, sent
         on an arrival, or on another worker's event where the controller's
         reactions send commands (then the heap's next event bounds the run),
         and a KV or store arrival (in the heap). The clock runs ahead meanwhile;

@@ -46,7 +46,7 @@ class CostModelExecutor(Executor):
         # (most of a simulated run's iterations: ~1/3 of the steady decode step's time)
         n = len(requests)
         if self.prices_decodes_by_sum:
-            # (the kernel model: by the contexts' sum and longest, no slices; ~2x faster per iteration)
+            # (the kernel model: by the contexts' sum and longest, no slices; ~15% faster at 2 decodes)
             contexts = [r.num_computed_tokens for r in requests]
             context = sum(contexts) + n
             duration = self._jittered(self.cost_model.decode_iteration_s(n, context, max(contexts) + 1))
@@ -59,7 +59,8 @@ class CostModelExecutor(Executor):
         if not self.prices_decodes_by_sum:
             yield from super().decode_steps(requests)
             return
-        # execute_decodes' figures, the contexts' sum and longest carried from one iteration to the next
+        # execute_decodes' figures, the contexts' sum and longest carried from one iteration to
+        # the next (2.3x faster than execute_decodes per iteration at 2 decodes)
         n, kv_bytes_per_token = len(requests), self.kv_bytes_per_token
         price, jittered = self.cost_model.decode_pricer(n), self._jittered
         contexts = [r.num_computed_tokens for r in requests]
