@@ -16,6 +16,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, ClassVar
 
+from testbed.engine import DecodeRun
 from testbed.metrics import RequestRecord
 from testbed.modes.pool import PoolState
 from testbed.record_log import RecordList, RecordSink
@@ -95,6 +96,27 @@ class ModeController(ABC):
                 self.records[ev.id].num_preemptions += 1
         else:
             self.on_mode_event(ev, now)
+
+    def on_decode_run(self, run: DecodeRun) -> None:
+        """The tokens of a worker's DecodeRun (the simulator's fast-forward):
+        on_event of each iteration's Tokens at its end, less the per-token calls.
+        The runtime hands the run's iteration records to the sink."""
+        ends = run.ends_s
+        records, unresolved = self.records, self.unresolved
+        for req, first, tokens in zip(run.requests, run.first_index, zip(*run.tokens)):
+            rid = req.request_id
+            if rid not in unresolved:
+                continue
+            rec = records[rid]
+            if first == len(rec.output_token_ids) and rid not in self.early_tokens:
+                rec.output_token_ids += tokens
+                rec.token_times_s += ends
+                if rec.first_token_s is None:
+                    rec.first_token_s = ends[0]
+                continue
+            for index, token, now in zip(range(first, first + len(ends)), tokens, ends):
+                if rid in unresolved:
+                    self._deliver(rid, index, token, now)
 
     def abort(self, request_id: str, now: float, status: str = "aborted",
               error: str = "aborted by the client") -> None:

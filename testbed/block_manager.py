@@ -122,6 +122,15 @@ class BlockManager:
         prefix walk slices out of one fetch of the request's tokens)."""
         return xxhash.xxh3_64_intdigest(tokens, parent_hash)
 
+    def _digest(self):
+        """hash_block as digest(tokens, parent_hash): xxh3 itself unless a
+        subclass hooks hash_block (tests do), a Python call fewer per block
+        (allocate + commit of 2,048-token chunks: ~0.8 µs a block, from ~1.0)."""
+        if type(self).hash_block is BlockManager.hash_block:
+            return xxhash.xxh3_64_intdigest
+        hash_block = self.hash_block
+        return lambda tokens, parent_hash: hash_block(parent_hash, tokens)
+
     # ---- queries -------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
@@ -182,9 +191,10 @@ class BlockManager:
         nbytes = 8 * self.block_size
         ref_counts = self._ref_counts
         parent_hash, parent_serial = ROOT_HASH, ROOT_SERIAL
+        digest = self._digest()
         for off in range(0, len(data), nbytes):
             tokens = data[off:off + nbytes]
-            h = self.hash_block(parent_hash, tokens)
+            h = digest(tokens, parent_hash)
             block_id = self._hash_to_block.get(h)
             if block_id is None:
                 break
@@ -222,13 +232,14 @@ class BlockManager:
         # hot path of a simulated run with prefix caching (no tuple, no packing)
         data = token_bytes(request.token_array(done * bs, num_full * bs))
         nbytes = 8 * bs
-        hash_block, hash_to_block = self.hash_block, self._hash_to_block
+        hash_to_block = self._hash_to_block
         hashes, serials, parent_serials = self._hashes, self._serials, self._parent_serials
         token_chunks, token_index = self._token_chunks, self._token_index
         next_serial = self._next_serial
+        digest = self._digest()
         for index, block_id in enumerate(table[done:num_full]):
             tokens = data[index * nbytes:(index + 1) * nbytes]
-            h = hash_block(parent_hash, tokens)
+            h = digest(tokens, parent_hash)
             cached_id = hash_to_block.get(h)
             if cached_id is None:
                 hash_to_block[h] = block_id

@@ -34,6 +34,20 @@ class StepOutput:
         return self.iteration.start_s + self.iteration.duration_s
 
 
+@dataclass
+class DecodeRun:
+    """Steady decode iterations run back to back (Engine.step_decode_run): the
+    same requests each got one token per iteration and none finished.
+    `first_index[i]`: the index of request i's first token here; `tokens[j]`:
+    iteration j's tokens in request order; `ends_s[j]`: its end (each
+    iteration's StepOutput.end_s, where the next one starts)."""
+    requests: list[Request]
+    first_index: list[int]
+    tokens: list[list[int]] = field(default_factory=list)
+    ends_s: list[float] = field(default_factory=list)
+    iterations: list[IterationRecord] = field(default_factory=list)
+
+
 class Engine:
     """`prefill_only`: a disaggregated prefill worker. A request leaves the
     scheduler once its prompt is computed and its first token sampled, keeping
@@ -112,6 +126,61 @@ class Engine:
         requests, token_budget = steady
         start = self.clock.now()
         tokens, duration, kv_bytes_read = self.executor.execute_decodes(requests)
+        return self._decoded(requests, token_budget, start, tokens, duration, kv_bytes_read)
+
+    def step_decode_run(self, until_s: float) -> tuple[DecodeRun | None, StepOutput | None]:
+        """step_steady_decodes() again and again, in virtual time, while nothing
+        but time changes: the iterations that finish no request and end before
+        `until_s` make one DecodeRun (no StepOutput, event or batch each); the
+        first that does not is run as step_steady_decodes runs it and comes
+        second. The second is None, having run nothing more, where the next
+        iteration is not a steady decode batch. The same requests, blocks and
+        times as those calls, one by one (tests/test_sim_fast_forward.py)."""
+        if self.prefill_only or self.seat_queue or not self.clock.virtual:
+            return None, None
+        scheduler, clock = self.scheduler, self.clock
+        bs, commit = self.bm.block_size, self.bm.commit
+        run, left, steps, block_starts = None, 0, None, True
+        while True:
+            if block_starts:      # else the same answer as last time (Scheduler.steady_decodes)
+                steady = scheduler.steady_decodes()
+                if steady is None:
+                    return run, None
+                requests, token_budget = steady
+                block_starts = False
+            if steps is None:
+                # iterations until one of them may finish a request (an EOS may end any)
+                left = min(r.max_tokens - len(r.output_token_ids) if r.sampling.ignore_eos else 1
+                           for r in requests)
+                steps = self.executor.decode_steps(requests)
+            start = clock.t
+            tokens, duration, kv_bytes_read = next(steps)
+            end = start + duration
+            ends_s = start + (end - start)
+            if left <= 1 or ends_s >= until_s:
+                return run, self._decoded(requests, token_budget, start, tokens, duration, kv_bytes_read)
+            if run is None:
+                run = DecodeRun(requests, [len(r.output_token_ids) for r in requests])
+                for req in requests:
+                    if req.first_scheduled_s is None:
+                        req.first_scheduled_s = start
+            for req, token in zip(requests, tokens):
+                req.num_computed_tokens = computed = req.num_computed_tokens + 1
+                if computed % bs == 0:
+                    commit(req)
+                    block_starts = True     # its next token starts a block
+                req.output_token_ids.append(token)
+                req.token_times_s.append(end)
+            run.tokens.append(tokens)
+            run.ends_s.append(ends_s)
+            run.iterations.append(IterationRecord(start, end - start, 0, len(requests), kv_bytes_read, None,
+                                                  token_budget, None))
+            clock.t = ends_s
+            left -= 1
+
+    def _decoded(self, requests: list[Request], token_budget: int | None, start: float, tokens: list[int],
+                 duration: float, kv_bytes_read: int) -> StepOutput:
+        """step_steady_decodes' updates once the batch ran."""
         if self.clock.virtual:
             end = start + duration
             self.clock.t = end

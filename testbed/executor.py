@@ -4,7 +4,7 @@ the simulator's (testbed/sim/) asks the cost model how long the batch takes."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable
+from typing import Callable, Iterator
 
 from testbed.batch import Batch, ScheduledSlice, StepResult
 from testbed.request import Request
@@ -25,6 +25,13 @@ class Executor(ABC):
         the sampled tokens in request order, the duration and the KV bytes read."""
         result = self.execute(Batch([ScheduledSlice(r, 1) for r in requests]))
         return ([result.sampled[r.request_id] for r in requests], result.duration_s, result.kv_bytes_read)
+
+    def decode_steps(self, requests: list[Request]) -> Iterator[tuple[list[int], float, int]]:
+        """execute_decodes(requests) of successive iterations, each when every
+        request has one more computed token than at the one before
+        (Engine.step_decode_run, where nothing else changes between them)."""
+        while True:
+            yield self.execute_decodes(requests)
 
     def kv_bytes_read(self, batch: Batch) -> int:
         """Attention reads each request's whole context (cached prefix and the

@@ -200,12 +200,17 @@ def append_jsonl(f: TextIO, records: Iterable[RequestRecord | IterationRecord]) 
     # json.dumps per record costs a few µs, a second for a 200K-iteration run:
     # each field of a chunk of records is encoded in one call instead, and the
     # lines are filled in from a template of the keys
+    # (and the lines are joined from the columns and the text between them:
+    # a third of the time of filling a %s template per line)
     for cls, group in itertools.groupby(records, key=type):
         names = [fl.name for fl in fields(cls)]
-        line = "{" + ", ".join(f"{json.dumps(name)}: %s" for name in names) + "}\n"
+        between = ["{" + json.dumps(names[0]) + ": "] + [f", {json.dumps(name)}: " for name in names[1:]]
         while chunk := list(itertools.islice(group, _JSONL_CHUNK)):
-            columns = [_json_column(list(map(attrgetter(name), chunk))) for name in names]
-            f.writelines(map(line.__mod__, zip(*columns)))
+            parts = []
+            for text, name in zip(between, names):
+                parts += (itertools.repeat(text), _json_column(list(map(attrgetter(name), chunk))))
+            parts.append(itertools.repeat("}\n"))
+            f.write("".join(itertools.chain.from_iterable(zip(*parts))))
 
 
 def _json_column(values: list) -> list[str]:

@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
-from testbed.jsonl import jsonl_objects
 from testbed.metrics import IterationRecord, RequestRecord, append_jsonl, read_iterations, read_requests
 from testbed.run_stats import RunStats
 
@@ -73,8 +71,14 @@ class RecordLog:
         self._add("requests", record)
 
     def iteration(self, record: IterationRecord) -> None:
-        self.stats.add_iteration(record)
-        self._add("iterations", record)
+        self._add("iterations", record)       # (RunStats counts them as they are written)
+
+    def extend_iterations(self, records: list[IterationRecord]) -> None:
+        """iteration() of each, in order."""
+        pending = self._pending["iterations"]
+        pending += records
+        if len(pending) >= self.chunk or time.monotonic() - self._flushed_at >= self.flush_s:
+            self.flush()
 
     def _add(self, kind: str, record) -> None:
         pending = self._pending[kind]
@@ -83,6 +87,7 @@ class RecordLog:
             self.flush()
 
     def flush(self) -> None:
+        self.stats.add_iterations(self._pending["iterations"])
         for kind, pending in self._pending.items():
             if pending:
                 append_jsonl(self._files[kind], pending)
@@ -110,22 +115,9 @@ class RecordLog:
         return read_iterations(self.iterations_path)
 
     def summary(self, duration_s: float | None = None) -> dict:
-        """summary.json's figures, from what was streamed (the TBT gaps read back from the file)."""
+        """summary.json's figures, from what was streamed."""
         self.close()
-        return self.stats.summary(self._token_times, duration_s)
-
-    def _token_times(self) -> Iterator[RequestRecord]:
-        """requests.jsonl in file order, as records carrying only their token times."""
-        for _, obj in jsonl_objects(self.requests_path):
-            yield _TokenTimes(obj["token_times_s"])
-
-
-class _TokenTimes:
-    """What RunStats reads of a record a second time."""
-    __slots__ = ("token_times_s",)
-
-    def __init__(self, token_times_s: list[float]):
-        self.token_times_s = token_times_s
+        return self.stats.summary(duration_s)
 
 
 class RecordList:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Callable, ClassVar
 
 from testbed.batch import Batch
-from testbed.engine import Engine, StepOutput
+from testbed.engine import DecodeRun, Engine, StepOutput
 from testbed.request import RequestStatus
 from testbed.runtime.kv_port import KVPort
 from testbed.runtime.messages import (Abort, Add, Command, Connect, Event, ExpectSenders, Finished, IterationDone,
@@ -110,8 +110,11 @@ class WorkerService:
         self._before_step()
         engine = self.engine
         out = (engine.step_steady_decodes if steady_decodes_only else engine.step)(self._layer_hook())
-        if out is None:
-            return None
+        if out is not None:
+            self._emit_step(out)
+        return out
+
+    def _emit_step(self, out: StepOutput) -> None:
         now = out.end_s
         if out.new_tokens:
             # the token's index: a request's tokens come from two workers in disagg
@@ -125,7 +128,20 @@ class WorkerService:
             self.emit(Preempted(req.request_id))
         out.iteration.worker = self.worker_id
         self.emit(IterationDone(out.iteration, self.engine.bm.num_free_blocks))
-        return out
+
+    def step_decode_run(self, until_s: float) -> tuple[DecodeRun | None, StepOutput | None]:
+        """Engine.step_decode_run: the iterations of the run emit nothing (the
+        simulator hands the run to the controller and its records to the
+        sink); the last, if any, emits as step() does. Only where no event of
+        the run could change what the worker does next (runtime/sim.py)."""
+        self._before_step()
+        run, out = self.engine.step_decode_run(until_s)
+        if run is not None:
+            for record in run.iterations:
+                record.worker = self.worker_id
+        if out is not None:
+            self._emit_step(out)
+        return run, out
 
     def _forget(self, request_id: str) -> None:
         """A request finished in this step: drop the role's state for it."""

@@ -7,7 +7,9 @@ where requests arrive while others decode, finish, cross block boundaries,
 reuse cached prefixes and (with little memory) preempt each other, with step
 jitter on; colocated, disaggregated 1P2D (and 1P1D with two seats) and kvstore. And the cost
 executor's decode path gives execute()'s figures for the same batch."""
+import dataclasses
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -78,6 +80,9 @@ def test_the_fast_path_writes_the_same_run(case, tmp_path):
     if case == "colocated":
         iterations = sum(1 for _ in open(tmp_path / "on" / "iterations.jsonl"))
         assert on.num_run_ahead > iterations / 2 and on.num_steady > on.num_run_ahead / 2
+        assert on.num_in_runs > on.num_steady / 4      # steady stretches ran as DecodeRuns (Engine.step_decode_run)
+    if CASES[case][0] != "mode=colocated":
+        assert on.num_in_runs == 0      # a controller that may react with commands sees every iteration
     if case == "colocated_preempting":
         assert on_summary["num_preemptions"] > 0    # the fallback when an allocation could fail is exercised
     # the order IterationOrder restores: by the instant each iteration ended
@@ -107,3 +112,83 @@ def test_the_cost_executors_decode_path_equals_executing_the_batch(num_decodes):
                      for _ in range(2))
     for _ in range(3):
         assert fast.execute_decodes(requests) == Executor.execute_decodes(generic, requests)
+
+
+@pytest.mark.parametrize("model", ["tiny", "llama3-8b"])
+def test_decodes_priced_by_their_sum_and_longest_equal_the_slices(model):
+    """CostModel.decode_iteration_s (what the decode path and DecodeRuns price
+    with) is iteration_time_s of the 1-token slices, float for float, on both
+    sides of the short-batch path (32 slices); None for attention that needs
+    each slice (the roofline), whose executor keeps building the slices."""
+    rng = random.Random(5)
+    cost = CostModel(load_model_preset(model), load_hardware_preset("h100-sxm"))
+    for n in (1, 2, 7, 31, 32, 33, 200):
+        for _ in range(20):
+            contexts = [rng.randint(1, 130_000) for _ in range(n)]
+            fast = cost.decode_iteration_s(n, sum(contexts), max(contexts))
+            assert fast == cost.iteration_time_s([(1, c) for c in contexts], n)
+            assert type(fast) is float
+            assert cost.decode_pricer(n)(sum(contexts), max(contexts)) == fast
+    roofline = dataclasses.replace(load_hardware_preset("h100-sxm"), attention_kernel="")
+    assert CostModel(load_model_preset(model), roofline).decode_iteration_s(2, 10, 6) is None
+    assert not CostModelExecutor(CostModel(load_model_preset(model), roofline)).prices_decodes_by_sum
+
+
+def _sim_engine(num_blocks: int):
+    from testbed.block_manager import BlockManager
+    from testbed.engine import Engine, VirtualClock
+    from testbed.schedulers import SchedulerConfig, make_scheduler
+    bm = BlockManager(num_blocks, 16, enable_prefix_caching=True)
+    scheduler = make_scheduler("sarathi", SchedulerConfig(token_budget=64, max_num_seqs=8, max_num_batched_tokens=64),
+                               bm)
+    executor = CostModelExecutor(CostModel(load_model_preset("tiny"), load_hardware_preset("h100-sxm")),
+                                 StepJitter([-0.01, 0.0, 0.3], seed=3))
+    engine = Engine(scheduler, executor, VirtualClock())
+    shared = list(range(40))      # a prefix the prompts share: cached blocks, hits and evictions
+    requests = [Request(f"r{i}", shared + [100 + i] * (5 + 9 * i), max_tokens=20 + 13 * i) for i in range(7)]
+    for r in requests:
+        engine.add_request(r)
+    return engine, requests
+
+
+@pytest.mark.parametrize("num_blocks", [200, 24])     # 24: a block runs short, the run stops, step() preempts
+@pytest.mark.parametrize("horizon_s", [float("inf"), 0.002])
+def test_a_decode_run_is_its_steady_decode_steps_one_by_one(num_blocks, horizon_s):
+    """Engine.step_decode_run against step_steady_decodes/step one call at a
+    time: the same iteration records (floats exact), tokens and token times,
+    block tables as they go and the prefix cache at the end; the run stops
+    before an iteration that would end past `until_s` or finish a request."""
+    (by_steps, steps_requests), (by_runs, runs_requests) = _sim_engine(num_blocks), _sim_engine(num_blocks)
+    seen_steps, seen_runs, num_in_runs = [], [], 0
+
+    def state(engine):
+        return sorted((r.request_id, r.num_computed_tokens, tuple(engine.bm.block_table(r.request_id)))
+                      for r in engine.scheduler.running)
+
+    while by_steps.has_work():
+        out = by_steps.step_steady_decodes() or by_steps.step()
+        seen_steps.append((out.iteration.__dict__.copy(), state(by_steps)))
+    while by_runs.has_work():
+        until = by_runs.clock.t + horizon_s
+        run, out = by_runs.step_decode_run(until)
+        if run is not None:
+            num_in_runs += len(run.iterations)
+            assert all(end < until for end in run.ends_s)
+            k = len(run.iterations)
+            assert all(first + k < r.max_tokens for r, first in zip(run.requests, run.first_index))
+            for record in run.iterations:
+                seen_runs.append((record.__dict__.copy(), None))
+        if out is None:
+            out = by_runs.step()
+        seen_runs.append((out.iteration.__dict__.copy(), state(by_runs)))
+    assert num_in_runs > len(seen_steps) / 3
+    assert [r for r, _ in seen_runs] == [r for r, _ in seen_steps]
+    # the block tables after each iteration that ended a call
+    steps_state = [s for s, (_, t) in zip(seen_steps, seen_runs) if t is not None]
+    assert [t for _, t in seen_runs if t is not None] == [s for _, s in steps_state]
+    assert [(r.output_token_ids, r.token_times_s, r.first_scheduled_s, r.finish_s) for r in runs_requests] == \
+        [(r.output_token_ids, r.token_times_s, r.first_scheduled_s, r.finish_s) for r in steps_requests]
+    assert by_runs.bm._hash_to_block == by_steps.bm._hash_to_block
+    assert list(by_runs.bm._free) == list(by_steps.bm._free) and by_runs.bm.all_free()
+    if num_blocks == 24:
+        assert by_steps.scheduler.num_preemptions == by_runs.scheduler.num_preemptions > 0

@@ -167,7 +167,8 @@ class SimRuntime:
         # let a worker's later events overtake its earlier ones
         self.fast_forward = cfg.runtime.sim_fast_forward and not (self.hop_s or self.message_s)
         self.next_arrival_s = float("inf")
-        self.num_run_ahead = self.num_steady = 0     # iterations run ahead, and of those on the short path
+        # iterations run ahead, those of them on the short path, and those of them in a DecodeRun
+        self.num_run_ahead = self.num_steady = self.num_in_runs = 0
         # workers whose block manager hashes prompt blocks: they get the prompt as an array
         self.hashing = {w for w, svc in self.services.items() if svc.engine.bm.enable_prefix_caching}
 
@@ -250,7 +251,10 @@ class SimRuntime:
         ends, what the heap would do next is this: the frontend receives the
         iteration's events at its end, and the worker starts its next iteration
         then (the same code, or its steady-decode short path). So do it now,
-        iteration after iteration. What can reach a worker: a command, sent
+        iteration after iteration. Where the controller sends commands on
+        arrivals alone (colocated), the steady decode iterations before the
+        last go as one DecodeRun (Engine.step_decode_run): the controller
+        and IterationOrder take them at their own instants all at once. What can reach a worker: a command, sent
         on an arrival, or on another worker's event where the controller's
         reactions send commands (then the heap's next event bounds the run),
         and a KV or store arrival (in the heap). The clock runs ahead meanwhile;
@@ -273,7 +277,20 @@ class SimRuntime:
                 self._free(worker_id)
                 return None
             self.num_run_ahead += 1
-            out = svc.step(steady_decodes_only=True)
+            out = None
+            if not bounded_by_heap:
+                # the controller only records what the iterations before it emit: run them as one
+                run, out = svc.step_decode_run(self.next_arrival_s)
+                if run is not None:
+                    ends = run.ends_s
+                    self.num_run_ahead += len(ends)
+                    self.num_steady += len(ends)
+                    self.num_in_runs += len(ends)
+                    clock.t = self.busy_until[worker_id] = ends[-1]
+                    self.controller.on_decode_run(run)
+                    self.order.iterations(run.iterations, ends)
+            else:
+                out = svc.step(steady_decodes_only=True)
             if out is not None:
                 self.num_steady += 1
             else:

@@ -17,11 +17,11 @@ import itertools
 
 from testbed.clock import VirtualClock
 from testbed.metrics import IterationRecord, RequestRecord
-from testbed.record_log import RecordSink
+from testbed.record_log import RecordLog
 
 
 class IterationOrder:
-    def __init__(self, sink: RecordSink, clock: VirtualClock, worker_ids: list[str]):
+    def __init__(self, sink: RecordLog, clock: VirtualClock, worker_ids: list[str]):
         self.sink, self.clock = sink, clock
         self.place = {w: i for i, w in enumerate(worker_ids)}
         self.held: list[tuple[float, int, int, IterationRecord]] = []
@@ -33,11 +33,20 @@ class IterationOrder:
     def iteration(self, record: IterationRecord) -> None:
         heapq.heappush(self.held, (self.clock.t, self.place[record.worker], next(self._count), record))
 
+    def iterations(self, records: list[IterationRecord], received_s: list[float]) -> None:
+        """iteration() of each record, had the clock been at its instant in `received_s`."""
+        held, push, count, place = self.held, heapq.heappush, self._count, self.place
+        for record, t in zip(records, received_s):
+            push(held, (t, place[record.worker], next(count), record))
+
     def release_before(self, t: float) -> None:
         """Pass on what the frontend received before `t` (nothing can still come before it)."""
-        held, pop, iteration = self.held, heapq.heappop, self.sink.iteration
-        while held and held[0][0] < t:
-            iteration(pop(held)[3])
+        held, pop = self.held, heapq.heappop
+        if held and held[0][0] < t:
+            out = []
+            while held and held[0][0] < t:
+                out.append(pop(held)[3])
+            self.sink.extend_iterations(out)
 
     def release_all(self) -> None:
         self.release_before(float("inf"))

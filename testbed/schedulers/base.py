@@ -160,7 +160,10 @@ class Scheduler(ABC):
         it, and the batch's token_budget: the engine's short path
         (Engine.step_steady_decodes), which calls no on_step. None, changing
         nothing, when this policy has no such path or the next iteration may
-        be anything else (a prompt to schedule, a preemption)."""
+        be anything else (a prompt to schedule, a preemption). After such a
+        batch ran, the answer is the same requests again unless one of them
+        now starts a KV block or the queues changed: Engine.step_decode_run
+        asks again only then."""
         return None
 
     # -- hooks ---------------------------------------------------------------

@@ -97,8 +97,20 @@ class KernelAttention:
             total += float(np.maximum(compute, nbytes[prefill] * self._decode_s_per_byte).sum())
         if (~prefill).any():
             decode = nbytes[~prefill]
-            total += max(float(decode.sum()) * self._decode_s_per_byte, float(decode.max()) * self._single_s_per_byte)
+            total += self._decodes_s(float(decode.sum()), float(decode.max()))
         return self.num_layers * total
+
+    def decode_seconds(self, num_decodes: int, context_tokens: int, longest_context: int) -> float:
+        """seconds() of `num_decodes` decodes (q = 1) alone whose contexts sum
+        to `context_tokens`, the longest `longest_context`: the same float."""
+        shape = self.shape
+        kv, io = shape.kv_bytes_per_token, shape.io_bytes_per_token
+        return self.num_layers * (0.0 + self._decodes_s(kv * context_tokens + io * num_decodes,
+                                                         kv * longest_context + io))
+
+    def _decodes_s(self, decode_bytes: float, longest_bytes: float) -> float:
+        """The decodes stream their KV together, no faster than the longest one alone."""
+        return max(decode_bytes * self._decode_s_per_byte, longest_bytes * self._single_s_per_byte)
 
     def seconds_pairs(self, slices: Sequence[tuple[int, int]]) -> float:
         shape = self.shape
@@ -114,5 +126,5 @@ class KernelAttention:
                 decode_bytes += nbytes
                 longest = max(longest, nbytes)
         if decode_bytes:
-            total += max(decode_bytes * self._decode_s_per_byte, longest * self._single_s_per_byte)
+            total += self._decodes_s(decode_bytes, longest)
         return self.num_layers * total

@@ -39,7 +39,7 @@ batch is priced in plain Python (a few µs), a long one with two numpy arrays
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -115,6 +115,28 @@ class CostModel:
         # travel in messages whose decoder takes float and int only (runtime/wire.py)
         return float(sum(self._terms(slices, num_sampled)))
 
+    def decode_iteration_s(self, num_decodes: int, context_tokens: int, longest_context: int) -> float | None:
+        """iteration_time_s of `num_decodes` 1-token slices (each sampled) whose
+        contexts sum to `context_tokens`, the longest `longest_context`, without
+        the slices: the same float. None where the attention model needs each
+        slice (only the kernel model prices decodes by their sum and longest)."""
+        price = self.decode_pricer(num_decodes)
+        return None if price is None else price(context_tokens, longest_context)
+
+    def decode_pricer(self, num_decodes: int) -> Callable[[int, int], float] | None:
+        """decode_iteration_s(num_decodes, context_tokens, longest_context) as a
+        function of the last two, its batch-size terms looked up once (a
+        DecodeRun prices its iterations with one)."""
+        decode_seconds = getattr(self._attention, "decode_seconds", None)
+        if decode_seconds is None:
+            return None
+        counted, scale = self._counted_for(float(num_decodes), num_decodes, num_decodes), self._scale
+
+        def seconds(context_tokens: int, longest_context: int) -> float:
+            return float(sum(_terms_of(counted, decode_seconds(num_decodes, context_tokens, longest_context),
+                                       scale)))
+        return seconds
+
     def breakdown(self, slices: Slices, num_sampled: int | None = None) -> dict[str, float]:
         """The iteration's seconds by part (keys ending in _s, and total_s),
         plus num_tokens and kv_bytes_read; for plots and debugging."""
@@ -140,18 +162,18 @@ class CostModel:
             m = float(q.sum())
             attention = self._attention.seconds(q, ctx)
         sampled = len(slices) if num_sampled is None else num_sampled
-        key = (m, sampled, len(slices))
+        return self._with_counted(attention, m, sampled, len(slices))
+
+    def _with_counted(self, attention: float, m: float, sampled: int, num_slices: int) -> tuple[float, ...]:
+        """The terms of an iteration whose attention takes `attention` seconds."""
+        return _terms_of(self._counted_for(m, sampled, num_slices), attention, self._scale)
+
+    def _counted_for(self, m: float, sampled: int, num_slices: int) -> tuple:
+        key = (m, sampled, num_slices)
         counted = self._counted.get(key)
         if counted is None:
             counted = self._counted[key] = self._counted_terms(*key)
-        gemm, experts, elementwise, lm_head, allreduce, pp, overhead, launch_bound = counted
-        if self._scale != 1.0:
-            attention *= self._scale
-        terms = (gemm, experts, attention, elementwise, lm_head, allreduce, pp)
-        if launch_bound is not None:
-            # eager launches bound the kernels' time from below (engine_overhead.py)
-            overhead += max(0.0, launch_bound - sum(terms))
-        return terms + (overhead,)
+        return counted
 
     def _counted_terms(self, m: float, sampled: int, num_slices: int) -> tuple:
         """The terms set by the token and slice counts alone (all but attention),
@@ -205,6 +227,18 @@ class CostModel:
                 f"weights per GPU at tp={self.parallel.tp}, more than {memory_fraction:.0%} of "
                 f"{self.hardware.name}'s {self.hardware.memory_gib} GiB; raise parallel.tp or pick bigger hardware")
         return int(free // self.shapes.kv_bytes_per_token)
+
+
+def _terms_of(counted: tuple, attention: float, scale: float) -> tuple[float, ...]:
+    """An iteration's terms from its _counted_terms and its attention seconds."""
+    gemm, experts, elementwise, lm_head, allreduce, pp, overhead, launch_bound = counted
+    if scale != 1.0:
+        attention *= scale
+    terms = (gemm, experts, attention, elementwise, lm_head, allreduce, pp)
+    if launch_bound is not None:
+        # eager launches bound the kernels' time from below (engine_overhead.py)
+        overhead += max(0.0, launch_bound - sum(terms))
+    return terms + (overhead,)
 
 
 def _remembered(curve: Curve) -> Curve:
