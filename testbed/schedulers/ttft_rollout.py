@@ -7,8 +7,9 @@ wait: every prompt in an iteration waits for the whole iteration, so one more
 prompt that pushes the batch over a GEMM tile step (the fixed cost of the
 step, measured on the GPU tables) delays all the others by it, while deferring
 it costs that one prompt one more (short) iteration. So each candidate budget
-P <= B (B itself, and each prompt boundary of the FCFS queue rounded up to the
-tile: whole prompts, never a new chunk) is priced by the predictor as the
+P <= B (B itself, and each prompt boundary of the FCFS queue rounded up to
+adaptive.budget_multiple: whole prompts, never a new chunk, and always the
+oldest prompt, so nothing starves) is priced by the predictor as the
 rollout "this iteration takes P, every later one takes B": the sum over the
 waiting prompts of the predicted time until each samples its first token. The
 cheapest wins; ties keep B. Iterations after the second are priced as the
