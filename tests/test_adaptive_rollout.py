@@ -1,8 +1,8 @@
 """adaptive's TTFT rollout (testbed/schedulers/ttft_rollout.py): the summed
 TTFT of a queue by hand, the prompt that would push the batch over a tile
 step deferred (on the engine, with the rollout off and without the step as
-controls), and a long queue keeping the deadline budget that a short one
-would split."""
+controls), a long queue keeping the deadline budget that a short one
+would split, and a backlog keeping it even where the sum alone would not."""
 from __future__ import annotations
 
 import pytest
@@ -45,7 +45,7 @@ def test_summed_ttft_by_hand():
     assert summed_ttft_s(linear, [], todo, 2048, 2048, 64) == pytest.approx(2 * 0.025)
     # a short queue: one prompt at a time is cheaper in sum (45 against 50 ms)...
     assert ttft_minimising_budget(linear, [], todo, 2048, 64, 64, 64) == 1024
-    # ...a long one pays a fixed cost per later prompt for it: the deadline budget stays (1,050 against ~1,080 ms)
+    # ...a long one pays a fixed cost per later prompt for it (1,050 against ~1,080 ms; also a backlog)
     long_queue = todo + [(1000, 0)] * 10
     assert summed_ttft_s(linear, [], long_queue, 2048, 2048, 64) < summed_ttft_s(linear, [], long_queue, 1024,
                                                                                   2048, 64)
@@ -78,3 +78,17 @@ def test_rollout_defers_the_prompt_that_would_cross_a_tile_step():
     assert _first_batch_after_decodes(TilePredictor(0.004)) == [(f"p{i}", 64) for i in range(7)]
     assert _first_batch_after_decodes(TilePredictor(0.004), ttft_rollout=False) == [(f"p{i}", 64) for i in range(8)]
     assert _first_batch_after_decodes(TilePredictor(0.0)) == [(f"p{i}", 64) for i in range(8)]
+
+
+def _tile_price(pairs, sampled) -> float:
+    return TilePredictor(0.004).iteration_time_s(pairs, sampled)
+
+
+def test_a_backlog_keeps_the_deadline_budget_even_where_the_sum_would_split():
+    decodes = [(1, 9)] * 60
+    short = [(64, 0)] * 8                 # 8 x 64 under B = 576: all of them would cross the step
+    assert ttft_minimising_budget(_tile_price, decodes, short, 576, 64, 64, 64) == 448
+    backlog = [(64, 0)] * 20              # two iterations of 576 leave 64 tokens: a backlog
+    assert summed_ttft_s(_tile_price, decodes, backlog, 448, 576, 64) < \
+        summed_ttft_s(_tile_price, decodes, backlog, 576, 576, 64)        # the sum alone would split...
+    assert ttft_minimising_budget(_tile_price, decodes, backlog, 576, 64, 64, 64) == 576    # ...the backlog keeps B

@@ -12,10 +12,12 @@ adaptive.budget_multiple: whole prompts, never a new chunk, and always the
 oldest prompt, so nothing starves) is priced by the predictor as the
 rollout "this iteration takes P, every later one takes B": the sum over the
 waiting prompts of the predicted time until each samples its first token. The
-cheapest wins; ties keep B. Iterations after the second are priced as the
-second (a full-B one whenever any remain), which makes a long queue pay for
-a small P with one more fixed cost per later prompt: under load the rollout
-keeps B, and the capacity with it.
+cheapest wins; ties keep B. Only when there is no backlog: if two
+iterations of B would not drain the queue, B stays, because the capacity a
+smaller P leaves unused is paid by every prompt behind, including those not
+arrived yet (without this rule, azure_code's p99 TTFT near capacity rose
+5-15%: experiments/README.md, "adaptive"). Iterations after the second
+(when a smaller P leaves some) are priced as the second.
 
 Pure arithmetic over (remaining tokens, computed tokens) pairs and a price
 function; adaptive.py builds both."""
@@ -75,7 +77,13 @@ def summed_ttft_s(price: Price, decodes: Pairs, todo: Sequence[tuple[int, int]],
 def ttft_minimising_budget(price: Price, decodes: Pairs, todo: Sequence[tuple[int, int]], budget: int,
                            min_chunk: int, min_budget: int, multiple: int) -> int:
     """The candidate P in [min_budget, budget] with the least summed TTFT
-    (summed_ttft_s, later iterations at `budget`); `budget` on ties."""
+    (summed_ttft_s, later iterations at `budget`); `budget` on ties, and
+    whenever two iterations of `budget` would not drain the queue (a backlog:
+    the capacity a smaller P leaves unused is then paid by every prompt
+    behind, the ones still to arrive included, which the sum cannot see)."""
+    _, _, pos = take(todo, (0, 0), budget, min_chunk)
+    if take(todo, pos, budget, min_chunk)[2][0] < len(todo):
+        return budget
     candidates, cum = [], 0
     for remaining, _ in todo:
         cum += remaining
