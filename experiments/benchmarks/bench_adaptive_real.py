@@ -24,7 +24,8 @@ fresh `testbed profile`:
 
 With ~100 judged iterations (iterations carrying decodes) a stall run, one
 run's p99 TBT is decided by one iteration; --runs-per-repeat K pools K runs
-of each policy into each repeat, so its p99 is the ~K-th worst iteration's.
+of each policy into each repeat, so its p99 is the ~K-th worst iteration's;
+--min-judged N stops adding runs once every policy holds N judged iterations.
 
 Figures and their reading: experiments/README.md, "adaptive"."""
 from __future__ import annotations
@@ -116,15 +117,24 @@ def pooled(dirs: list[Path], slo_tbt_ms: float, min_budget: int, long_min_len: i
             "mixed_predicted_p50_ms": 1e3 * float(np.median(planned)) if planned else None}
 
 
-def stall(cfg, out: Path, repeats: int, runs_per_repeat: int = 1, policies=POLICIES) -> list[dict]:
-    """Each repeat runs every policy runs_per_repeat times, the policies
-    alternated run by run (so they see the same machine state), and pools
-    each policy's runs."""
+def judged_iterations(out: Path) -> int:
+    from testbed.metrics import read_iterations
+    return sum(bool(it.num_decode_tokens) for it in read_iterations(out / "iterations.jsonl"))
+
+
+def stall(cfg, out: Path, repeats: int, runs_per_repeat: int = 1, policies=POLICIES, min_judged: int = 0) -> list[dict]:
+    """Each repeat runs every policy runs_per_repeat times (with min_judged:
+    until each policy's runs hold that many judged iterations, at most
+    runs_per_repeat), the policies alternated run by run (so they see the
+    same machine state), and pools each policy's runs."""
     rows = []
     for rep in range(repeats):
         dirs: dict[str, list[Path]] = {label: [] for label, *_ in policies}
         budgets: dict[str, float | None] = {}
+        judged = dict.fromkeys(dirs, 0)
         for k in range(runs_per_repeat):
+            if min_judged and k and min(judged.values()) >= min_judged:
+                break
             for label, scheduler, budget, quantile in policies:
                 acfg = cfg.adaptive if quantile == "default" else dataclasses.replace(cfg.adaptive,
                                                                                      tbt_quantile=quantile)
@@ -133,6 +143,7 @@ def stall(cfg, out: Path, repeats: int, runs_per_repeat: int = 1, policies=POLIC
                 d = out / "stall" / (f"{label}-{rep}" if runs_per_repeat == 1 else f"{label}-{rep}-{k}")
                 s = run(pcfg, d)
                 dirs[label].append(d)
+                judged[label] += judged_iterations(d)
                 budgets.setdefault(label, s["iterations"].get("prefill_budget", {}).get("p50"))
         for label, *_ in policies:
             rows.append({"policy": label, "repeat": rep, "prefill_budget_p50": budgets[label],
@@ -223,7 +234,11 @@ def main() -> None:
     parser.add_argument("--policies", default=",".join(label for label, *_ in POLICIES),
                         help="comma-separated stall policies, of " + ", ".join(label for label, *_ in POLICIES))
     parser.add_argument("--runs-per-repeat", type=int, default=1,
-                        help="stall runs pooled into each repeat's figures (~100 judged iterations each)")
+                        help="stall runs pooled into each repeat's figures (~100 judged iterations each); "
+                             "with --min-judged, the most")
+    parser.add_argument("--min-judged", type=int, default=0,
+                        help="add runs to each repeat until every policy's pooled runs hold this many judged "
+                             "iterations (iterations carrying decodes), at most --runs-per-repeat")
     args = parser.parse_args()
     os.environ.setdefault("WANDB_MODE", "disabled")
     out = Path(args.out)
@@ -241,7 +256,7 @@ def main() -> None:
         parser.error(f"--policies: unknown {', '.join(unknown)}; known: {', '.join(known)}")
     policies = [known[label] for label in args.policies.split(",")]
     start = time.monotonic()
-    rows = stall(cfg, out, args.repeats, args.runs_per_repeat, policies)
+    rows = stall(cfg, out, args.repeats, args.runs_per_repeat, policies, args.min_judged)
     stall_s = time.monotonic() - start
     sc = {} if args.stall_only else selfcorrect(cfg, out)
     (out / "report.json").write_text(json.dumps({"stall": rows, "selfcorrect": sc, "stall_s": stall_s,
@@ -251,7 +266,8 @@ def main() -> None:
           f"adaptive.max_slack_tbt={args.max_slack_tbt:g}, adaptive.tbt_quantile={cfg.adaptive.tbt_quantile}; "
           f"load average (1, 5, 15 min) {' '.join(f'{x:.1f}' for x in load_before)} before, "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} after; "
-          f"median [min, max] of {args.repeats} repeats of {args.runs_per_repeat} run(s) pooled; "
+          f"median [min, max] of {args.repeats} repeats of {'/'.join(str(r['runs']) for r in rows)} "
+          f"run(s) pooled; "
           f"{stall_s:.0f} s of stall runs")
     for label, *_ in policies:
         sel = [r for r in rows if r["policy"] == label]
