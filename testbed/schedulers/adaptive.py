@@ -13,7 +13,7 @@ Each iteration (iteration_budget):
   noise takes (with tbt_quantile null: the mean, planned at tbt_headroom of
   the SLO). Nothing fits: min_budget, so prompts never starve (each scheduled
   prompt gains at least min_budget tokens, or its remainder);
-- no running decodes: nobody to protect, P = max_budget;
+- no running decodes: nobody to protect, P = max_budget (then the rollout below);
 - TTFT awareness: when the oldest waiting prompt would miss its TTFT deadline
   at P, the decodes' banked fluidity slack (TokenDeadlines, at most
   max_slack_tbt SLOs each) extends the deadline, and P is chosen again;
