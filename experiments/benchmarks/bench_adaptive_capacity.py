@@ -4,7 +4,7 @@ max_num_seqs 256), under p99 TBT SLOs of 50 and 100 ms with a p99 TTFT SLO per
 workload; then TTFT p50 and p99 TBT of adaptive and sarathi-512 at a rate
 below both capacities.
 
-    python experiments/benchmarks/bench_adaptive_capacity.py [--out DIR] [--jobs N] [--quick]
+    python experiments/benchmarks/bench_adaptive_capacity.py [--out DIR] [--jobs N] [--quick] [--only LABEL,...]
 
 Capacity is testbed.capacity.find_capacity's binary search (each probe a
 complete run). Prints one table per (workload, TBT SLO): every policy's
@@ -33,6 +33,8 @@ WORKLOADS = {     # name -> (overrides, p99 TTFT SLO ms, start rate req/s)
 TBT_SLOS_MS = (50.0, 100.0)
 POLICIES = [("sarathi-256", 256), ("sarathi-512", 512), ("sarathi-1024", 1024), ("sarathi-2048", 2048),
             ("sarathi-4096", 4096), ("sarathi-auto", "auto"), ("adaptive", None)]
+# searched only when --only names it: adaptive without the TTFT rollout (always the largest budget that fits)
+EXTRA = [("adaptive-largest", "largest")]
 COMMON = ["runtime=sim", "model=llama3-8b", "hardware=h100-sxm", "max_num_seqs=256", "num_kv_blocks=29206",
           "progress=false", "wandb.mode=disabled"]
 
@@ -49,6 +51,8 @@ def compose(overrides: list[str]):
 
 
 def policy_overrides(budget) -> list[str]:
+    if budget == "largest":
+        return ["scheduler=adaptive", "adaptive.ttft_rollout=false"]
     return ["scheduler=adaptive"] if budget is None else ["scheduler=sarathi", f"token_budget={budget}"]
 
 
@@ -113,6 +117,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one workload, one SLO, three policies (a smoke run)")
     parser.add_argument("--below", type=float, default=0.7,
                         help="the TTFT comparison's rate, as a fraction of min(adaptive, sarathi-512) capacity")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated policy labels to search (default: all of POLICIES); "
+                             f"also {', '.join(label for label, _ in EXTRA)}")
     args = parser.parse_args()
     os.environ.setdefault("WANDB_MODE", "disabled")
     out = Path(args.out)
@@ -120,19 +127,27 @@ def main() -> None:
     workloads = ["azure_code"] if args.quick else list(WORKLOADS)
     slos = TBT_SLOS_MS[1:] if args.quick else TBT_SLOS_MS
     policies = [POLICIES[1], POLICIES[5], POLICIES[6]] if args.quick else POLICIES
+    if args.only:
+        known = dict(POLICIES + EXTRA)
+        labels = args.only.split(",")
+        unknown = [label for label in labels if label not in known]
+        if unknown:
+            parser.error(f"--only: unknown policy {', '.join(unknown)}; known: {', '.join(known)}")
+        policies = [(label, known[label]) for label in labels]
     jobs = [(str(out), w, t, label, b, args.rel_tol, args.max_probes) for w in workloads for t in slos
             for label, b in policies]
     with ProcessPoolExecutor(args.jobs) as pool:
         rows = list(pool.map(search, jobs))
     write_csv(out / "capacity.csv", rows)
-    budgets = dict(POLICIES)
+    budgets = dict(POLICIES + EXTRA)
     below_jobs = []
     for w in workloads:
         for t in slos:
             cap = {r["policy"]: r["capacity_rps"] for r in rows if (r["workload"], r["slo_tbt_ms"]) == (w, t)}
             ref = [c for c in (cap.get("adaptive"), cap.get("sarathi-512")) if c]
             if ref:
-                below_jobs += [(str(out), w, t, p, budgets[p], args.below * min(ref)) for p in ("sarathi-512", "adaptive")]
+                below_jobs += [(str(out), w, t, p, budgets[p], args.below * min(ref))
+                               for p in ("sarathi-512", "adaptive", "adaptive-largest") if p in cap]
     with ProcessPoolExecutor(args.jobs) as pool:
         below = list(pool.map(below_capacity, below_jobs))
     if below:
@@ -150,10 +165,11 @@ def report(rows: list[dict], below: list[dict], workloads: list[str], slos) -> N
             for r in sel:
                 mark = {"no_failure": ">", "below_lowest": "<"}.get(r["bound"], " ")
                 print(f"  {r['policy']:<13} {mark}{fmt(r['capacity_rps']):>7}   fails by: {r['fails_by'] or '-'}")
-            fixed = [r["capacity_rps"] or 0.0 for r in sel if r["policy"] != "adaptive"]
+            fixed = [r["capacity_rps"] or 0.0 for r in sel if not r["policy"].startswith("adaptive")]
             adaptive = next((r["capacity_rps"] for r in sel if r["policy"] == "adaptive"), None)
             if fixed and max(fixed) > 0 and adaptive:
-                best = max((r for r in sel if r["policy"] != "adaptive"), key=lambda r: r["capacity_rps"] or 0.0)
+                best = max((r for r in sel if not r["policy"].startswith("adaptive")),
+                           key=lambda r: r["capacity_rps"] or 0.0)
                 print(f"  adaptive / best fixed ({best['policy']}): {adaptive / max(fixed):.2f}x")
             for b in (b for b in below if (b["workload"], b["slo_tbt_ms"]) == (w, t)):
                 print(f"  at {b['rate']:.3g} req/s: {b['policy']:<12} TTFT p50 {b['ttft_p50_ms']:8.1f} ms  "

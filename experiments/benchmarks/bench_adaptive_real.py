@@ -20,6 +20,12 @@ fresh `testbed profile`:
    under. Plotted to selfcorrect.png.
 
     python experiments/benchmarks/bench_adaptive_real.py [--out DIR] [--repeats 3] [--quick-profile]
+        [--runs-per-repeat K]
+
+With ~100 judged iterations (iterations carrying decodes) a stall run, one
+run's p99 TBT is decided by one iteration; --runs-per-repeat K pools K runs
+of each policy into each repeat, so its p99 is the ~K-th worst iteration's;
+--min-judged N stops adding runs once every policy holds N judged iterations.
 
 Figures and their reading: experiments/README.md, "adaptive"."""
 from __future__ import annotations
@@ -30,6 +36,7 @@ import dataclasses
 import io
 import json
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -63,28 +70,21 @@ def run(cfg, out: Path) -> dict:
         return execute(cfg, out)
 
 
-def long_prompt_ttft_ms(out: Path, min_len: int) -> float:
-    from testbed.metrics import read_requests
-    ttfts = [r.ttft_s for r in read_requests(out / "requests.jsonl") if r.prompt_len >= min_len]
-    return 1e3 * float(np.mean(ttfts))
-
-
 def late_gaps(out: Path, slo_tbt_ms: float, min_budget: int) -> dict:
-    """Token gaps over the SLO at the frontend, and the decode tokens of the
-    worker's iterations that ended more than one SLO after the previous one:
-    decode-only ones (no budget can help), adaptive's at min_budget (nothing
-    fit: the starvation guard), adaptive's whose mean prediction alone was
-    past the SLO (planned so: banked slack spent, max_slack_tbt > 0), and the
-    other ones carrying prefill (adaptive: the planner's misses; sarathi: its
-    fixed budget). Also the mixed iterations' mean prediction (p50, ms): how
-    much of the SLO the plan gave them."""
-    from testbed.metrics import read_iterations, read_requests
-    gaps = np.concatenate([np.diff(r.token_times_s) for r in read_requests(out / "requests.jsonl")
-                           if len(r.token_times_s) > 1])
-    slo_s, prev_end, planned = slo_tbt_ms * 1e-3, None, []
+    """The decode tokens of the worker's iterations that ended more than one
+    SLO after the previous one: decode-only ones (no budget can help),
+    adaptive's at min_budget (nothing fit: the starvation guard), adaptive's
+    whose mean prediction alone was past the SLO (planned so: banked slack
+    spent, max_slack_tbt > 0), and the other ones carrying prefill (adaptive:
+    the planner's misses; sarathi: its fixed budget). Also the iterations
+    carrying decodes (the judged ones: each gives every running decode its
+    gap) and the mixed iterations' mean predictions."""
+    from testbed.metrics import read_iterations
+    slo_s, prev_end, planned, judged = slo_tbt_ms * 1e-3, None, [], 0
     late = {"decode_only": 0, "min_budget": 0, "slack": 0, "with_prefill": 0}
     for it in read_iterations(out / "iterations.jsonl"):
         end = it.start_s + it.duration_s
+        judged += bool(it.num_decode_tokens)
         if prev_end is not None and it.num_decode_tokens and end - prev_end > slo_s:
             kind = "with_prefill" if it.num_prefill_tokens else "decode_only"
             if it.num_prefill_tokens and it.predicted_s is not None:
@@ -94,23 +94,61 @@ def late_gaps(out: Path, slo_tbt_ms: float, min_budget: int) -> dict:
         if it.num_prefill_tokens and it.num_decode_tokens and it.predicted_s is not None:
             planned.append(it.predicted_s)
         prev_end = end
-    return {"num_gaps": len(gaps), "late_gaps": int((gaps > slo_s).sum()), **late,
+    return {"judged_iterations": judged, **late, "planned": planned}
+
+
+def pooled(dirs: list[Path], slo_tbt_ms: float, min_budget: int, long_min_len: int) -> dict:
+    """One repeat's figures over the gaps and requests of its runs together:
+    p99 TBT over every token gap of every run (numpy's linear-interpolated
+    percentile, as the run summaries), so with K runs a p99 is decided by
+    ~K times as many iterations."""
+    from testbed.metrics import read_requests
+    recs = [r for d in dirs for r in read_requests(d / "requests.jsonl")]
+    gaps = np.concatenate([np.diff(r.token_times_s) for r in recs if len(r.token_times_s) > 1])
+    ttfts = np.array([r.ttft_s for r in recs])
+    parts = [late_gaps(d, slo_tbt_ms, min_budget) for d in dirs]
+    late = {k: sum(p[k] for p in parts) for k in ("judged_iterations", "decode_only", "min_budget", "slack",
+                                                  "with_prefill")}
+    planned = [x for p in parts for x in p["planned"]]
+    return {"runs": len(dirs), "tbt_p99_ms": 1e3 * float(np.percentile(gaps, 99)), "tbt_max_ms": 1e3 * float(gaps.max()),
+            "ttft_p50_ms": 1e3 * float(np.percentile(ttfts, 50)),
+            "long_ttft_ms": 1e3 * float(np.mean([r.ttft_s for r in recs if r.prompt_len >= long_min_len])),
+            "num_gaps": len(gaps), "late_gaps": int((gaps > slo_tbt_ms * 1e-3).sum()), **late,
             "mixed_predicted_p50_ms": 1e3 * float(np.median(planned)) if planned else None}
 
 
-def stall(cfg, out: Path, repeats: int) -> list[dict]:
+def judged_iterations(out: Path) -> int:
+    from testbed.metrics import read_iterations
+    return sum(bool(it.num_decode_tokens) for it in read_iterations(out / "iterations.jsonl"))
+
+
+def stall(cfg, out: Path, repeats: int, runs_per_repeat: int = 1, policies=POLICIES, min_judged: int = 0) -> list[dict]:
+    """Each repeat runs every policy runs_per_repeat times (with min_judged:
+    until each policy's runs hold that many judged iterations, at most
+    runs_per_repeat), the policies alternated run by run (so they see the
+    same machine state), and pools each policy's runs."""
     rows = []
     for rep in range(repeats):
-        for label, scheduler, budget, quantile in POLICIES:
-            acfg = cfg.adaptive if quantile == "default" else dataclasses.replace(cfg.adaptive, tbt_quantile=quantile)
-            pcfg = dataclasses.replace(cfg, scheduler=scheduler, token_budget=budget or cfg.token_budget, adaptive=acfg)
-            d = out / "stall" / f"{label}-{rep}"
-            s = run(pcfg, d)
-            rows.append({"policy": label, "repeat": rep, "tbt_p99_ms": s["tbt_ms"]["p99"],
-                         "tbt_max_ms": s["tbt_ms"]["max"], "ttft_p50_ms": s["ttft_ms"]["p50"],
-                         "long_ttft_ms": long_prompt_ttft_ms(d, min(cfg.workload.inject_prompt_len)),
-                         "prefill_budget_p50": s["iterations"].get("prefill_budget", {}).get("p50"),
-                         **late_gaps(d, cfg.slo.tpot_ms, cfg.adaptive.min_budget)})
+        dirs: dict[str, list[Path]] = {label: [] for label, *_ in policies}
+        budgets: dict[str, float | None] = {}
+        judged = dict.fromkeys(dirs, 0)
+        for k in range(runs_per_repeat):
+            if min_judged and k and min(judged.values()) >= min_judged:
+                break
+            for label, scheduler, budget, quantile in policies:
+                acfg = cfg.adaptive if quantile == "default" else dataclasses.replace(cfg.adaptive,
+                                                                                     tbt_quantile=quantile)
+                pcfg = dataclasses.replace(cfg, scheduler=scheduler, token_budget=budget or cfg.token_budget,
+                                           adaptive=acfg)
+                d = out / "stall" / (f"{label}-{rep}" if runs_per_repeat == 1 else f"{label}-{rep}-{k}")
+                s = run(pcfg, d)
+                dirs[label].append(d)
+                judged[label] += judged_iterations(d)
+                budgets.setdefault(label, s["iterations"].get("prefill_budget", {}).get("p50"))
+        for label, *_ in policies:
+            rows.append({"policy": label, "repeat": rep, "prefill_budget_p50": budgets[label],
+                         **pooled(dirs[label], cfg.slo.tpot_ms, cfg.adaptive.min_budget,
+                                  min(cfg.workload.inject_prompt_len))})
     return rows
 
 
@@ -193,6 +231,14 @@ def main() -> None:
     parser.add_argument("--slo-tbt-ms", type=float, default=SLO_TBT_MS, help="the p99 TBT SLO (slo.tpot_ms)")
     parser.add_argument("--max-slack-tbt", type=float, default=1.0, help="adaptive.max_slack_tbt")
     parser.add_argument("--stall-only", action="store_true", help="skip the self-correction runs")
+    parser.add_argument("--policies", default=",".join(label for label, *_ in POLICIES),
+                        help="comma-separated stall policies, of " + ", ".join(label for label, *_ in POLICIES))
+    parser.add_argument("--runs-per-repeat", type=int, default=1,
+                        help="stall runs pooled into each repeat's figures (~100 judged iterations each); "
+                             "with --min-judged, the most")
+    parser.add_argument("--min-judged", type=int, default=0,
+                        help="add runs to each repeat until every policy's pooled runs hold this many judged "
+                             "iterations (iterations carrying decodes), at most --runs-per-repeat")
     args = parser.parse_args()
     os.environ.setdefault("WANDB_MODE", "disabled")
     out = Path(args.out)
@@ -203,23 +249,34 @@ def main() -> None:
         assert profile_main(["--out", str(profile)] + (["--quick"] if args.quick_profile else [])) == 0
     cfg = base_config(profile, args.slo_tbt_ms, args.max_slack_tbt)
     load_before = os.getloadavg()
-    rows = stall(cfg, out, args.repeats)
+    if args.runs_per_repeat < 1:
+        parser.error(f"--runs-per-repeat: must be >= 1, got {args.runs_per_repeat}")
+    known = {p[0]: p for p in POLICIES}
+    if unknown := [label for label in args.policies.split(",") if label not in known]:
+        parser.error(f"--policies: unknown {', '.join(unknown)}; known: {', '.join(known)}")
+    policies = [known[label] for label in args.policies.split(",")]
+    start = time.monotonic()
+    rows = stall(cfg, out, args.repeats, args.runs_per_repeat, policies, args.min_judged)
+    stall_s = time.monotonic() - start
     sc = {} if args.stall_only else selfcorrect(cfg, out)
-    (out / "report.json").write_text(json.dumps({"stall": rows, "selfcorrect": sc,
+    (out / "report.json").write_text(json.dumps({"stall": rows, "selfcorrect": sc, "stall_s": stall_s,
+                                                 "runs_per_repeat": args.runs_per_repeat,
                                                  "load_average": [load_before, os.getloadavg()]}, indent=1))
     print(f"\nstall workload, real engine (tiny, this CPU), p99 TBT SLO {args.slo_tbt_ms:g} ms, "
           f"adaptive.max_slack_tbt={args.max_slack_tbt:g}, adaptive.tbt_quantile={cfg.adaptive.tbt_quantile}; "
           f"load average (1, 5, 15 min) {' '.join(f'{x:.1f}' for x in load_before)} before, "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} after; "
-          f"median [min, max] of {args.repeats} repeats")
-    for label, *_ in POLICIES:
+          f"median [min, max] of {args.repeats} repeats of {'/'.join(str(r['runs']) for r in rows)} "
+          f"run(s) pooled; "
+          f"{stall_s:.0f} s of stall runs")
+    for label, *_ in policies:
         sel = [r for r in rows if r["policy"] == label]
 
         def m(key):
             v = sorted(r[key] for r in sel)
             return f"{np.median(v):7.1f} [{v[0]:.1f}, {v[-1]:.1f}]"
-        late = " ".join(f"{r['late_gaps']}/{r['num_gaps']} ({r['decode_only']}+{r['min_budget']}+{r['slack']}"
-                        f"+{r['with_prefill']})" for r in sel)
+        late = " ".join(f"{r['late_gaps']}/{r['num_gaps']} in {r['judged_iterations']} iterations "
+                        f"({r['decode_only']}+{r['min_budget']}+{r['slack']}+{r['with_prefill']})" for r in sel)
         planned = [r["mixed_predicted_p50_ms"] for r in sel if r["mixed_predicted_p50_ms"] is not None]
         print(f"  {label:<13} TBT p99 {m('tbt_p99_ms')}  max {m('tbt_max_ms')}  TTFT p50 {m('ttft_p50_ms')}  "
               f"long prompts' TTFT {m('long_ttft_ms')} ms  prefill budget p50 {sel[0]['prefill_budget_p50']}")

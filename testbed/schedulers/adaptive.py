@@ -13,10 +13,14 @@ Each iteration (iteration_budget):
   noise takes (with tbt_quantile null: the mean, planned at tbt_headroom of
   the SLO). Nothing fits: min_budget, so prompts never starve (each scheduled
   prompt gains at least min_budget tokens, or its remainder);
-- no running decodes: nobody to protect, P = max_budget;
+- no running decodes: nobody to protect, P = max_budget (then the rollout below);
 - TTFT awareness: when the oldest waiting prompt would miss its TTFT deadline
   at P, the decodes' banked fluidity slack (TokenDeadlines, at most
-  max_slack_tbt SLOs each) extends the deadline, and P is chosen again.
+  max_slack_tbt SLOs each) extends the deadline, and P is chosen again;
+- several prompts fit under P (`ttft_rollout`): P becomes the budget <= P,
+  whole prompts at a time, that minimises the waiting prompts' summed
+  predicted TTFT (ttft_rollout.py: one more prompt past a GEMM tile step can
+  delay the rest by more than deferring it costs it).
 
 The predictor is the cost model (SchedulerContext); StepCorrection scales it
 per batch kind by the measured/predicted ratio of finished steps (on_step), so
@@ -25,6 +29,7 @@ spread of what is left. Each batch carries its budget and corrected (mean)
 prediction into iterations.jsonl."""
 from __future__ import annotations
 
+import itertools
 import math
 
 from testbed.batch import Batch
@@ -36,6 +41,7 @@ from testbed.schedulers.context import SchedulerContext
 from testbed.schedulers.deadlines import TokenDeadlines
 from testbed.schedulers.sarathi import SarathiScheduler
 from testbed.schedulers.step_correction import MIXED, StepCorrection, batch_kind
+from testbed.schedulers.ttft_rollout import ttft_minimising_budget
 
 # a noise-free simulation plans iterations to end exactly on the deadline: 1 µs keeps the
 # float rounding of token times from putting a gap over the SLO
@@ -107,9 +113,20 @@ class AdaptiveScheduler(SarathiScheduler):
             if req.token_times_s:
                 last_token_s = min(last_token_s, req.token_times_s[-1])
         work = self._prefill_work(prefills)
-        if not decodes or not work or last_token_s == math.inf:
+        if not work:
             self.prefill_budget = cfg.max_budget
             return decode_tokens + cfg.max_budget
+        budget = cfg.max_budget if not decodes or last_token_s == math.inf else \
+            self._deadline_budget(decodes, work, last_token_s)
+        if cfg.ttft_rollout and work[0].num_tokens - work[0].num_computed_tokens < budget:
+            budget = self._ttft_budget(decodes, prefills, budget)
+        self.prefill_budget = budget
+        return decode_tokens + budget
+
+    def _deadline_budget(self, decodes: list[tuple[int, int]], work: list[Request], last_token_s: float) -> int:
+        """The largest budget the decodes' next token deadlines allow (with
+        banked slack when the oldest prompt would miss its TTFT deadline)."""
+        cfg = self.acfg
         now = self.context.clock.now()
         plan_s = self.plan_s
         budget = self._largest(decodes, work, last_token_s + plan_s - now)
@@ -121,8 +138,22 @@ class AdaptiveScheduler(SarathiScheduler):
                             and req.token_times_s)
             if slack_due > last_token_s + plan_s:
                 budget = self._largest(decodes, work, slack_due - now)
-        self.prefill_budget = budget
-        return decode_tokens + budget
+        return budget
+
+    def _ttft_budget(self, decodes: list[tuple[int, int]], partial: list[Request], budget: int) -> int:
+        """The budget <= `budget` that minimises the summed predicted TTFT of
+        every prompt that may start (the partial prefills, then the waiting
+        ones within max_num_seqs), by ttft_rollout's one-step rollout."""
+        seats = self.cfg.max_num_seqs - len(self.running)
+        todo = [(r.num_tokens - r.num_computed_tokens, r.num_computed_tokens) for r in partial]
+        todo += [(r.num_tokens - r.num_computed_tokens, r.num_computed_tokens)
+                 for r in itertools.islice(self.waiting, max(seats, 0))]
+        predict, correct, kind = self.predictor.iteration_time_s, self.correction.corrected, batch_kind(1, len(decodes))
+
+        def price(pairs, sampled):
+            return correct(predict(pairs, sampled), kind)       # the mean: TTFT is summed, not bounded
+        return ttft_minimising_budget(price, decodes, todo, budget, self.min_chunk, self.acfg.min_budget,
+                                      self.acfg.budget_multiple)
 
     def _prefill_work(self, partial: list[Request]) -> list[Request]:
         """The prompts this iteration may chunk, in sarathi's order (partial

@@ -26,6 +26,10 @@ class AdaptiveConfig:
     # banked fluidity slack (in TBT SLOs) one iteration may spend, and only while the
     # oldest waiting prompt would miss its TTFT deadline at the plain budget
     max_slack_tbt: float = 1.0
+    # when the oldest prompts fit under the deadline budget: take the budget (at most that one) that
+    # minimises the waiting prompts' summed predicted TTFT (testbed/schedulers/ttft_rollout.py);
+    # false: always the largest budget the deadlines allow
+    ttft_rollout: bool = True
     ewma_alpha: float = 0.2        # weight of the newest step in the measured/predicted correction
     # token_budget=auto: the decode batch the static budget must protect
     auto_num_decodes: int | None = None    # None: max_num_seqs

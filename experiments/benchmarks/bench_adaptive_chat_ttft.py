@@ -1,0 +1,86 @@
+"""Why adaptive's TTFT on chat below capacity is where it is against
+sarathi-512, in the simulator (bench_adaptive_capacity's set-up): TTFT p50
+and mean of sarathi-512, adaptive without the TTFT rollout
+(`adaptive.ttft_rollout=false`: always the largest budget the deadlines
+allow) and adaptive, over workload seeds; and, per iteration, the batches over
+512 tokens (a GEMM tile step on h100-sxm's tables that sarathi-512's budget,
+decodes included, never crosses) and the TTFT of the requests that waited
+through one against the same requests under sarathi-512.
+
+    python experiments/benchmarks/bench_adaptive_chat_ttft.py [--rate 177] [--slo-tbt-ms 50] [--seeds 5]
+
+~1 min here. Figures and their reading: experiments/README.md, "adaptive"."""
+from __future__ import annotations
+
+import argparse
+import bisect
+import contextlib
+import dataclasses
+import io
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_adaptive_capacity import run_config  # noqa: E402
+
+POLICIES = [("sarathi-512", 512), ("adaptive-largest", "largest"), ("adaptive", None)]
+TILE = 512
+
+
+def run(label: str, budget, rate: float, tbt_ms: float, seed: int, out: Path):
+    from testbed.metrics import read_iterations, read_requests
+    from testbed.run import execute
+    cfg = dataclasses.replace(run_config("chat", tbt_ms, budget, rate), seed=seed)
+    d = out / f"{label}-s{seed}"
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        execute(cfg, d)
+    return {r.request_id: r for r in read_requests(d / "requests.jsonl")}, read_iterations(d / "iterations.jsonl")
+
+
+def over_tile(reqs: dict, its: list) -> tuple[int, set[str]]:
+    """The iterations over TILE tokens, and the requests that waited through one (arrival to first token)."""
+    ends = [it.start_s + it.duration_s for it in its]
+    big = {k for k, it in enumerate(its) if it.num_prefill_tokens + it.num_decode_tokens > TILE}
+    hit = {rid for rid, r in reqs.items()
+           if any(k in big for k in range(bisect.bisect_right(ends, r.arrival_s),
+                                          bisect.bisect_left(ends, r.arrival_s + r.ttft_s - 1e-12) + 1))}
+    return len(big), hit
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rate", type=float, default=177.0)
+    parser.add_argument("--slo-tbt-ms", type=float, default=50.0)
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--out", default="outputs/bench_adaptive_chat_ttft")
+    args = parser.parse_args()
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    out = Path(args.out)
+    ttft = {label: [] for label, _ in POLICIES}
+    print(f"chat at {args.rate:g} req/s, p99 TBT SLO {args.slo_tbt_ms:g} ms (llama3-8b on h100-sxm, simulator)")
+    for seed in range(args.seeds):
+        runs = {label: run(label, b, args.rate, args.slo_tbt_ms, seed, out) for label, b in POLICIES}
+        base = runs["sarathi-512"][0]
+        for label, (reqs, its) in runs.items():
+            t = np.array([r.ttft_s for r in reqs.values()]) * 1e3
+            ttft[label].append((np.median(t), t.mean()))
+            n_big, hit = over_tile(reqs, its)
+            delta = [1e3 * (reqs[k].ttft_s - base[k].ttft_s) for k in hit]
+            rest = [1e3 * (reqs[k].ttft_s - base[k].ttft_s) for k in reqs if k not in hit]
+            print(f"  seed {seed} {label:<17} TTFT p50 {np.median(t):6.2f} mean {t.mean():6.2f} ms; "
+                  f"{n_big:3d} iterations over {TILE} tokens, {len(hit):3d} requests waited through one"
+                  + (f" ({np.mean(delta):+.2f} ms against sarathi-512; the other {len(rest)}: "
+                     f"{np.mean(rest):+.2f} ms)" if hit and label != "sarathi-512" else ""))
+    print(f"over {args.seeds} seeds:")
+    for label, v in ttft.items():
+        v = np.array(v)
+        wins = "" if label == "sarathi-512" else \
+            f"; p50 below sarathi-512's on {(v[:, 0] < np.array(ttft['sarathi-512'])[:, 0]).sum()} of {len(v)}"
+        print(f"  {label:<17} TTFT p50 mean {v[:, 0].mean():.2f} ms, TTFT mean {v[:, 1].mean():.2f} ms{wins}")
+
+
+if __name__ == "__main__":
+    main()
