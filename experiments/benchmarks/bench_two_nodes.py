@@ -332,6 +332,8 @@ def main() -> None:
     out_dir = Path(tempfile.mkdtemp(prefix="bench2n-"))
     t0 = time.monotonic()
     with TwoNodes() as tn:
+        print(f"# {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC, load average "
+              f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
         print(f"cluster up in {time.monotonic() - t0:.0f} s; transfer.transport={a.transport}; runs under {out_dir}",
               flush=True)
         rtt = rtt_s(tn)
@@ -377,6 +379,7 @@ def main() -> None:
               f"{vs:>7} {wire:>9.2f} {real['exposed_ms']:>10.1f} {ms(sim):>7.1f} {err(sim):>7} {ms(sim_host):>11.1f} "
               f"{err(sim_host):>5} {ms(sim_ceil):>11.1f} {err(sim_ceil):>5} {busy:>10.2f}")
     print(f"\n{time.monotonic() - t0:.0f} s in all (timings on a shared 2-core machine: noisy; the reps are the floor)")
+    print(f"# load average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":
