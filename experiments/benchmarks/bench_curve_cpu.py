@@ -120,7 +120,7 @@ else:
             tx.send("rx", view_kv(cache, (0, 4), ids, ids, 16 * blocks, f"r{i}"))
             acks = []
             while not acks:
-                acks = tx.poll_acks(1)
+                acks = tx.poll_acks(1000)      # wakes when the ack comes: the transport, not a poll loop
             assert acks[0].ok, acks[0].reason
             tx.flush()
         report(t0, c0, (reps - 1) * (32 << 20))
