@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import resource
 import multiprocessing as mp
@@ -232,6 +233,8 @@ def main() -> None:
     # when nobody else wants the 2 cores (the others' processes make single samples noisy)
     # CPU: both processes' user + system time per sample (zmq's I/O threads included), in ms per
     # GB moved: what the 2 shared cores pay for each path, less sensitive to the neighbours than time
+    print(f"# {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC, load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end of the samples")
     print(f"{'payload':>8}  {'path':<36} {'median GB/s':>11} {'% of raw':>8}   {'best GB/s':>9} {'% of raw':>8}"
           f"   {'tx cpu ms/GB':>12} {'rx cpu ms/GB':>12}")
     for size in args.sizes_mib:

@@ -35,7 +35,7 @@ from testbed.kv_transfer.curve import CurveKeys
 from testbed.launchers.netns_nodes import NetnsNodes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_two_nodes import DATA_RISE, SAMPLER  # noqa: E402
+from bench_two_nodes import SAMPLER, bursts, read_samples  # noqa: E402
 
 PY = sys.executable
 
@@ -108,23 +108,6 @@ else:
 """
 
 
-def bursts(samples: list[tuple[float, int]], min_bytes: int) -> list[tuple[float, float, int]]:
-    """(first rise, last rise, bytes) of each run of the counter (rises >= DATA_RISE a sample, gaps
-    under 20 ms) carrying >= min_bytes."""
-    out, cur = [], None
-    for (t0, b0), (t1, b1) in zip(samples, samples[1:]):
-        if b1 - b0 >= DATA_RISE:
-            if cur is not None and t0 - cur[1] < 0.02:
-                cur = (cur[0], t1, cur[2] + b1 - b0)
-            else:
-                if cur is not None:
-                    out.append(cur)
-                cur = (t0, t1, b1 - b0)
-    if cur is not None:
-        out.append(cur)
-    return [b for b in out if b[2] >= min_bytes]
-
-
 def probe(net: NetnsNodes, rate: float, a, keys_path: str, work: Path) -> list[dict]:
     a_node, b_node = net.nodes
     qdisc = net.shape(a_node, rate) if rate else "none"
@@ -158,8 +141,7 @@ def probe(net: NetnsNodes, rate: float, a, keys_path: str, work: Path) -> list[d
         sampler.terminate()
         sampler.wait()
         net.unshape(a_node)
-    samples = [(float(t), int(b)) for t, b in (ln.split() for ln in samples_path.read_text().splitlines())]
-    wire = bursts(samples, 30 << 20)
+    wire = [(b0, b1, n) for b0, b1, n, _ in bursts(read_samples(samples_path), 30 << 20)]
     rows = []
     for rid in sorted(sent, key=lambda r: int(r[1:])):
         s, r = sent[rid], received[rid]

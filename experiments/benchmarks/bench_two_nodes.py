@@ -28,6 +28,13 @@ after its prefill (not layer-wise), so:
   sim@ceil   = the link at min(R, C), C the transfer rate of a first run with
                no qdisc (the host's own ceiling: CURVE encryption, copies, a
                shared CPU): what the path can carry, whatever the tbf allows.
+  cores busy = the machine's busy CPU time (/proc/stat, every process) over
+               the burst's wall time, median of the run's transfers: 2.00 =
+               both cores of this machine busy while the KV was on the wire.
+
+Before the runs it prints the raw ceilings over the unshaped veth (pyzmq plain
+and CURVE, gloo) and the CPU per GB of raw CURVE and of the zmq transport by
+thread (bench_curve_cpu.py), with the cores each needs at each --rates value.
 
     sudo python experiments/benchmarks/bench_two_nodes.py [--rates 1 5] [--reps 2] [--transport zmq|torch_dist]
 
@@ -41,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -50,21 +58,28 @@ from pathlib import Path
 
 from testbed.launchers.two_nodes import TwoNodes
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 
+# each line: time, the veth's tx_bytes, and the machine's busy and total CPU jiffies (/proc/stat is
+# not namespaced: every core, every process, Ray's included)
 SAMPLER = """
 import signal, sys, time
 path, out, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 f = open(path, 'rb', buffering=0)
+stat = open('/proc/stat', 'rb', buffering=0)
 samples, end = [], time.monotonic() + seconds
 try:
     while time.monotonic() < end:
-        f.seek(0); samples.append((time.monotonic(), int(f.read())))
+        f.seek(0); stat.seek(0)
+        cpu = [int(x) for x in stat.readline().split()[1:8]]
+        samples.append((time.monotonic(), int(f.read()), sum(cpu) - cpu[3] - cpu[4], sum(cpu)))
         time.sleep(0.001)
 finally:
-    open(out, 'w').write('\\n'.join(f'{t} {b}' for t, b in samples))
+    open(out, 'w').write('\\n'.join(' '.join(map(str, s)) for s in samples))
 """
 
 PINGPONG = """
@@ -160,6 +175,27 @@ def gloo_ceiling_gbps(tn: TwoNodes) -> float:
         snd.wait(timeout=60)
 
 
+def print_cpu_per_gb(tn: TwoNodes, rates: list[float], reps: int = 2) -> None:
+    """CPU per GB of raw CURVE and of the zmq transport over the unshaped veth, by thread
+    (bench_curve_cpu.py), and the cores each needs at each rate: both nodes share this machine."""
+    from bench_curve_cpu import HEAD, line, run_pair
+    from testbed.kv_transfer.curve import CurveKeys
+    keys_path = str(Path(tempfile.mkdtemp(prefix="bench2n-keys-")) / "keys.json")
+    CurveKeys.generate().write(keys_path)
+    print(f"CPU per GB over the unshaped veth, CURVE, 1 MiB frames, 128 MiB per row (bench_curve_cpu.py); "
+          f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}\n{HEAD}", flush=True)
+    need: dict[str, list[float]] = {}
+    for rep in range(reps):
+        for mode in ("raw", "transport"):
+            r = run_pair(tn.net, mode, keys_path, 128)
+            need.setdefault(mode, []).append(r["ms_per_gb"])
+            print(line(mode, rep, r), flush=True)
+    for rate in rates:
+        print(f"at {rate:g} Gb/s ({rate / 8:.3f} GB/s) the CPU alone needs: " + ", ".join(
+            f"{mode} {statistics.median(v) / 1e3 * rate / 8:.2f} cores" for mode, v in need.items())
+            + f" of {os.cpu_count()} (every other process of the run and the machine shares them)", flush=True)
+
+
 def workload_args(a) -> list[str]:
     w = {"name": "two_nodes_bench", "num_requests": a.num_requests, "arrival": "constant", "rate": a.arrival_rate,
          "prompt_dist": "fixed", "prompt_len": a.prompt_len, "output_dist": "fixed", "output_len": 4}
@@ -174,21 +210,36 @@ def workload_args(a) -> list[str]:
 DATA_RISE = 4096      # bytes per ~1 ms sample that count as data, not acks or Ray's heartbeats
 
 
-def wire_rates(samples: list[tuple[float, int]], min_bytes: int) -> list[float]:
-    """Gb/s of each burst of the counter (rising by >= DATA_RISE a sample, gaps under 20 ms)
-    carrying >= min_bytes."""
-    bursts, cur = [], None
-    for (t0, b0), (t1, b1) in zip(samples, samples[1:]):
-        if b1 - b0 >= DATA_RISE:
-            if cur is not None and t0 - cur[1] < 0.02:
-                cur = [cur[0], t1, cur[2] + b1 - b0]
+def read_samples(path: Path) -> list[tuple[float, int, int, int]]:
+    """SAMPLER's lines: (time, tx_bytes, busy jiffies, total jiffies)."""
+    if not path.exists():
+        return []
+    return [(float(t), int(b), int(busy), int(total))
+            for t, b, busy, total in (line.split() for line in path.read_text().splitlines())]
+
+
+def bursts(samples: list[tuple[float, int, int, int]], min_bytes: int) -> list[tuple[float, float, int, float]]:
+    """(first rise, last rise, bytes, cores busy) of each run of the counter (rises >= DATA_RISE a
+    sample, gaps under 20 ms) carrying >= min_bytes; cores busy = the machine's busy CPU time over
+    the burst's wall time (os.cpu_count() = all of them busy)."""
+    out, cur = [], None
+    for s0, s1 in zip(samples, samples[1:]):
+        if s1[1] - s0[1] >= DATA_RISE:
+            if cur is not None and s0[0] - cur[1][0] < 0.02:
+                cur = (cur[0], s1, cur[2] + s1[1] - s0[1])
             else:
                 if cur is not None:
-                    bursts.append(cur)
-                cur = [t0, t1, b1 - b0]
+                    out.append(cur)
+                cur = (s0, s1, s1[1] - s0[1])
     if cur is not None:
-        bursts.append(cur)
-    return [8 * n / (t1 - t0) / 1e9 for t0, t1, n in bursts if n >= min_bytes and t1 > t0]
+        out.append(cur)
+    return [(a[0], b[0], n, os.cpu_count() * (b[2] - a[2]) / max(1, b[3] - a[3]))
+            for a, b, n in out if n >= min_bytes and b[0] > a[0]]
+
+
+def wire_rates(samples: list[tuple[float, int, int, int]], min_bytes: int) -> list[float]:
+    """Gb/s of each burst carrying >= min_bytes."""
+    return [8 * n / (t1 - t0) / 1e9 for t0, t1, n, _ in bursts(samples, min_bytes)]
 
 
 def rtt_s(tn: TwoNodes) -> float:
@@ -220,13 +271,13 @@ def real_run(tn: TwoNodes, a, rate_gbps: float | None, run_dir: Path) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"testbed run failed: {proc.stderr[-3000:]}")
     kv = json.loads((run_dir / "summary.json").read_text())["kv_transfer"]
-    samples = []
-    if samples_path.exists():
-        samples = [(float(t), int(b)) for t, b in (line.split() for line in samples_path.read_text().splitlines())]
+    samples = read_samples(samples_path)
     per_request = kv["bytes"] / kv["num_transfers"]
+    found = bursts(samples, int(per_request * 0.9))
     return {"qdisc": qdisc, "bytes": kv["bytes"], "num": kv["num_transfers"],
             "transfer_gbps": kv["achieved_gb_per_s"] * 8, "exposed_ms": kv["exposed_ms"]["p50"],
-            "transfer_ms": kv["transfer_ms"]["p50"], "wire_gbps": wire_rates(samples, int(per_request * 0.9))}
+            "transfer_ms": kv["transfer_ms"]["p50"], "wire_gbps": wire_rates(samples, int(per_request * 0.9)),
+            "cores_busy": [round(c, 2) for *_, c in found]}
 
 
 def sim_run(a, rate_gbps: float, latency_us: float, per_message_us: float, run_dir: Path) -> dict:
@@ -274,12 +325,15 @@ def main() -> None:
                    help="requests/s: one prefill or transfer at a time (a 4096-token prefill is 3-5 s here)")
     p.add_argument("--transport", choices=["zmq", "torch_dist"], default="zmq",
                    help="transfer.transport of the real runs (torch_dist: gloo, plain TCP)")
-    p.add_argument("--ceiling-only", action="store_true", help="only the raw pyzmq and gloo rates over the veth")
+    p.add_argument("--ceiling-only", action="store_true",
+                   help="only the raw pyzmq and gloo rates and the CPU per GB over the veth")
     p.add_argument("--run-timeout-s", type=float, default=400)
     a = p.parse_args()
     out_dir = Path(tempfile.mkdtemp(prefix="bench2n-"))
     t0 = time.monotonic()
     with TwoNodes() as tn:
+        print(f"# {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC, load average "
+              f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
         print(f"cluster up in {time.monotonic() - t0:.0f} s; transfer.transport={a.transport}; runs under {out_dir}",
               flush=True)
         rtt = rtt_s(tn)
@@ -290,6 +344,7 @@ def main() -> None:
                   flush=True)
         for _ in range(2):
             print(f"raw gloo over the veth (plain TCP): {gloo_ceiling_gbps(tn):.2f} Gb/s", flush=True)
+        print_cpu_per_gb(tn, a.rates)
         if a.ceiling_only:
             return
         host_us = host_cost_s(a) * 1e6
@@ -308,9 +363,11 @@ def main() -> None:
                   flush=True)
     print()
     print(f"{'tbf Gb/s':>8} {'rep':>3} {'MiB/req':>8} {'transfer Gb/s':>13} {'vs rate':>7} {'wire Gb/s':>9} "
-          f"{'exposed ms':>10} {'sim ms':>7} {'sim err':>7} {'sim+host ms':>11} {'err':>5} {'sim@ceil ms':>11} {'err':>5}")
+          f"{'exposed ms':>10} {'sim ms':>7} {'sim err':>7} {'sim+host ms':>11} {'err':>5} {'sim@ceil ms':>11} {'err':>5}"
+          f" {'cores busy':>10}")
     for rate, i, real, sim, sim_host, sim_ceil in rows:
         wire = statistics.median(real["wire_gbps"]) if real["wire_gbps"] else float("nan")
+        busy = statistics.median(real["cores_busy"]) if real["cores_busy"] else float("nan")
         vs = f"{real['transfer_gbps'] / rate - 1:+.0%}" if rate else "-"
 
         def err(x):
@@ -320,8 +377,9 @@ def main() -> None:
             return x["exposed_ms"] if x else float("nan")
         print(f"{rate or 'none':>8} {i:>3} {real['bytes'] / real['num'] / 2**20:>8.1f} {real['transfer_gbps']:>13.2f} "
               f"{vs:>7} {wire:>9.2f} {real['exposed_ms']:>10.1f} {ms(sim):>7.1f} {err(sim):>7} {ms(sim_host):>11.1f} "
-              f"{err(sim_host):>5} {ms(sim_ceil):>11.1f} {err(sim_ceil):>5}")
+              f"{err(sim_host):>5} {ms(sim_ceil):>11.1f} {err(sim_ceil):>5} {busy:>10.2f}")
     print(f"\n{time.monotonic() - t0:.0f} s in all (timings on a shared 2-core machine: noisy; the reps are the floor)")
+    print(f"# load average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":
