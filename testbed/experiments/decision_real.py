@@ -19,8 +19,9 @@ deployment at one L before the next L. A deployment is not probed (rows with
 no capacity, steady=false, limited_by=probe_time) from the L on where a
 steady probe at that start rate would need arrivals over more than
 decision_real_probe_s (the rule's size at the twin's longest service time on
-the simulator); and once decision_real_budget_s of wall time is spent,
-nothing more is probed (limited_by=budget)."""
+the simulator); and once decision_real_budget_s of wall time is spent, no
+probe starts (a search it cuts keeps what it measured, flagged; later ones
+are not probed; both limited_by=budget)."""
 from __future__ import annotations
 
 import os
@@ -37,12 +38,18 @@ HARDWARE = "cpu"          # the hardware profile of this machine (`testbed profi
 
 class RealProbes:
     """A probe run on the real engine: the deployment's worker processes started
-    for it and stopped after it."""
+    for it and stopped after it. No request finishing says nothing about
+    memory here (the drain bound cut them all: the rate overloads), and a run
+    the user interrupted (Ctrl-C) ends the study, not just the probe."""
     source = "real"
+    none_finished_is_memory = False
 
     def records(self, cfg: RunConfig, requests: list) -> list[RequestRecord]:
         from testbed.runtime.real import RealRuntime
-        return RealRuntime(cfg).run(requests).records
+        result = RealRuntime(cfg).run(requests)
+        if result.interrupted:
+            raise KeyboardInterrupt
+        return result.records
 
 
 def check_real(e) -> None:
@@ -83,9 +90,10 @@ def real_rows(cfg: RunConfig, sim_rows: list[dict], sim_service_s: dict, smooths
     from testbed.sim.cost_model import CostModel
     e = cfg.experiment
     num_gpus = e.decision_real_num_gpus
-    prober = Prober(rule, log, RealProbes(), max_span_s=e.decision_real_probe_s, max_lengthenings=1)
-    prober.service_s.update(sim_service_s)          # the same keys: (model, hardware, N, deployment, link, L, tbt)
     started, load_start = time.monotonic(), os.getloadavg()[0]
+    prober = Prober(rule, log, RealProbes(), max_span_s=e.decision_real_probe_s, max_lengthenings=1,
+                    deadline=started + e.decision_real_budget_s)
+    prober.service_s.update(sim_service_s)          # the same keys: (model, hardware, N, deployment, link, L, tbt)
     twin = {(r["model"], r["link"], r["deployment"], r["context_len"]): r["capacity_per_gpu"] for r in sim_rows
             if r["hardware"] == HARDWARE and r["num_gpus"] == num_gpus and r["slo"] == smooths[0].name
             and r["tbt_slo_ms"] == e.decision_tbt_slos_ms[0]}

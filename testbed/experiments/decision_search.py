@@ -38,8 +38,10 @@ class ProbeRun:
 
 
 class SimProbes:
-    """A probe run on the simulator, in this process."""
+    """A probe run on the simulator, in this process. A simulated probe where
+    no request finishes is a verdict on memory (the prompt does not fit)."""
     source = "sim"
+    none_finished_is_memory = True
 
     def records(self, cfg: RunConfig, requests: list) -> list[RequestRecord]:
         from testbed.runtime.sim import SimRuntime
@@ -59,12 +61,15 @@ class Prober:
     `passes(run)` says whether a run meets the SLOs of the search asking.
     With `max_span_s` no probe's arrivals span longer than that (the real
     engine's probes run on the wall clock): one that needs more runs that
-    long and stays flagged; `max_lengthenings` bounds the re-runs."""
+    long and stays flagged; `max_lengthenings` bounds the re-runs. Past
+    `deadline` (time.monotonic()) no probe starts: OutOfTime."""
 
     def __init__(self, rule: SteadyRule, log, runner=None, max_span_s: float | None = None,
-                 max_lengthenings: int = 2):   # a service time still growing after two is the rate's
+                 max_lengthenings: int = 2,    # a service time still growing after two is the rate's
+                 deadline: float | None = None):
         self.rule, self.log = rule, log
         self.runner, self.max_span_s, self.max_lengthenings = runner or SimProbes(), max_span_s, max_lengthenings
+        self.deadline = deadline
         self.runs: dict[tuple, ProbeRun] = {}
         self.service_s: dict[tuple, float] = {}        # the latest measured longest service time
         self.rows: list[dict] = []                     # decision_probes.csv
@@ -100,6 +105,8 @@ class Prober:
         return n if self.max_span_s is None else min(n, max(2, int(rate * self.max_span_s) + 1))
 
     def _run(self, cfg: RunConfig, rate: float, n: int) -> ProbeRun:
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise OutOfTime
         from testbed.runtime.build import apply_sampling
         from testbed.workloads.build import build_workload
         w = cfg.workload
@@ -128,6 +135,10 @@ def verdict(run: ProbeRun, smooth: Smoothness, targets: SLOTargets) -> str:
     return smooth.judge(run.window.judged, targets)
 
 
+class OutOfTime(Exception):
+    """The Prober's deadline passed before a probe could start."""
+
+
 @dataclass
 class Search:
     capacity: float | None           # requests/s of the deployment
@@ -140,8 +151,10 @@ class Search:
 def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targets: SLOTargets, start: float,
            first_service_s: float, rel_tol: float, max_probes: int) -> Search:
     """The highest steady-judged rate meeting the SLOs (bisection to rel_tol).
-    A rate where no request finishes (the prompt does not fit the KV memory)
-    fails for every rate: the search stops there."""
+    On the simulator a rate where no request finishes (the prompt does not
+    fit the KV memory) fails for every rate: the search stops there. A search
+    cut by the Prober's deadline keeps what it measured, flagged
+    (limited_by=budget, steady=false)."""
     verdicts: dict[float, tuple[str, bool]] = {}       # rate -> (failed limit or "", steady)
 
     class NeverFits(Exception):
@@ -154,21 +167,25 @@ def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targe
         run = prober.probe(key, cfg, rate, first_service_s, lambda r: limit_of(r) == "")
         limit = limit_of(run)
         verdicts[rate] = (limit, run.window.steady)
-        if run.num_finished == 0:
+        if run.num_finished == 0 and prober.runner.none_finished_is_memory:
             raise NeverFits
         return limit == ""
 
-    never_fits = False
+    never_fits = out_of_time = False
     try:
         search_rate(probe, start, rel_tol, max_probes)
     except NeverFits:           # a verdict on memory, not on load: no probe length changes it
         never_fits = True
+    except OutOfTime:
+        out_of_time = True
     passing = [r for r, (limit, _) in verdicts.items() if not limit]
     cap = max(passing, default=None)
     failing = [r for r, (limit, _) in verdicts.items() if limit and (cap is None or r > cap)]
     fail = min(failing, default=None)
     bound = "none" if cap is None else "lower" if fail is None else "bracketed"
     steady = never_fits or all(verdicts[r][1] for r in (cap, fail) if r is not None)
+    if out_of_time:
+        return Search(cap, bound, "budget", False, len(verdicts))
     return Search(cap, bound, verdicts[fail][0] if fail is not None else "", steady, len(verdicts))
 
 
