@@ -144,3 +144,50 @@ def test_real_rows_without_sim_twins_are_refused_before_any_probe(tmp_path, chan
     with pytest.raises(ValueError, match=message):
         run_decision(small(**change), tmp_path, lambda *_: None)
     assert not list(tmp_path.iterdir())
+
+
+class _NothingFinishes:
+    """A runner whose every request failed (as when a real probe's drain bound cuts them all)."""
+    source = "real"
+
+    def __init__(self, none_finished_is_memory: bool):
+        self.none_finished_is_memory = none_finished_is_memory
+        self.runs = 0
+
+    def records(self, cfg, requests):
+        from testbed.metrics import RequestRecord
+        self.runs += 1
+        return [RequestRecord(r.request_id, "failed", r.prompt_len, [], r.arrival_s) for r in requests]
+
+
+def _search(runner, deadline=None):
+    import time as _time
+
+    from testbed.experiments.decision_search import Prober, _workload, point_cfg, search
+    from testbed.experiments.decision_slo import SLOTargets, get_smoothness
+    from testbed.experiments.deployments import deployments, replace_run
+    from testbed.steady_state import SteadyRule
+    cfg = small()
+    dep = deployments(cfg.experiment, 2, 1, reuse=False)[0]
+    run_cfg = replace_run(dep.apply(point_cfg(cfg, "tiny", "cpu")), workload=_workload(cfg.experiment, 256))
+    prober = Prober(SteadyRule(3.0, 3, 12), lambda *_: None, runner, max_span_s=1.0, max_lengthenings=0,
+                    deadline=None if deadline is None else _time.monotonic() + deadline)
+    return search(prober, ("k",), run_cfg, get_smoothness("p99_tbt"), SLOTargets(500.0, 500.0), 8.0, 0.1, 0.1, 4)
+
+
+def test_a_real_probe_where_nothing_finished_fails_its_rate_instead_of_ending_the_search():
+    """On the simulator no request finishing means the prompt never fits: one
+    probe settles it. On the real engine it means the rate overloaded the
+    drain bound: the search halves on, to max_probes."""
+    memory = _NothingFinishes(none_finished_is_memory=True)
+    res = _search(memory)
+    assert (res.capacity, res.bound, res.limited_by, res.probes, memory.runs) == (None, "none", "unfinished", 1, 1)
+    overload = _NothingFinishes(none_finished_is_memory=False)
+    res = _search(overload)
+    assert (res.capacity, res.bound, res.limited_by, res.probes, overload.runs) == (None, "none", "unfinished", 4, 4)
+
+
+def test_a_search_past_the_real_budget_starts_no_probe_and_is_flagged():
+    runner = _NothingFinishes(none_finished_is_memory=False)
+    res = _search(runner, deadline=-1.0)
+    assert (res.capacity, res.limited_by, res.steady, res.probes, runner.runs) == (None, "budget", False, 0, 0)
