@@ -14,7 +14,7 @@ DECISION_COLOCATED = ("sarathi", "adaptive")
 @dataclass
 class ExperimentConfig:
     name: str | None = None
-    variant: str = "default"                 # default | full
+    variant: str = "default"                 # default | full | real (decision-real: the real engine too)
     # the simulator's grid
     models: list[str] = field(default_factory=lambda: ["llama3-8b", "llama2-70b", "yi-34b", "llama2-7b",
                                                        "deepseek-v2-lite"])
@@ -69,6 +69,12 @@ class ExperimentConfig:
     decision_span_factor: float = 10.0       # steady state: arrivals span this many longest service times
     decision_min_judged: int = 20            # steady state: requests judged per probe at least
     decision_max_requests: int = 4000        # a probe's requests at most
+    # decision's real-engine rows (real=true, decision_real.py): real_models x real_context_lens on this CPU
+    decision_real_num_gpus: int = 2          # worker processes, one per GPU of the deployment
+    decision_real_probe_s: float = 60.0      # a real probe's arrivals span at most this; its drain as long
+    decision_real_budget_s: float = 1500.0   # wall time of all real rows; once spent, the rest are flagged
+    decision_real_rel_tol: float = 0.25      # the real searches' bracket (each probe is a minute of wall time)
+    decision_real_max_probes: int = 5
 
     def validate(self) -> None:
         if self.name is not None and self.name not in EXPERIMENTS:
@@ -135,6 +141,14 @@ class ExperimentConfig:
                                                f"{self.decision_min_judged}")
         if not self.decision_pool_tp or any(t < 1 for t in self.decision_pool_tp):
             raise bad("decision_pool_tp", f"give one or more tp values >= 1, got {self.decision_pool_tp}")
+        for f in ("decision_real_probe_s", "decision_real_budget_s"):
+            if not getattr(self, f) > 0:
+                raise bad(f, f"seconds, must be > 0, got {getattr(self, f)}")
+        if not 0 < self.decision_real_rel_tol < 1:
+            raise bad("decision_real_rel_tol", f"a fraction in (0, 1), got {self.decision_real_rel_tol}")
+        for f in ("decision_real_max_probes", "decision_real_num_gpus"):
+            if getattr(self, f) < (2 if f == "decision_real_max_probes" else 1):
+                raise bad(f, f"too small: {getattr(self, f)} (probes: at least 2 to bracket a rate; GPUs >= 1)")
         bad_tp = {m: tp for m, tp in self.decision_tp.items() if not isinstance(tp, int) or tp < 1}
         if bad_tp:
             raise bad("decision_tp", f"model name -> tp >= 1, got {bad_tp}")

@@ -209,7 +209,7 @@ def decision_figures(rows: list[dict], crossovers: list[dict], out: Path) -> lis
     """For each model, hardware, GPU count and SLO of the simulated rows: a
     phase diagram (L* per link from decision_summary.json's `crossovers`) and
     one capacity-vs-L figure per link, with the real engine's rows of the same
-    model beside them where they exist."""
+    model, hardware, GPU count, SLO and link beside them where they exist."""
     paths = []
     sim = [r for r in rows if (r.get("source") or "sim") == "sim"]
     real = [r for r in rows if r.get("source") == "real"]
@@ -223,8 +223,7 @@ def decision_figures(rows: list[dict], crossovers: list[dict], out: Path) -> lis
                                         f"{model} on {hw}, {gpus} GPUs, {slo} {tbt} ms: the winning family "
                                         f"per context length and link", l_star))
         for link in dict.fromkeys(r["link"] for r in pts):
-            measured = [r for r in real if r["model"] == model and r["slo"] == slo
-                        and int(float(r["tbt_slo_ms"])) == tbt]
+            measured = [r for r in real if _slice_key(r) == key and r["link"] == link]
             paths.append(plot_capacity_vs_length(
                 [r for r in pts if r["link"] == link] + measured, out / f"capacity_{stem}_{link}.png",
                 f"capacity per GPU against L: {model} on {hw} over {link}, {gpus} GPUs, {slo} {tbt} ms"

@@ -95,3 +95,28 @@ def definition_changes(rows: list[dict]) -> list[dict]:
             out.append({**dict(zip(("model", "hardware", "link", "num_gpus", "tbt_slo_ms", "context_len"), cell)),
                         "winners": {slo: sorted(labels) for slo, labels in best.items()}})
     return out
+
+
+MATCH_KEYS = ("model", "hardware", "link", "num_gpus", "slo", "tbt_slo_ms", "deployment", "context_len")
+
+
+def sim_vs_real(rows: list[dict]) -> list[dict]:
+    """Each measured row (source=real) beside the simulator's row of the same
+    MATCH_KEYS: both capacities per GPU, whether each was steady, what
+    limited each, and real / sim where both are steady capacities (None
+    otherwise). A measured row without a simulated twin has sim None."""
+    def key(r: dict) -> tuple:
+        return tuple(str(r[k]) for k in MATCH_KEYS)
+    sim = {key(r): r for r in rows if (r.get("source") or "sim") == "sim"}
+    out = []
+    for r in rows:
+        if r.get("source") != "real":
+            continue
+        s = sim.get(key(r), {})
+        real_cap, sim_cap = _capacity(r), _capacity(s) if s else None
+        out.append({**{k: r[k] for k in MATCH_KEYS}, "has_sim": bool(s),
+                    "sim_capacity_per_gpu": s.get("capacity_per_gpu"), "real_capacity_per_gpu": r["capacity_per_gpu"],
+                    "sim_steady": _truthy(s.get("steady")), "real_steady": _truthy(r.get("steady")),
+                    "sim_limited_by": s.get("limited_by"), "real_limited_by": r.get("limited_by"),
+                    "real_over_sim": real_cap / sim_cap if real_cap is not None and sim_cap else None})
+    return out

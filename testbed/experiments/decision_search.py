@@ -1,0 +1,271 @@
+"""The capacity search of the `decision` study (decision.py runs the grid,
+decision_real.py the real engine's rows): one deployment's capacity per GPU
+at one context length L, per TBT target and smoothness definition, found by
+testbed/capacity.py's search_rate over probes that reach a steady state
+(testbed/steady_state.py). A probe is a run of Poisson arrivals of prompts
+of ~L tokens on a runner: the simulator (SimProbes) or the real engine
+(decision_real.py's RealProbes); the Prober sizes, lengthens and remembers
+them so that every SLO definition judging the same run shares it."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from testbed.capacity import search_rate
+from testbed.config import RunConfig, validate
+from testbed.experiments.decision_slo import SLOTargets, Smoothness
+from testbed.experiments.deployments import Deployment, replace_run
+from testbed.metrics import RequestRecord
+from testbed.model.config import load_model_preset
+from testbed.sim.config import ParallelConfig, load_hardware_preset
+from testbed.steady_state import SteadyRule, Window
+from testbed.workloads.config import WorkloadConfig
+
+COLUMNS = ("model", "hardware", "link", "link_gbps", "num_gpus", "slo", "tbt_slo_ms", "ttft_slo_ms", "context_len",
+           "deployment", "family", "capacity_per_gpu", "bound", "limited_by", "steady", "probes", "source")
+
+
+@dataclass
+class ProbeRun:
+    window: Window
+    num_requests: int
+    num_finished: int
+    wall_s: float = 0.0
+    load_1m: float | None = None      # the 1-minute load average when it ended
+
+
+class SimProbes:
+    """A probe run on the simulator, in this process. A simulated probe where
+    no request finishes is a verdict on memory (the prompt does not fit)."""
+    source = "sim"
+    none_finished_is_memory = True
+
+    def records(self, cfg: RunConfig, requests: list) -> list[RequestRecord]:
+        from testbed.runtime.sim import SimRuntime
+        return SimRuntime(cfg, log=lambda *_: None).run(requests).records
+
+
+class Prober:
+    """Runs probes (on `runner`: SimProbes, or decision_real.py's RealProbes), each sized by the steady-state rule from
+    the longest service time of the last passing probe; a probe that passed
+    but came out too short is re-run as long as the rule asks, at most twice
+    (a short burst that passes is the false answer to guard against; a longer
+    probe sees a longer service-time tail, so the target moves). A failing one
+    is lengthened only when at most 3x longer would do: an overloaded probe has no
+    steady state to reach (its service times grow with the queue), and stays
+    flagged when too short. Remembers every run by
+    (deployment, link, L, SLO the run reads, rate) so SLO definitions share them.
+    `passes(run)` says whether a run meets the SLOs of the search asking.
+    With `max_span_s` no probe's arrivals span longer than that (the real
+    engine's probes run on the wall clock): one that needs more runs that
+    long and stays flagged; `max_lengthenings` bounds the re-runs. Past
+    `deadline` (time.monotonic()) no probe starts: OutOfTime."""
+
+    def __init__(self, rule: SteadyRule, log, runner=None, max_span_s: float | None = None,
+                 max_lengthenings: int = 2,    # a service time still growing after two is the rate's
+                 deadline: float | None = None):
+        self.rule, self.log = rule, log
+        self.runner, self.max_span_s, self.max_lengthenings = runner or SimProbes(), max_span_s, max_lengthenings
+        self.deadline = deadline
+        self.runs: dict[tuple, ProbeRun] = {}
+        self.service_s: dict[tuple, float] = {}        # the latest measured longest service time
+        self.rows: list[dict] = []                     # decision_probes.csv
+        self.num_runs = 0
+
+    def probe(self, key: tuple, cfg: RunConfig, rate: float, first_service_s: float,
+              passes: Callable[[ProbeRun], bool]) -> ProbeRun:
+        if (*key, rate) in self.runs:
+            return self.runs[(*key, rate)]
+        service = self.service_s.get(key, first_service_s)
+        n = self._size(rate, service)
+        run = self._run(cfg, rate, n)
+        passed = passes(run)
+        for _ in range(self.max_lengthenings):
+            needed = self._size(rate, run.window.service_s)
+            if run.window.steady or not run.num_finished or needed <= run.num_requests \
+                    or not (passed or needed <= 3 * run.num_requests):
+                break
+            run = self._run(cfg, rate, needed)
+            passed = passes(run)
+        if passed and run.window.service_s > 0:
+            self.service_s[key] = run.window.service_s
+        self.runs[(*key, rate)] = run
+        self.rows.append({"key": "/".join(map(str, key)), "rate": rate, "num_requests": run.num_requests,
+                          "num_finished": run.num_finished, "judged": len(run.window.judged),
+                          "span_s": run.window.span_s, "service_s": run.window.service_s,
+                          "steady": run.window.steady, "steady_reason": run.window.reason,
+                          "source": self.runner.source, "wall_s": round(run.wall_s, 2), "load_1m": run.load_1m})
+        return run
+
+    def _size(self, rate: float, service_s: float) -> int:
+        n = self.rule.num_requests(rate, service_s)
+        return n if self.max_span_s is None else min(n, max(2, int(rate * self.max_span_s) + 1))
+
+    def _run(self, cfg: RunConfig, rate: float, n: int) -> ProbeRun:
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise OutOfTime
+        from testbed.runtime.build import apply_sampling
+        from testbed.workloads.build import build_workload
+        w = cfg.workload
+        turns = max(1, w.conversation_turns)         # multi-turn: rate counts conversations
+        run_cfg = replace_run(cfg, workload=dataclasses.replace(w, rate=rate / turns, num_requests=n))
+        requests = build_workload(run_cfg.workload, cfg.model.vocab_size, cfg.seed)
+        apply_sampling(run_cfg, requests)
+        t0 = time.monotonic()
+        records = self.runner.records(run_cfg, requests)
+        self.num_runs += 1
+        finished = sum(r.finished for r in records)
+        # the load the probe ran under: a real probe's capacity is the machine's share it got
+        return ProbeRun(self.rule.window(records), len(records), finished, time.monotonic() - t0,
+                        round(os.getloadavg()[0], 2))
+
+
+def verdict(run: ProbeRun, smooth: Smoothness, targets: SLOTargets) -> str:
+    """The limit a probe failed ("" when it meets the SLOs). A probe whose
+    judged window is empty (every arrival inside the warm-up or the drain)
+    says nothing and fails as `unjudged`: passing it, every probe past some
+    rate would pass and the search would double without end."""
+    if run.num_finished < run.num_requests:
+        return "unfinished"
+    if not run.window.judged:
+        return "unjudged"
+    return smooth.judge(run.window.judged, targets)
+
+
+class OutOfTime(Exception):
+    """The Prober's deadline passed before a probe could start."""
+
+
+@dataclass
+class Search:
+    capacity: float | None           # requests/s of the deployment
+    bound: str                       # bracketed | lower | none
+    limited_by: str
+    steady: bool
+    probes: int
+
+
+def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targets: SLOTargets, start: float,
+           first_service_s: float, rel_tol: float, max_probes: int) -> Search:
+    """The highest steady-judged rate meeting the SLOs (bisection to rel_tol).
+    On the simulator a rate where no request finishes (the prompt does not
+    fit the KV memory) fails for every rate: the search stops there. A search
+    cut by the Prober's deadline keeps what it measured, flagged
+    (limited_by=budget, steady=false)."""
+    verdicts: dict[float, tuple[str, bool]] = {}       # rate -> (failed limit or "", steady)
+
+    class NeverFits(Exception):
+        pass
+
+    def limit_of(run: ProbeRun) -> str:
+        return verdict(run, smooth, targets)
+
+    def probe(rate: float) -> bool:
+        run = prober.probe(key, cfg, rate, first_service_s, lambda r: limit_of(r) == "")
+        limit = limit_of(run)
+        verdicts[rate] = (limit, run.window.steady)
+        if run.num_finished == 0 and prober.runner.none_finished_is_memory:
+            raise NeverFits
+        return limit == ""
+
+    never_fits = out_of_time = False
+    try:
+        search_rate(probe, start, rel_tol, max_probes)
+    except NeverFits:           # a verdict on memory, not on load: no probe length changes it
+        never_fits = True
+    except OutOfTime:
+        out_of_time = True
+    passing = [r for r, (limit, _) in verdicts.items() if not limit]
+    cap = max(passing, default=None)
+    failing = [r for r, (limit, _) in verdicts.items() if limit and (cap is None or r > cap)]
+    fail = min(failing, default=None)
+    bound = "none" if cap is None else "lower" if fail is None else "bracketed"
+    steady = never_fits or all(verdicts[r][1] for r in (cap, fail) if r is not None)
+    if out_of_time:
+        return Search(cap, bound, "budget", False, len(verdicts))
+    return Search(cap, bound, verdicts[fail][0] if fail is not None else "", steady, len(verdicts))
+
+
+def point_cfg(cfg: RunConfig, model_name: str, hardware_name: str) -> RunConfig:
+    """The run on the simulator with this model and hardware, its tp from
+    decision_tp, num_kv_blocks=auto (the KV memory one GPU of each pool's split
+    has after weights and activations), and prefix caching only where the
+    workload reuses prefixes."""
+    e = cfg.experiment
+    model, hardware = load_model_preset(model_name), load_hardware_preset(hardware_name)
+    parallel = dataclasses.replace(cfg.parallel, tp=e.decision_tp.get(model_name, cfg.parallel.tp))
+    # without shared prefixes the prefix cache never hits, and its block hashing was ~2/3 of a
+    # long-context probe's time (131K tokens, sarathi-512: 3.96 s -> 1.34 s, the same service times)
+    return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, name="sim"), model=model,
+                               hardware=hardware, parallel=parallel, num_kv_blocks="auto",
+                               token_budget=hardware.token_budget_default, progress=False,
+                               enable_prefix_caching=e.decision_reuse > 0)
+
+
+def _workload(e, L: int) -> WorkloadConfig:
+    reuse = e.decision_reuse > 0
+    return WorkloadConfig(
+        name=f"decision-L{L}", arrival="poisson", prompt_dist="lognormal", prompt_len=L,
+        prompt_sigma=e.decision_prompt_sigma, prompt_min=max(1, L // 2), prompt_max=2 * L,
+        output_dist="fixed", output_len=e.decision_output_len,
+        conversation_turns=e.decision_turns if reuse else 0,
+        reuse_fraction=e.decision_reuse if reuse else WorkloadConfig.reuse_fraction)
+
+
+def isolated_s(cost, L: int, output_len: int) -> float:
+    """One request alone on one worker: a whole prefill of L, then output_len decodes at context L
+    (the first guess of the longest service time, before a probe measured one)."""
+    return cost.iteration_time_s([(L, L)]) + output_len * cost.iteration_time_s([(1, L)])
+
+
+def length_rows(prober: Prober, e, point: RunConfig, dep: Deployment, num_gpus: int, row_links: list,
+                smooths: list[Smoothness], L: int, start: float, log, rel_tol: float | None = None,
+                max_probes: int | None = None, skip: str | None = None) -> tuple[list[dict], float | None]:
+    """One deployment's rows at one L: a search from `start` (req/s of the
+    deployment) per TBT target and smoothness definition, each row repeated
+    under every link of row_links; and the first search's capacity (req/s).
+    With `skip` nothing is probed: the rows are flagged (no capacity,
+    steady=false, limited_by=skip)."""
+    from testbed.sim.cost_model import CostModel
+    one_gpu = CostModel(point.model, point.hardware, ParallelConfig())
+    worker = CostModel(point.model, point.hardware, point.parallel)
+    base = dep.apply(point)
+    validate(base)
+    gpus = dep.num_gpus(base)
+    service_s = isolated_s(worker, L, e.decision_output_len)
+    rows, first = [], None
+    for tbt in e.decision_tbt_slos_ms:
+        targets = SLOTargets(e.decision_ttft_k * one_gpu.iteration_time_s([(L, L)]) * 1e3, float(tbt),
+                             e.decision_fluidity_min)
+        run_cfg = replace_run(base, workload=_workload(e, L), slo=dataclasses.replace(
+            base.slo, ttft_ms=targets.ttft_ms, tpot_ms=float(tbt)))
+        key = (point.model.name, point.hardware.name, num_gpus, dep.label,
+               point.link.name if dep.uses_link else "-", L, tbt if dep.reads_slo else "-")
+        for smooth in smooths:
+            t0 = time.monotonic()
+            res = Search(None, "none", skip, False, 0) if skip else search(
+                prober, key, run_cfg, smooth, targets, start, service_s, rel_tol or e.capacity_rel_tol,
+                max_probes or e.capacity_max_probes)
+            first = res.capacity if first is None else first
+            rows += [_row(point, link, num_gpus, smooth.name, tbt, targets, L, dep, gpus, res, prober.runner.source)
+                     for link in row_links]
+            per_gpu = "-" if res.capacity is None else f"{res.capacity / gpus:.4g}"
+            where = point.link.name if dep.uses_link else "any link"
+            log(f"decision {prober.runner.source} {key[0]}/{key[1]}/N{num_gpus} {dep.label} {where} "
+                f"{smooth.name}@{tbt}ms L={L}: {per_gpu} req/s/GPU ({res.bound}"
+                f"{', ' + res.limited_by if res.limited_by else ''}{'' if res.steady else ', NOT steady'}; "
+                f"{res.probes} probes, {time.monotonic() - t0:.1f} s)")
+    return rows, first
+
+
+def _row(point: RunConfig, link, num_gpus: int, slo: str, tbt, targets: SLOTargets, L: int, dep: Deployment,
+         gpus: int, res: Search, source: str = "sim") -> dict:
+    return {"model": point.model.name, "hardware": point.hardware.name, "link": link.name,
+            "link_gbps": link.bandwidth_gbps, "num_gpus": num_gpus, "slo": slo, "tbt_slo_ms": tbt,
+            "ttft_slo_ms": round(targets.ttft_ms, 3), "context_len": L, "deployment": dep.label,
+            "family": dep.family, "capacity_per_gpu": None if res.capacity is None else res.capacity / gpus,
+            "bound": res.bound, "limited_by": res.limited_by, "steady": res.steady, "probes": res.probes,
+            "source": source}
