@@ -12,6 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
 from testbed.experiments import decision_figures as F  # noqa: E402
+from figure_capture import capture_figures  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 LENGTHS = [1024, 2048, 4096, 8192, 16384]
@@ -71,21 +72,8 @@ def test_token_tick_labels():
         ["512", "1K", "1.5K", "32K", "1M", "2M"]
 
 
-def _capture(monkeypatch) -> list:
-    """The figures handed to save_figure, kept open for inspection (still written)."""
-    import testbed.experiments as E
-    figs = []
-
-    def keep(fig, path, title=None):
-        figs.append(fig)
-        fig.savefig(path, dpi=50)
-        return path
-    monkeypatch.setattr(E, "save_figure", keep)
-    return figs
-
-
 def test_phase_diagram_colors_each_cell_by_its_winner_and_draws_l_star(tmp_path, monkeypatch):
-    figs = _capture(monkeypatch)
+    figs = capture_figures(monkeypatch)
     path = F.plot_phase_diagram(synthetic_rows(), tmp_path / "phase.png",
                                 "llama3-8b on h100-sxm, 2 GPUs, p99 TBT 100 ms", FLIP)
     assert path.read_bytes()[:8] == PNG_MAGIC
@@ -114,7 +102,7 @@ def test_phase_diagram_colors_each_cell_by_its_winner_and_draws_l_star(tmp_path,
 
 
 def test_capacity_vs_length_draws_one_line_per_deployment(tmp_path, monkeypatch):
-    figs = _capture(monkeypatch)
+    figs = capture_figures(monkeypatch)
     rows = [r for r in synthetic_rows() if r["link"] == "rdma-400"]
     rows += [row(n, "rdma-400", "sarathi-2048", "colocated", 30.0 * 1024 / n, source="real") for n in (1024, 2048)]
     rows.append(row(32768, "rdma-400", "disagg-1P1D", "disaggregated", 1.0, steady=False))
@@ -139,7 +127,7 @@ def test_capacity_vs_length_draws_one_line_per_deployment(tmp_path, monkeypatch)
 
 
 def test_capacity_vs_length_leaves_a_gap_where_nothing_passed(tmp_path, monkeypatch):
-    figs = _capture(monkeypatch)
+    figs = capture_figures(monkeypatch)
     rows = [row(n, "rdma-400", "disagg-1P1D", "disaggregated", cap) for n, cap in
             ((1024, 8.0), (2048, None), (4096, 2.0))]
     F.plot_capacity_vs_length(rows, tmp_path / "cap.png", "gap")

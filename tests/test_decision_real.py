@@ -19,6 +19,7 @@ import pytest  # noqa: E402
 from testbed.config import from_dict  # noqa: E402
 from testbed.experiments.decision import COLUMNS, run_decision  # noqa: E402
 from testbed.experiments.decision_summary import MATCH_KEYS, sim_vs_real  # noqa: E402
+from figure_capture import capture_figures  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -44,18 +45,6 @@ def read_rows(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def _capture(monkeypatch) -> list:
-    import testbed.experiments as E
-    figs = []
-
-    def keep(fig, path, title=None):
-        figs.append(fig)
-        fig.savefig(path, dpi=40)
-        return path
-    monkeypatch.setattr(E, "save_figure", keep)
-    return figs
-
-
 def _measured_lines(figs) -> dict:
     return {line.get_label(): line for fig in figs for ax in fig.axes for line in ax.get_lines()
             if line.get_label().endswith("(measured)")}
@@ -63,7 +52,7 @@ def _measured_lines(figs) -> dict:
 
 @pytest.mark.slow
 def test_real_rows_are_measured_on_worker_processes_beside_their_sim_twins(tmp_path, monkeypatch):
-    figs = _capture(monkeypatch)
+    figs = capture_figures(monkeypatch, dpi=40)
     run_decision(small(), tmp_path, print)
     rows = read_rows(tmp_path / "decision.csv")
     assert list(rows[0]) == list(COLUMNS)
@@ -100,7 +89,7 @@ def test_real_rows_past_the_budget_are_flagged_not_measured(tmp_path, monkeypatc
     """A budget already spent: no real probe runs; every real row is there,
     flagged (no capacity, steady=false, limited_by=budget), beside its twin,
     and the simulator's rows are those of a run without real rows."""
-    figs = _capture(monkeypatch)
+    figs = capture_figures(monkeypatch, dpi=40)
     run_decision(small(decision_real_budget_s=1e-9, context_lens=[256, 512], real_context_lens=[256, 512]),
                  tmp_path, lambda *_: None)
     rows = read_rows(tmp_path / "decision.csv")
