@@ -24,6 +24,7 @@ from testbed.runtime.messages import Abort, Prefill, Release, request_to_msg
 from tests.test_disagg_faults import LONG, Watch, check, config, long_request, run
 
 LEASE_S = 3.0
+DELIVERY_JITTER_S = 0.25    # see the expiry check below
 
 
 def test_expired_leases_free_the_blocks_of_lost_acknowledgements(capfd):
@@ -57,8 +58,12 @@ def test_expired_leases_free_the_blocks_of_lost_acknowledgements(capfd):
     assert records[lost["release"]].status == "finished"
     stats = result.worker_stats
     assert stats["prefill0"]["num_leases_expired"] == 1 and stats["decode0"]["num_leases_expired"] == 1
+    # The decode worker counts its lease from the reservation, which the
+    # frontend sees one event delivery later; it sees the expiry one delivery
+    # late too. Seen from here the lease can look shorter by the difference of
+    # those two delays (CI once saw 2.998 s for a 3 s lease), never by more.
     (after,) = expired_after
-    assert LEASE_S <= after < LEASE_S + 2.0, after
+    assert LEASE_S - DELIVERY_JITTER_S <= after < LEASE_S + 2.0, after
     err = capfd.readouterr().err
     assert f"worker prefill0: no release of {lost['release']} within transfer.lease_s=3 s" in err
     assert f"worker decode0: {long_rid}: no KV within transfer.lease_s=3 s of its reservation: lease expired, " \
