@@ -167,7 +167,7 @@ def report(rows: list[dict], below: list[dict], workloads: list[str], slos) -> N
             print(f"\n{w}: p99 TBT <= {t:g} ms, p99 TTFT <= {sel[0]['slo_ttft_ms']:g} ms")
             for r in sel:
                 mark = {"no_failure": ">", "below_lowest": "<"}.get(r["bound"], " ")
-                print(f"  {r['policy']:<13} {mark}{fmt(r['capacity_rps']):>7}   fails by: {r['fails_by'] or '-'}")
+                print(f"  {r['policy']:<17} {mark}{fmt(r['capacity_rps']):>7}   fails by: {r['fails_by'] or '-'}")
             fixed = [r["capacity_rps"] or 0.0 for r in sel if not r["policy"].startswith("adaptive")]
             adaptive = next((r["capacity_rps"] for r in sel if r["policy"] == "adaptive"), None)
             if fixed and max(fixed) > 0 and adaptive:
@@ -175,7 +175,7 @@ def report(rows: list[dict], below: list[dict], workloads: list[str], slos) -> N
                            key=lambda r: r["capacity_rps"] or 0.0)
                 print(f"  adaptive / best fixed ({best['policy']}): {adaptive / max(fixed):.2f}x")
             for b in (b for b in below if (b["workload"], b["slo_tbt_ms"]) == (w, t)):
-                print(f"  at {b['rate']:.3g} req/s: {b['policy']:<12} TTFT p50 {b['ttft_p50_ms']:8.1f} ms  "
+                print(f"  at {b['rate']:.3g} req/s: {b['policy']:<17} TTFT p50 {b['ttft_p50_ms']:8.1f} ms  "
                       f"p99 {b['ttft_p99_ms']:8.1f} ms  TBT p99 {b['tbt_p99_ms']:6.1f} ms  "
                       f"prefill budget p50 {fmt(b['prefill_budget_p50'])}")
 

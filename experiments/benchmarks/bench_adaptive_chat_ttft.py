@@ -12,7 +12,7 @@ through one against the same requests under sarathi-512.
 
     python experiments/benchmarks/bench_adaptive_chat_ttft.py [--rate 177] [--slo-tbt-ms 50] [--seeds 5]
 
-~1 min here. Figures and their reading: experiments/README.md, "adaptive"."""
+~1.5 min here (--seeds 20: ~5 min). Figures and their reading: experiments/README.md, "adaptive"."""
 from __future__ import annotations
 
 import argparse
