@@ -123,8 +123,10 @@ def test_arrivals_defer_the_prompt_that_would_cross_a_tile_step():
     decodes, todo = [(1, 9)] * 60, [(400, 0), (100, 0)]
     assert summed_ttft_s(_step_2ms, decodes, todo, 576, 576, 64) == pytest.approx(0.01512)
     assert summed_ttft_s(_step_2ms, decodes, todo, 448, 576, 64) == pytest.approx(0.016081)
-    assert summed_ttft_s(_step_2ms, decodes, todo, 576, 576, 64, 200.0, 0.005) == pytest.approx(0.01512 + 0.2 * 0.0103024, abs=1e-8)
-    assert summed_ttft_s(_step_2ms, decodes, todo, 448, 576, 64, 200.0, 0.005) == pytest.approx(0.016081 + 0.2 * 0.0025503, abs=1e-8)
+    assert summed_ttft_s(_step_2ms, decodes, todo, 576, 576, 64, 200.0, 0.005) == pytest.approx(
+        0.01512 + 0.2 * 0.0103024, abs=1e-8)
+    assert summed_ttft_s(_step_2ms, decodes, todo, 448, 576, 64, 200.0, 0.005) == pytest.approx(
+        0.016081 + 0.2 * 0.0025503, abs=1e-8)
     assert ttft_minimising_budget(_step_2ms, decodes, todo, 576, 64, 64, 64) == 576
     assert ttft_minimising_budget(_step_2ms, decodes, todo, 576, 64, 64, 64, 200.0, 0.005) == 448
     assert ttft_minimising_budget(_step_2ms, decodes, todo, 576, 64, 64, 64, 100.0, 0.005) == 576

@@ -149,8 +149,8 @@ def main() -> None:
             cap = {r["policy"]: r["capacity_rps"] for r in rows if (r["workload"], r["slo_tbt_ms"]) == (w, t)}
             ref = [c for c in (cap.get("adaptive"), cap.get("sarathi-512")) if c]
             if ref:
-                below_jobs += [(str(out), w, t, p, budgets[p], args.below * min(ref))
-                               for p in ("sarathi-512", "adaptive", "adaptive-largest", "adaptive-arrivals") if p in cap]
+                below_jobs += [(str(out), w, t, p, budgets[p], args.below * min(ref)) for p in
+                               ("sarathi-512", "adaptive", "adaptive-largest", "adaptive-arrivals") if p in cap]
     with ProcessPoolExecutor(args.jobs) as pool:
         below = list(pool.map(below_capacity, below_jobs))
     if below:
