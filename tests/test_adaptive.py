@@ -299,6 +299,7 @@ def test_auto_budget_is_the_essays_formula():
     ({"tbt_quantile": 1.0}, "adaptive.tbt_quantile: must be in (0, 1) (0.995 for a p99 TBT SLO) or null "
                             "(plan the mean at adaptive.tbt_headroom), got 1.0"),
     ({"budget_multiple": 0}, "adaptive.budget_multiple: must be >= 1, got 0"),
+    ({"rollout_window": 1}, "adaptive.rollout_window: must be >= 2 (a rate needs two arrivals), got 1"),
 ])
 def test_adaptive_config_errors_name_the_field(changes, message):
     with pytest.raises(ValueError) as e:

@@ -2,7 +2,10 @@
 TTFT of a queue by hand, the prompt that would push the batch over a tile
 step deferred (on the engine, with the rollout off and without the step as
 controls), a long queue keeping the deadline budget that a short one
-would split, and a backlog keeping it even where the sum alone would not."""
+would split, a backlog keeping it even where the sum alone would not, and
+the prompts arriving meanwhile (their rate and the typical iteration
+observed online) deferring a prompt past a tile step that the waiting
+prompts alone would take."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +15,8 @@ from testbed.engine import Engine, VirtualClock
 from testbed.request import Request
 from testbed.schedulers import SchedulerConfig, SchedulerContext, make_scheduler
 from testbed.schedulers.adaptive_config import AdaptiveConfig
-from testbed.schedulers.ttft_rollout import summed_ttft_s, take, ttft_minimising_budget
+from testbed.schedulers.traffic import Traffic
+from testbed.schedulers.ttft_rollout import arrivals_wait_s, summed_ttft_s, take, ttft_minimising_budget
 from tests.test_adaptive import PredictedExecutor
 
 
@@ -92,3 +96,82 @@ def test_a_backlog_keeps_the_deadline_budget_even_where_the_sum_would_split():
     assert summed_ttft_s(_tile_price, decodes, backlog, 448, 576, 64) < \
         summed_ttft_s(_tile_price, decodes, backlog, 576, 576, 64)        # the sum alone would split...
     assert ttft_minimising_budget(_tile_price, decodes, backlog, 576, 64, 64, 64) == 576    # ...the backlog keeps B
+
+
+def test_arrivals_wait_by_hand():
+    # arrivals in the 10 ms iteration wait 5 ms of it, then the 4 ms one; in the 4 ms one 2 ms, then tau = 6 ms:
+    # 50 + 40 + 8 + 24 (ms^2), less 1.5 x 6 ms over the 14 ms horizon (126)
+    assert arrivals_wait_s([0.010, 0.004], 0.006) == pytest.approx((50 + 40 + 8 + 24 - 126) * 1e-6)
+    # one iteration cut in two of the same total costs the arrivals the same, but for the next one's length
+    assert arrivals_wait_s([0.006, 0.008], 0.006) - arrivals_wait_s([0.010, 0.004], 0.006) == pytest.approx(
+        0.006 * (0.008 - 0.004))
+
+
+def _step_2ms(pairs, sampled) -> float:
+    return TilePredictor(0.002).iteration_time_s(pairs, sampled)
+
+
+def test_arrivals_defer_the_prompt_that_would_cross_a_tile_step():
+    """60 decodes and prompts of 400 and 100 tokens, B = 576, a 2 ms step past
+    512 tokens. Both now (560 tokens): 7.56 ms, then 5.062 (62 decodes): the
+    waiting prompts sum 15.12 ms; the 400 alone (P = 448): 5.46 then 5.161,
+    sum 16.081: B by 0.96 ms. The arrivals meanwhile, with tau = 5 ms
+    (arrivals_wait_s): B 28.577 + 38.269 + 12.812 + 25.31 - 94.665 = 10.302
+    ms^2, P 14.906 + 28.179 + 13.318 + 25.805 - 79.658 = 2.550 ms^2: at 200
+    req/s 2.061 against 0.510 ms, which outweighs the 0.96 (P); at 100 req/s
+    0.775 does not (B)."""
+    decodes, todo = [(1, 9)] * 60, [(400, 0), (100, 0)]
+    assert summed_ttft_s(_step_2ms, decodes, todo, 576, 576, 64) == pytest.approx(0.01512)
+    assert summed_ttft_s(_step_2ms, decodes, todo, 448, 576, 64) == pytest.approx(0.016081)
+    assert summed_ttft_s(_step_2ms, decodes, todo, 576, 576, 64, 200.0, 0.005) == pytest.approx(
+        0.01512 + 0.2 * 0.0103024, abs=1e-8)
+    assert summed_ttft_s(_step_2ms, decodes, todo, 448, 576, 64, 200.0, 0.005) == pytest.approx(
+        0.016081 + 0.2 * 0.0025503, abs=1e-8)
+    assert ttft_minimising_budget(_step_2ms, decodes, todo, 576, 64, 64, 64) == 576
+    assert ttft_minimising_budget(_step_2ms, decodes, todo, 576, 64, 64, 64, 200.0, 0.005) == 448
+    assert ttft_minimising_budget(_step_2ms, decodes, todo, 576, 64, 64, 64, 100.0, 0.005) == 576
+
+
+def test_traffic_rate_and_typical_step_over_the_window():
+    t = Traffic(3)
+    assert t.rate_per_s(1.0) == 0.0 and t.typical_step_s() == 0.0
+    for a in (0.00, 0.01, 0.02, 0.03):
+        t.observe_arrival(a)
+    assert t.rate_per_s(0.03) == pytest.approx(2 / 0.02)      # the window: 0.01, 0.02, 0.03
+    assert t.rate_per_s(0.11) == pytest.approx(2 / 0.10)      # no arrival since: the rate decays
+    for d in (0.001, 0.002, 0.003, 0.004):
+        t.observe_step(d)
+    assert t.typical_step_s() == pytest.approx(0.003)
+
+
+def _batch_after_arrivals(**adaptive) -> list[tuple[str, int]]:
+    """The engine's arrival-aware rollout: 60 decodes arrive at t = 0 and
+    prefill in one 5.48 ms step (480 tokens, under the step); then prompts of
+    400 and 100 tokens arrive. Observed: 62 arrivals over 5.48 ms (61 / 5.48 ms
+    = 11,131 req/s) and one step of 5.48 ms (tau). B = max_budget (everything
+    fits the 50 ms deadline); the waiting prompts alone take both (as in
+    test_arrivals_defer_the_prompt_that_would_cross_a_tile_step: 15.12 against
+    16.081 ms); with the arrivals B costs 3.648 ms^2 x 11.131/ms = 40.6 ms and
+    P = 448 -2.617 ms^2 (-29.1 ms): only the 400 goes now (the 100's 48
+    tokens left are under min_budget)."""
+    clock = VirtualClock()
+    cfg = SchedulerConfig(token_budget=256, max_num_seqs=128, max_num_batched_tokens=8192,
+                          adaptive=AdaptiveConfig(**adaptive))
+    predictor = TilePredictor(0.002)
+    sched = make_scheduler("adaptive", cfg, BlockManager(4096, 16), SchedulerContext(clock, 2000.0, 50.0, predictor))
+    e = Engine(sched, PredictedExecutor(predictor), clock)
+    for i in range(60):
+        e.add_request(Request(f"d{i}", list(range(100 * i, 100 * i + 8)), 50))
+    e.step()
+    assert clock.now() == pytest.approx(0.00548)
+    assert sched.traffic.typical_step_s() == pytest.approx(0.00548)
+    e.add_request(Request("p0", list(range(10_000, 10_400)), 4))
+    e.add_request(Request("p1", list(range(20_000, 20_100)), 4))
+    assert sched.traffic.rate_per_s(clock.now()) == pytest.approx(61 / 0.00548)
+    e.step()
+    return e.executor.batches[-1]
+
+
+def test_engine_rollout_defers_past_a_tile_step_for_the_arrivals():
+    assert _batch_after_arrivals(rollout_arrivals=True) == [("p0", 400)]
+    assert _batch_after_arrivals(rollout_arrivals=False) == [("p0", 400), ("p1", 100)]

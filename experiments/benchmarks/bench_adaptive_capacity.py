@@ -33,8 +33,9 @@ WORKLOADS = {     # name -> (overrides, p99 TTFT SLO ms, start rate req/s)
 TBT_SLOS_MS = (50.0, 100.0)
 POLICIES = [("sarathi-256", 256), ("sarathi-512", 512), ("sarathi-1024", 1024), ("sarathi-2048", 2048),
             ("sarathi-4096", 4096), ("sarathi-auto", "auto"), ("adaptive", None)]
-# searched only when --only names it: adaptive without the TTFT rollout (always the largest budget that fits)
-EXTRA = [("adaptive-largest", "largest")]
+# searched only when --only names it: adaptive without the TTFT rollout (always the largest budget that fits),
+# and with the rollout pricing the prompts that arrive meanwhile (adaptive.rollout_arrivals)
+EXTRA = [("adaptive-largest", "largest"), ("adaptive-arrivals", "arrivals")]
 COMMON = ["runtime=sim", "model=llama3-8b", "hardware=h100-sxm", "max_num_seqs=256", "num_kv_blocks=29206",
           "progress=false", "wandb.mode=disabled"]
 
@@ -53,6 +54,8 @@ def compose(overrides: list[str]):
 def policy_overrides(budget) -> list[str]:
     if budget == "largest":
         return ["scheduler=adaptive", "adaptive.ttft_rollout=false"]
+    if budget == "arrivals":
+        return ["scheduler=adaptive", "adaptive.rollout_arrivals=true"]
     return ["scheduler=adaptive"] if budget is None else ["scheduler=sarathi", f"token_budget={budget}"]
 
 
@@ -146,8 +149,8 @@ def main() -> None:
             cap = {r["policy"]: r["capacity_rps"] for r in rows if (r["workload"], r["slo_tbt_ms"]) == (w, t)}
             ref = [c for c in (cap.get("adaptive"), cap.get("sarathi-512")) if c]
             if ref:
-                below_jobs += [(str(out), w, t, p, budgets[p], args.below * min(ref))
-                               for p in ("sarathi-512", "adaptive", "adaptive-largest") if p in cap]
+                below_jobs += [(str(out), w, t, p, budgets[p], args.below * min(ref)) for p in
+                               ("sarathi-512", "adaptive", "adaptive-largest", "adaptive-arrivals") if p in cap]
     with ProcessPoolExecutor(args.jobs) as pool:
         below = list(pool.map(below_capacity, below_jobs))
     if below:
@@ -164,7 +167,7 @@ def report(rows: list[dict], below: list[dict], workloads: list[str], slos) -> N
             print(f"\n{w}: p99 TBT <= {t:g} ms, p99 TTFT <= {sel[0]['slo_ttft_ms']:g} ms")
             for r in sel:
                 mark = {"no_failure": ">", "below_lowest": "<"}.get(r["bound"], " ")
-                print(f"  {r['policy']:<13} {mark}{fmt(r['capacity_rps']):>7}   fails by: {r['fails_by'] or '-'}")
+                print(f"  {r['policy']:<17} {mark}{fmt(r['capacity_rps']):>7}   fails by: {r['fails_by'] or '-'}")
             fixed = [r["capacity_rps"] or 0.0 for r in sel if not r["policy"].startswith("adaptive")]
             adaptive = next((r["capacity_rps"] for r in sel if r["policy"] == "adaptive"), None)
             if fixed and max(fixed) > 0 and adaptive:
@@ -172,7 +175,7 @@ def report(rows: list[dict], below: list[dict], workloads: list[str], slos) -> N
                            key=lambda r: r["capacity_rps"] or 0.0)
                 print(f"  adaptive / best fixed ({best['policy']}): {adaptive / max(fixed):.2f}x")
             for b in (b for b in below if (b["workload"], b["slo_tbt_ms"]) == (w, t)):
-                print(f"  at {b['rate']:.3g} req/s: {b['policy']:<12} TTFT p50 {b['ttft_p50_ms']:8.1f} ms  "
+                print(f"  at {b['rate']:.3g} req/s: {b['policy']:<17} TTFT p50 {b['ttft_p50_ms']:8.1f} ms  "
                       f"p99 {b['ttft_p99_ms']:8.1f} ms  TBT p99 {b['tbt_p99_ms']:6.1f} ms  "
                       f"prefill budget p50 {fmt(b['prefill_budget_p50'])}")
 

@@ -2,14 +2,17 @@
 sarathi-512, in the simulator (bench_adaptive_capacity's set-up): TTFT p50
 and mean of sarathi-512, adaptive without the TTFT rollout
 (`adaptive.ttft_rollout=false`: always the largest budget the deadlines
-allow) and adaptive, over workload seeds; and, per iteration, the batches over
+allow), adaptive, and adaptive with the rollout pricing the prompts that
+arrive meanwhile (`adaptive.rollout_arrivals=true`), over workload seeds;
+each one's TTFT quantiles against sarathi-512's, paired by seed (mean and
+standard error over the seeds); and, per iteration, the batches over
 512 tokens (a GEMM tile step on h100-sxm's tables that sarathi-512's budget,
 decodes included, never crosses) and the TTFT of the requests that waited
 through one against the same requests under sarathi-512.
 
     python experiments/benchmarks/bench_adaptive_chat_ttft.py [--rate 177] [--slo-tbt-ms 50] [--seeds 5]
 
-~1 min here. Figures and their reading: experiments/README.md, "adaptive"."""
+~1.5 min here (--seeds 20: ~5 min). Figures and their reading: experiments/README.md, "adaptive"."""
 from __future__ import annotations
 
 import argparse
@@ -26,7 +29,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_adaptive_capacity import run_config  # noqa: E402
 
-POLICIES = [("sarathi-512", 512), ("adaptive-largest", "largest"), ("adaptive", None)]
+POLICIES = [("sarathi-512", 512), ("adaptive-largest", "largest"), ("adaptive", None),
+            ("adaptive-arrivals", "arrivals")]
+QUANTILES = (10, 25, 50, 75, 90, 99)
 TILE = 512
 
 
@@ -60,6 +65,7 @@ def main() -> None:
     os.environ.setdefault("WANDB_MODE", "disabled")
     out = Path(args.out)
     ttft = {label: [] for label, _ in POLICIES}
+    quantiles = {label: [] for label, _ in POLICIES}      # per seed: TTFT at QUANTILES, then the mean
     print(f"chat at {args.rate:g} req/s, p99 TBT SLO {args.slo_tbt_ms:g} ms (llama3-8b on h100-sxm, simulator)")
     for seed in range(args.seeds):
         runs = {label: run(label, b, args.rate, args.slo_tbt_ms, seed, out) for label, b in POLICIES}
@@ -67,6 +73,7 @@ def main() -> None:
         for label, (reqs, its) in runs.items():
             t = np.array([r.ttft_s for r in reqs.values()]) * 1e3
             ttft[label].append((np.median(t), t.mean()))
+            quantiles[label].append(np.r_[np.percentile(t, QUANTILES), t.mean()])
             n_big, hit = over_tile(reqs, its)
             delta = [1e3 * (reqs[k].ttft_s - base[k].ttft_s) for k in hit]
             rest = [1e3 * (reqs[k].ttft_s - base[k].ttft_s) for k in reqs if k not in hit]
@@ -80,6 +87,14 @@ def main() -> None:
         wins = "" if label == "sarathi-512" else \
             f"; p50 below sarathi-512's on {(v[:, 0] < np.array(ttft['sarathi-512'])[:, 0]).sum()} of {len(v)}"
         print(f"  {label:<17} TTFT p50 mean {v[:, 0].mean():.2f} ms, TTFT mean {v[:, 1].mean():.2f} ms{wins}")
+    if args.seeds > 1:
+        print("TTFT against sarathi-512, paired by seed (ms; mean +- standard error over the seeds):")
+        base = np.array(quantiles["sarathi-512"])
+        names = [f"p{q}" for q in QUANTILES] + ["mean"]
+        for label in (label for label, _ in POLICIES if label != "sarathi-512"):
+            d = np.array(quantiles[label]) - base
+            se = d.std(axis=0, ddof=1) / np.sqrt(len(d))
+            print(f"  {label:<17} " + "  ".join(f"{n} {m:+.2f}+-{e:.2f}" for n, m, e in zip(names, d.mean(axis=0), se)))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,9 @@ Each iteration (iteration_budget):
 - several prompts fit under P (`ttft_rollout`): P becomes the budget <= P,
   whole prompts at a time, that minimises the waiting prompts' summed
   predicted TTFT (ttft_rollout.py: one more prompt past a GEMM tile step can
-  delay the rest by more than deferring it costs it).
+  delay the rest by more than deferring it costs it); with
+  adaptive.rollout_arrivals, the prompts expected to arrive meanwhile too
+  (Traffic: the observed arrival rate and typical iteration).
 
 The predictor is the cost model (SchedulerContext); StepCorrection scales it
 per batch kind by the measured/predicted ratio of finished steps (on_step), so
@@ -41,6 +43,7 @@ from testbed.schedulers.context import SchedulerContext
 from testbed.schedulers.deadlines import TokenDeadlines
 from testbed.schedulers.sarathi import SarathiScheduler
 from testbed.schedulers.step_correction import MIXED, StepCorrection, batch_kind
+from testbed.schedulers.traffic import Traffic
 from testbed.schedulers.ttft_rollout import ttft_minimising_budget
 
 # a noise-free simulation plans iterations to end exactly on the deadline: 1 µs keeps the
@@ -65,6 +68,7 @@ class AdaptiveScheduler(SarathiScheduler):
         self.ttft_s = context.slo_ttft_ms * 1e-3
         self.deadlines = TokenDeadlines(self.tbt_s)
         self.correction = StepCorrection(self.acfg.ewma_alpha, self.acfg.tbt_quantile)
+        self.traffic = Traffic(self.acfg.rollout_window)
         # the part of a TBT SLO an iteration may take: all of it when bound() carries the error margin
         self.plan_s = (self.tbt_s - _EDGE_S if self.acfg.tbt_quantile is not None
                        else self.acfg.tbt_headroom * self.tbt_s)
@@ -88,7 +92,12 @@ class AdaptiveScheduler(SarathiScheduler):
     def steady_decodes(self) -> None:
         return None      # each batch is planned (a budget, a prediction) by schedule() and observed by on_step
 
+    def add(self, request: Request) -> None:
+        super().add(request)
+        self.traffic.observe_arrival(self.context.clock.now())
+
     def on_step(self, batch: Batch, duration_s: float) -> None:
+        self.traffic.observe_step(duration_s)
         planned = self._planned
         if planned is not None and planned[0] is batch:
             self.correction.observe(planned[1], planned[2], duration_s)
@@ -152,8 +161,9 @@ class AdaptiveScheduler(SarathiScheduler):
 
         def price(pairs, sampled):
             return correct(predict(pairs, sampled), kind)       # the mean: TTFT is summed, not bounded
+        rate = self.traffic.rate_per_s(self.context.clock.now()) if self.acfg.rollout_arrivals else 0.0
         return ttft_minimising_budget(price, decodes, todo, budget, self.min_chunk, self.acfg.min_budget,
-                                      self.acfg.budget_multiple)
+                                      self.acfg.budget_multiple, rate, self.traffic.typical_step_s())
 
     def _prefill_work(self, partial: list[Request]) -> list[Request]:
         """The prompts this iteration may chunk, in sarathi's order (partial

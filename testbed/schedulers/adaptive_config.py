@@ -30,12 +30,21 @@ class AdaptiveConfig:
     # minimises the waiting prompts' summed predicted TTFT (testbed/schedulers/ttft_rollout.py);
     # false: always the largest budget the deadlines allow
     ttft_rollout: bool = True
+    # the rollout also prices the prompts that arrive during the iterations it sizes, at the
+    # arrival rate and typical iteration measured over the last rollout_window arrivals and
+    # steps (testbed/schedulers/traffic.py). Off by default: on chat it moved TTFT's tail, not
+    # its p50, and cost capacity (275 -> 252 req/s; experiments/README.md, "adaptive")
+    rollout_arrivals: bool = False
+    rollout_window: int = 64
     ewma_alpha: float = 0.2        # weight of the newest step in the measured/predicted correction
     # token_budget=auto: the decode batch the static budget must protect
     auto_num_decodes: int | None = None    # None: max_num_seqs
     auto_decode_context: int = 2048
 
     def validate(self) -> None:
+        if self.rollout_window < 2:
+            raise ValueError(f"adaptive.rollout_window: must be >= 2 (a rate needs two arrivals), "
+                             f"got {self.rollout_window}")
         for f in ("min_budget", "max_budget", "budget_multiple", "auto_decode_context"):
             if getattr(self, f) < 1:
                 raise ValueError(f"adaptive.{f}: must be >= 1, got {getattr(self, f)}")

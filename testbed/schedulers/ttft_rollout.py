@@ -19,6 +19,17 @@ arrived yet (without this rule, azure_code's p99 TTFT near capacity rose
 5-15%: experiments/README.md, "adaptive"). Iterations after the second
 (when a smaller P leaves some) are priced as the second.
 
+With adaptive.rollout_arrivals, the prompts that arrive while the rollout
+runs are priced too (arrivals_wait_s), at the arrival rate lambda observed: one
+arriving in iteration j waits out the rest of it and then the next, which
+serves it, so iteration j costs lambda (t_j^2/2 + t_j t_(j+1)); the
+candidates' horizons are made equal by filling the shorter one with typical
+iterations tau (each lambda 1.5 tau^2, the same sum with t = tau). A batch
+that passes a tile step lengthens the horizon, and so costs every arrival in
+it, which the waiting prompts' sum alone cannot see. (Charging only each
+iteration's residual, lambda t^2 / 2, rewards cutting an iteration in two,
+though its arrivals then wait for the second: worse on chat.)
+
 Pure arithmetic over (remaining tokens, computed tokens) pairs and a price
 function; adaptive.py builds both."""
 from __future__ import annotations
@@ -54,12 +65,23 @@ def take(todo: Sequence[tuple[int, int]], pos: tuple[int, int], budget: int,
     return pairs, finished, (i, done)
 
 
+def arrivals_wait_s(durations: Sequence[float], typical_s: float) -> float:
+    """The summed TTFT, per unit of arrival rate, of the prompts arriving
+    during iterations of `durations` (each served by the next, the one after
+    the last taking `typical_s`), less what typical iterations would cost over
+    the same time (1.5 typical_s per second), so that rollouts of different
+    lengths compare over one horizon."""
+    nexts = list(durations[1:]) + [typical_s]
+    return sum(t * t / 2 + t * n for t, n in zip(durations, nexts)) - 1.5 * typical_s * sum(durations)
+
+
 def summed_ttft_s(price: Price, decodes: Pairs, todo: Sequence[tuple[int, int]], first: int, then: int,
-                  min_chunk: int) -> float:
+                  min_chunk: int, arrival_rate_per_s: float = 0.0, typical_s: float = 0.0) -> float:
     """Predicted sum over `todo`'s prompts of the time until each samples its
     first token, when this iteration schedules `first` prefill tokens and each
     later one `then` (with the same decodes, and the prompts finished so far
-    decoding)."""
+    decoding); plus, at `arrival_rate_per_s`, that of the prompts arriving
+    meanwhile (arrivals_wait_s)."""
     pairs1, fin1, pos = take(todo, (0, 0), first, min_chunk)
     t1 = price(decodes + pairs1, len(decodes) + len(fin1))
     decodes2 = decodes + [(1, n + 1) for n in fin1]
@@ -71,13 +93,18 @@ def summed_ttft_s(price: Price, decodes: Pairs, todo: Sequence[tuple[int, int]],
     for remaining, _ in todo[i:]:
         streamed += remaining
         total += t1 + t2 + math.ceil(streamed / then) * t2
+    if arrival_rate_per_s:
+        later = math.ceil(streamed / then) if streamed > 0 else 0
+        total += arrival_rate_per_s * arrivals_wait_s([t1, t2] + [t2] * later, typical_s)
     return total
 
 
 def ttft_minimising_budget(price: Price, decodes: Pairs, todo: Sequence[tuple[int, int]], budget: int,
-                           min_chunk: int, min_budget: int, multiple: int) -> int:
+                           min_chunk: int, min_budget: int, multiple: int, arrival_rate_per_s: float = 0.0,
+                           typical_s: float = 0.0) -> int:
     """The candidate P in [min_budget, budget] with the least summed TTFT
-    (summed_ttft_s, later iterations at `budget`); `budget` on ties, and
+    (summed_ttft_s, later iterations at `budget`, arrivals at
+    `arrival_rate_per_s`); `budget` on ties, and
     whenever two iterations of `budget` would not drain the queue (a backlog:
     the capacity a smaller P leaves unused is then paid by every prompt
     behind, the ones still to arrive included, which the sum cannot see)."""
@@ -94,10 +121,11 @@ def ttft_minimising_budget(price: Price, decodes: Pairs, todo: Sequence[tuple[in
             candidates.append(p)
     if not candidates:
         return budget
-    best, best_s = budget, summed_ttft_s(price, decodes, todo, budget, budget, min_chunk)
+    arrivals = (arrival_rate_per_s, typical_s)
+    best, best_s = budget, summed_ttft_s(price, decodes, todo, budget, budget, min_chunk, *arrivals)
     for p in reversed(candidates):
-        s = summed_ttft_s(price, decodes, todo, p, budget, min_chunk)
-        if s < best_s * (1 - 1e-9):
+        s = summed_ttft_s(price, decodes, todo, p, budget, min_chunk, *arrivals)
+        if s < best_s - 1e-9 * abs(best_s):      # the arrivals' term may make a sum negative
             best, best_s = p, s
     return best
 
