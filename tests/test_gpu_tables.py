@@ -54,7 +54,7 @@ def test_leave_one_model_out_gemms_and_layer(gpu, name):
                 p = gemms.seconds(m, *held.gemm_shape(op, tp))
                 errors[op][m >= 64].append(abs(p / t - 1))
             elif op != "emb":
-                p = elementwise.seconds(op, m, held.elementwise_width(op, tp))
+                p = elementwise.seconds(op, m, held.elementwise_width(op, tp), held.elementwise_kernel(op))
             else:
                 continue
             predicted += p
