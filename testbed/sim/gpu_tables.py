@@ -53,11 +53,11 @@ def elementwise_ops(model: ModelConfig, shapes: LayerShapes) -> list[tuple[str, 
         e = shapes.experts
         act += e.layers * e.top_k * (e.act_elems_per_routed_token - 2 * h)
     act = max(1, act // L)
-    # ModelConfig has no norm field yet (Falcon's LayerNorm): read it once it does
-    norm, gated = getattr(model, "norm", "rms_norm"), _gated(model)
+    # ModelConfig has no norm or parallel-block field yet (Falcon has both): read them once it does
+    norm, parallel = getattr(model, "norm", "rms_norm"), getattr(model, "parallel_block", False)
     ops = [("input_layernorm", h, L), ("post_attention_layernorm", h, L), ("add", h, L),
            ("attn_rope", rope, L), ("mlp_act", act, L), ("emb", h, 1)]
-    return [(op, elementwise_kernel(op, norm, gated), width, layers) for op, width, layers in ops]
+    return [(op, elementwise_kernel(op, norm, _gated(model), parallel), width, layers) for op, width, layers in ops]
 
 
 class GpuTablePricing:

@@ -63,8 +63,13 @@ class ProfiledModel:
                 "emb": self.n_embd, "attn_rope": (heads + kv_heads) * self.head_dim,
                 "mlp_act": ((2 if self.gated else 1) + 1) * inter}[op]
 
+    @property
+    def parallel_block(self) -> bool:
+        """Attention and MLP side by side on one norm (phi-2): no post-attention norm rows."""
+        return not any("post_attention_layernorm" in ops for _, _, ops in self.rows)
+
     def elementwise_kernel(self, op: str) -> str:
-        return elementwise_kernel(op, self.norm, self.gated)
+        return elementwise_kernel(op, self.norm, self.gated, self.parallel_block)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from testbed.sim.elementwise_kernels import bytes_moved_per_token
+from testbed.sim.elementwise_kernels import KERNELS, bytes_moved_per_token
 from testbed.sim.layer_shapes import Gemm
 from testbed.sim.operator_table import ElementwiseSample, GemmSample
 
@@ -157,13 +157,13 @@ FLOOR_MAX_M = 16
 
 @dataclass(frozen=True)
 class BytesPrice:
-    """max(launch floor, bytes / bandwidth): an elementwise op priced by the
-    bytes it moves, for a kernel the tables never measured."""
+    """max(launches x launch floor, bytes / bandwidth): an elementwise op
+    priced by the bytes it moves, for a kernel the tables never measured."""
     bytes_per_s: float
-    floor_s: float
+    floor_s: float                 # per launch
 
-    def seconds(self, m: float, bytes_per_token: float) -> float:
-        return max(self.floor_s, m * bytes_per_token / self.bytes_per_s)
+    def seconds(self, m: float, bytes_per_token: float, launches: int = 1) -> float:
+        return max(launches * self.floor_s, m * bytes_per_token / self.bytes_per_s)
 
 
 class TableElementwise:
@@ -187,7 +187,7 @@ class TableElementwise:
     def _bytes_price(self, samples: Sequence[ElementwiseSample]) -> BytesPrice:
         rate = [s.m * bytes_moved_per_token(s.kernel, s.width, self.dtype_bytes) / s.seconds
                 for s in samples if s.m >= BYTES_FIT_MIN_M]
-        floor = [s.seconds for s in samples if s.m <= FLOOR_MAX_M]
+        floor = [s.seconds / KERNELS[s.kernel].launches for s in samples if s.m <= FLOOR_MAX_M]
         return BytesPrice(float(statistics.median(rate)), float(statistics.median(floor)))
 
     @property
@@ -199,7 +199,7 @@ class TableElementwise:
             return self._families[(op, kernel)].seconds(m, (width,))
         if op not in self._bytes:
             raise ValueError(f"the operator table has no '{op}' rows to price it from")
-        return self._bytes[op].seconds(m, bytes_moved_per_token(kernel, width, self.dtype_bytes))
+        return self._bytes[op].seconds(m, bytes_moved_per_token(kernel, width, self.dtype_bytes), KERNELS[kernel].launches)
 
     def curve(self, ops: Sequence[tuple[str, str, int, int]], scale: float = 1.0) -> Curve:
         """Seconds of (op, kernel, width, layers) as a function of m."""
