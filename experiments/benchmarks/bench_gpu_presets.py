@@ -10,17 +10,10 @@
                 (llama3-8b, Triton backend, whole and chunked prefills)
   --fit-triton  the triton kernel's peak_fraction, q_half, ctx_half fitted to
                 those rows (attention_kernels.py carries the result)
-  --staircase   are the GEMM tables' steps wave quantisation? Where the
-                up-steps (> 15% from one profiled m to the next, m >= 64) sit:
-                at row-tile boundaries (m crossing a multiple of tm) and at
-                wave boundaries (ceil(ceil(m/tm)·ceil(n/tn)/SMs) changes,
-                the part that moves with n), per candidate tile
-  --waves       leave one model out with the GEMM interpolation done on
-                wave-normalised time (seconds / waves^beta, times the held-out
-                shape's waves), per candidate tile, against the plain model
+
+  (whether the GEMM tables' steps are wave quantisation: bench_gemm_waves.py)
 
     python experiments/benchmarks/bench_gpu_presets.py [--loo] [--iterations] [--h200] [--fit-triton]
-                                                       [--staircase] [--waves [BETA]]
 """
 from __future__ import annotations
 
@@ -37,34 +30,9 @@ from testbed.sim.attention_kernels import KERNELS
 from testbed.sim.config import ParallelConfig, load_hardware_preset
 from testbed.sim.cost_model import CostModel
 from testbed.sim.operator_table import GEMM_OPS, elementwise_samples, gemm_samples, load_compute_table
-from testbed.sim.table_pricing import BANDWIDTH, TableElementwise, TableGemms, _interp, local_loglinear
+from testbed.sim.table_pricing import BANDWIDTH, TableElementwise, TableGemms
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
-SMS = {"h100": 132, "a100": 108}       # H100 SXM, A100: streaming multiprocessors
-TILES = [(tm, tn) for tm in (64, 128, 256) for tn in (64, 128, 256)]
-
-
-def waves(m, n: int, tile: tuple[int, int], sms: int):
-    return np.ceil(np.ceil(m / tile[0]) * np.ceil(n / tile[1]) / sms)
-
-
-class WaveGemms(TableGemms):
-    """TableGemms interpolating log(seconds / waves^beta) across shapes, then
-    multiplying by the queried shape's own waves^beta: the staircase carried
-    by the wave count, the smooth rest by the regression."""
-
-    def __init__(self, samples, tile: tuple[int, int], sms: int, beta: float = 1.0):
-        super().__init__(samples)
-        f = self.family
-        self._log_waves = lambda n: beta * np.log(waves(f.grid, n, tile, sms))
-        f._y = f._y - np.array([self._log_waves(n) for n in np.exp(f._x[:, 0])])
-
-    def seconds(self, m: float, n: int, k: int) -> float:
-        f, key = self.family, (int(n), int(k))
-        if key not in f._cache:
-            q = np.log(np.array(key, dtype=np.float64))
-            f._cache[key] = np.exp(local_loglinear(f._x, f._y, q, f.bandwidth) + self._log_waves(n))
-        return _interp(m, f.grid, f._cache[key])
 
 
 def leave_one_out_errors(gpu: str, held_name: str, bandwidth: float = BANDWIDTH,
@@ -112,56 +80,6 @@ def print_loo(bandwidth: float) -> None:
                 big, small = summarize(errs, False), summarize(errs, True)
                 print(f"    {op:26s} m>=64 {big[0]:6.1%} {big[1]:6.1%} {big[2]:6.1%}   "
                       f"m<64 {small[0]:6.1%} {small[1]:6.1%} {small[2]:6.1%}")
-
-
-def gemm_curves(gpu: str):
-    """(n, m [ascending, >= 64], median seconds) of every profiled (model, GEMM op, TP)."""
-    for pm in load_compute_table(gpu):
-        for op in GEMM_OPS:
-            for tp in sorted({t for _, t, _ in pm.rows}):
-                pts = [(m, ops[op]) for m, t, ops in pm.rows if t == tp and op in ops and m >= 64]
-                ms = np.array(sorted({m for m, _ in pts}))
-                ts = np.array([np.median([t for mm, t in pts if mm == m]) for m in ms])
-                yield pm.gemm_shape(op, tp)[0], ms, ts
-
-
-def print_staircase() -> None:
-    print("GEMM up-steps (> 15% from one profiled m to the next, m >= 64): where they sit")
-    for gpu in ("h100", "a100"):
-        # one row per pair of neighbouring profiled m: (n, m0, m1, t1 / t0)
-        iv = np.array([(n, ms[i], ms[i + 1], ts[i + 1] / ts[i])
-                       for n, ms, ts in gemm_curves(gpu) for i in range(len(ms) - 1)])
-        up = iv[:, 3] > 1.15
-        print(f"  {gpu} ({SMS[gpu]} SMs): {up.sum()} up-steps in {len(iv)} intervals")
-        for tm, tn in TILES:
-            row = np.ceil(iv[:, 2] / tm) > np.ceil(iv[:, 1] / tm)
-            wave = waves(iv[:, 2], iv[:, 0], (tm, tn), SMS[gpu]) > waves(iv[:, 1], iv[:, 0], (tm, tn), SMS[gpu])
-            print(f"    tile {tm:3d}x{tn:3d}: steps at a row-tile boundary {row[up].mean():5.1%} (of all intervals "
-                  f"{row.mean():5.1%}), at a wave boundary {wave[up].mean():5.1%} ({wave.mean():5.1%}); "
-                  f"row-tile boundaries that step: with a wave change {up[row & wave].mean():5.1%}, "
-                  f"without {up[row & ~wave].mean():5.1%}")
-
-
-def loo_summary(gpu: str, make_gemms=None) -> str:
-    rows = []
-    for pm in load_compute_table(gpu):
-        errors = leave_one_out_errors(gpu, pm.name, make_gemms=make_gemms)
-        layer = np.abs([x for _, x in errors["layer"]])
-        big = [summarize(errors[op], False) for op in GEMM_OPS]
-        rows.append((np.median(layer), layer.max(), np.mean(layer <= 0.10), max(b[0] for b in big)))
-    v = np.array(rows)
-    return (f"layer median {np.median(v[:, 0]):.1%}, worst row {v[:, 1].max():.1%} (mean of the models' worst "
-            f"{v[:, 1].mean():.1%}), within 10% {v[:, 2].min():.1%}-{v[:, 2].max():.1%}; "
-            f"worst GEMM-op median at m>=64 {v[:, 3].max():.1%}")
-
-
-def print_waves(beta: float) -> None:
-    print(f"leave-one-model-out with wave-normalised GEMM interpolation (waves^{beta})")
-    for gpu in ("h100", "a100"):
-        print(f"  {gpu} plain model : {loo_summary(gpu)}", flush=True)
-        for tile in TILES:
-            make = lambda samples, t=tile: WaveGemms(samples, t, SMS[gpu], beta)
-            print(f"  {gpu} tile {tile[0]:3d}x{tile[1]:3d}: {loo_summary(gpu, make)}", flush=True)
 
 
 def roofline_of(hardware):
@@ -246,15 +164,8 @@ def main() -> None:
     p.add_argument("--iterations", action="store_true")
     p.add_argument("--h200", action="store_true")
     p.add_argument("--fit-triton", action="store_true")
-    p.add_argument("--staircase", action="store_true")
-    p.add_argument("--waves", type=float, nargs="?", const=1.0, default=None, metavar="BETA")
     args = p.parse_args()
-    everything = not (args.loo or args.iterations or args.h200 or args.fit_triton or args.staircase
-                      or args.waves is not None)
-    if args.staircase:
-        print_staircase()
-    if args.waves is not None:
-        print_waves(args.waves)
+    everything = not (args.loo or args.iterations or args.h200 or args.fit_triton)
     if args.fit_triton:
         fit_triton()
     if args.loo or everything:
