@@ -38,7 +38,7 @@ Curve = Callable[[float], float]
 # Kernel width in natural log units (0.35: shapes within ~1.4x weigh most)
 # and the pull of the slopes towards 1 (a fraction of the total weight).
 # Chosen once by reasoning about the tables' spacing (shapes of neighbouring
-# TP degrees differ by 2x); experiments/benchmarks/bench_gpu_tables.py prints
+# TP degrees differ by 2x); experiments/benchmarks/bench_gpu_presets.py --bandwidth prints
 # the leave-one-model-out error at other widths.
 BANDWIDTH = 0.35
 SLOPE_PRIOR = 0.05
