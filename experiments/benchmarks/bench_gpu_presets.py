@@ -69,17 +69,22 @@ def summarize(errs: list[tuple[int, float]], small: bool) -> tuple[float, float,
 
 def print_loo(bandwidth: float) -> None:
     print(f"leave-one-model-out, kernel width {bandwidth}: |error| median / max / share within target "
-          "(ops: 15% at m>=64, 25% below; layer: 10% at every m)")
+          "(ops: 15% at m>=64, 25% below; layer: 10% at every m); "
+          "[bytes]: a kernel no other model ran, priced by the bytes it moves")
     for gpu in ("h100", "a100"):
-        for pm in load_compute_table(gpu):
+        models = load_compute_table(gpu)
+        for pm in models:
+            seen = {s.kernel for s in elementwise_samples([m for m in models if m is not pm])}
             errors = leave_one_out_errors(gpu, pm.name, bandwidth)
             layer = np.abs([x for _, x in errors.pop("layer")])
             print(f"{gpu} {pm.name}: layer median {np.median(layer):.1%} max {layer.max():.1%} "
                   f"within 10% {np.mean(layer <= 0.10):.1%}")
             for op, errs in errors.items():
                 big, small = summarize(errs, False), summarize(errs, True)
+                bytes_priced = op not in GEMM_OPS and pm.elementwise_kernel(op) not in seen
                 print(f"    {op:26s} m>=64 {big[0]:6.1%} {big[1]:6.1%} {big[2]:6.1%}   "
-                      f"m<64 {small[0]:6.1%} {small[1]:6.1%} {small[2]:6.1%}")
+                      f"m<64 {small[0]:6.1%} {small[1]:6.1%} {small[2]:6.1%}"
+                      + (f"   [bytes: {pm.elementwise_kernel(op)}]" if bytes_priced else ""))
 
 
 def roofline_of(hardware):
