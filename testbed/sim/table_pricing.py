@@ -182,12 +182,18 @@ class TableElementwise:
             by_kernel[(s.op, s.kernel)][(s.width,)].append((float(s.m), s.seconds))
         self._families = {key: CurveFamily(points, bandwidth) for key, points in by_kernel.items()}
         self.dtype_bytes = dtype_bytes
-        self._bytes = {op: self._bytes_price([s for s in samples if s.op == op]) for op, _ in self._families}
+        by_op: dict[str, list[ElementwiseSample]] = defaultdict(list)
+        for s in samples:
+            by_op[s.op].append(s)
+        self._bytes = {op: price for op, rows in by_op.items() if (price := self._bytes_price(rows))}
 
-    def _bytes_price(self, samples: Sequence[ElementwiseSample]) -> BytesPrice:
+    def _bytes_price(self, samples: Sequence[ElementwiseSample]) -> BytesPrice | None:
+        """None where the rows reach neither regime (no bandwidth-bound or no latency-bound m)."""
         rate = [s.m * bytes_moved_per_token(s.kernel, s.width, self.dtype_bytes) / s.seconds
                 for s in samples if s.m >= BYTES_FIT_MIN_M]
         floor = [s.seconds / KERNELS[s.kernel].launches for s in samples if s.m <= FLOOR_MAX_M]
+        if not rate or not floor:
+            return None
         return BytesPrice(float(statistics.median(rate)), float(statistics.median(floor)))
 
     @property
@@ -198,7 +204,8 @@ class TableElementwise:
         if (op, kernel) in self._families:
             return self._families[(op, kernel)].seconds(m, (width,))
         if op not in self._bytes:
-            raise ValueError(f"the operator table has no '{op}' rows to price it from")
+            raise ValueError(f"the operator table has no '{op}' rows at m <= {FLOOR_MAX_M} and m >= {BYTES_FIT_MIN_M} "
+                             f"to price the '{kernel}' kernel by bytes; profile '{op}' on this GPU")
         return self._bytes[op].seconds(m, bytes_moved_per_token(kernel, width, self.dtype_bytes), KERNELS[kernel].launches)
 
     def curve(self, ops: Sequence[tuple[str, str, int, int]], scale: float = 1.0) -> Curve:
