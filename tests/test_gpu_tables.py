@@ -14,6 +14,9 @@ from testbed.sim.config import ParallelConfig, load_hardware_preset
 from testbed.sim.cost_model import CostModel
 from testbed.sim.operator_table import (GEMM_OPS, TABLES_DIR, elementwise_samples, gemm_samples, load_allreduce_table,
                                         load_compute_table)
+from testbed.sim.elementwise_kernels import elementwise_kernel
+from testbed.sim.gpu_tables import elementwise_ops
+from testbed.sim.layer_shapes import layer_shapes
 from testbed.sim.table_pricing import TableElementwise, TableGemms, local_loglinear
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,33 +41,72 @@ CASES = [(gpu, m.name) for gpu in ("h100", "a100") for m in load_compute_table(g
 
 
 @pytest.mark.parametrize("gpu, name", CASES)
-def test_leave_one_model_out_gemms_and_layer(gpu, name):
-    """Tables without a model predict its GEMMs: the median |error| over its
-    rows within 15% at m >= 64 and 25% below for every GEMM op; the layer
-    (every op but the embedding) within 10% at the median and for most rows.
-    Single rows do miss by 20-45% where cuBLAS switches tiles at an m the
-    neighbouring shapes do not share (experiments/README.md)."""
+def test_leave_one_model_out_ops_and_layer(gpu, name):
+    """Tables without a model predict its ops: the median |error| over its
+    rows within 15% at m >= 64 and 25% below for every GEMM op, and for every
+    op at all (norms, rope, activation, add, embedding too) where the model
+    runs only kernels the other models ran; an op whose kernel none of them
+    ran (phi-2's LayerNorm, GELU, three-row add) is priced by the bytes it
+    moves, within 35%. The layer (every op but the embedding): the median
+    within 5%, at least 90% of its rows within 10%. Single rows do miss by
+    20-45% where cuBLAS switches tiles at an m the neighbouring shapes do not
+    share (experiments/README.md)."""
     held, gemms, elementwise = _held_out(gpu, name)
-    errors = {op: ([], []) for op in GEMM_OPS}
+    seen = {s.kernel for s in elementwise_samples([m for m in load_compute_table(gpu) if m.name != name])}
+    all_seen = all(held.elementwise_kernel(op) in seen for _, _, ops in held.rows for op in ops if op not in GEMM_OPS)
+    errors = {}
     layer = []
     for m, tp, ops in held.rows:
         predicted = measured = 0.0
         for op, t in ops.items():
             if op in GEMM_OPS:
                 p = gemms.seconds(m, *held.gemm_shape(op, tp))
-                errors[op][m >= 64].append(abs(p / t - 1))
-            elif op != "emb":
-                p = elementwise.seconds(op, m, held.elementwise_width(op, tp))
             else:
-                continue
-            predicted += p
-            measured += t
+                p = elementwise.seconds(op, m, held.elementwise_width(op, tp), held.elementwise_kernel(op))
+            errors.setdefault(op, ([], []))[m >= 64].append(abs(p / t - 1))
+            if op != "emb":
+                predicted += p
+                measured += t
         layer.append(abs(predicted / measured - 1))
     for op, (small, big) in errors.items():
-        assert np.median(big) <= 0.15, op
-        assert np.median(small) <= 0.25, op
-    assert np.median(layer) <= 0.10
-    assert np.mean(np.array(layer) <= 0.10) >= 0.85
+        if op in GEMM_OPS or all_seen:
+            assert np.median(big) <= 0.15, op
+            assert np.median(small) <= 0.25, op
+        elif held.elementwise_kernel(op) not in seen:
+            assert np.median(big) <= 0.35, op
+    assert np.median(layer) <= 0.05
+    assert np.mean(np.array(layer) <= 0.10) >= 0.90
+
+
+def test_each_profiled_model_names_the_kernels_it_ran():
+    by_name = {m.name.split("/")[-1]: m for m in load_compute_table("h100")}
+    kinds = lambda pm: [pm.elementwise_kernel(op) for op in ("input_layernorm", "mlp_act", "add", "attn_rope")]
+    assert kinds(by_name["phi-2"]) == ["layer_norm", "gelu", "add3", "attn_rope"]
+    assert kinds(by_name["Llama-2-7b-hf"]) == ["rms_norm", "silu_and_mul", "add", "attn_rope"]
+    with pytest.raises(ValueError, match="model norm: 'batch_norm'"):
+        elementwise_kernel("input_layernorm", "batch_norm", True, False)
+
+
+def test_a_kernel_no_table_ran_is_priced_by_the_bytes_it_moves():
+    """Without phi-2 no model ran a three-row add: it is priced at the add
+    rows' bandwidth for its 6 widths moved (two launches: twice the floor),
+    not by the two-row add's curve of a neighbouring width."""
+    train = [m for m in load_compute_table("h100") if not m.name.endswith("phi-2")]
+    samples = [s for s in elementwise_samples(train) if s.op == "add"]
+    table = TableElementwise(elementwise_samples(train))
+    bytes_per_s = float(np.median([s.m * 3 * s.width * 2 / s.seconds for s in samples if s.m >= 1024]))
+    floor = float(np.median([s.seconds for s in samples if s.m <= 16]))
+    width = 2560
+    assert table.seconds("add", 1, width, "add3") == pytest.approx(2 * floor, rel=1e-12)
+    assert table.seconds("add", 4096, width, "add3") == pytest.approx(4096 * 6 * width * 2 / bytes_per_s, rel=1e-12)
+    assert table.seconds("add", 4096, width, "add3") > 1.5 * table.seconds("add", 4096, width, "add")
+
+
+def test_presets_price_the_mlp_activation_they_run():
+    for model, kind in (("falcon-180b", "gelu"), ("llama3-8b", "silu_and_mul")):
+        cfg = load_model_preset(model)
+        ops = {op: k for op, k, _, _ in elementwise_ops(cfg, layer_shapes(cfg, 8 if model == "falcon-180b" else 1))}
+        assert ops["mlp_act"] == kind and ops["input_layernorm"] == "rms_norm"
 
 
 def test_a_profiled_shape_is_priced_close_to_its_own_rows():

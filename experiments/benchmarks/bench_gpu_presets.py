@@ -11,6 +11,8 @@
   --fit-triton  the triton kernel's peak_fraction, q_half, ctx_half fitted to
                 those rows (attention_kernels.py carries the result)
 
+  (whether the GEMM tables' steps are wave quantisation: bench_gemm_waves.py)
+
     python experiments/benchmarks/bench_gpu_presets.py [--loo] [--iterations] [--h200] [--fit-triton]
 """
 from __future__ import annotations
@@ -33,12 +35,14 @@ from testbed.sim.table_pricing import BANDWIDTH, TableElementwise, TableGemms
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
-def leave_one_out_errors(gpu: str, held_name: str, bandwidth: float = BANDWIDTH) -> dict[str, list[tuple[int, float]]]:
+def leave_one_out_errors(gpu: str, held_name: str, bandwidth: float = BANDWIDTH,
+                         make_gemms=None) -> dict[str, list[tuple[int, float]]]:
     """{op or 'layer': [(num_tokens, predicted / measured - 1), ...]} for one held-out model."""
     models = load_compute_table(gpu)
     held = next(m for m in models if m.name == held_name)
     train = [m for m in models if m.name != held_name]
-    gemms, elementwise = TableGemms(gemm_samples(train), bandwidth), TableElementwise(elementwise_samples(train), bandwidth)
+    gemms = make_gemms(gemm_samples(train)) if make_gemms else TableGemms(gemm_samples(train), bandwidth)
+    elementwise = TableElementwise(elementwise_samples(train), bandwidth)
     errors: dict[str, list[tuple[int, float]]] = {}
     for m, tp, ops in held.rows:
         predicted_layer = measured_layer = 0.0
@@ -46,7 +50,7 @@ def leave_one_out_errors(gpu: str, held_name: str, bandwidth: float = BANDWIDTH)
             if op in GEMM_OPS:
                 predicted = gemms.seconds(m, *held.gemm_shape(op, tp))
             else:
-                predicted = elementwise.seconds(op, m, held.elementwise_width(op, tp))
+                predicted = elementwise.seconds(op, m, held.elementwise_width(op, tp), held.elementwise_kernel(op))
             errors.setdefault(op, []).append((m, predicted / measured - 1))
             if op != "emb":
                 predicted_layer += predicted
@@ -65,17 +69,22 @@ def summarize(errs: list[tuple[int, float]], small: bool) -> tuple[float, float,
 
 def print_loo(bandwidth: float) -> None:
     print(f"leave-one-model-out, kernel width {bandwidth}: |error| median / max / share within target "
-          "(ops: 15% at m>=64, 25% below; layer: 10% at every m)")
+          "(ops: 15% at m>=64, 25% below; layer: 10% at every m); "
+          "[bytes]: a kernel no other model ran, priced by the bytes it moves")
     for gpu in ("h100", "a100"):
-        for pm in load_compute_table(gpu):
+        models = load_compute_table(gpu)
+        for pm in models:
+            seen = {s.kernel for s in elementwise_samples([m for m in models if m is not pm])}
             errors = leave_one_out_errors(gpu, pm.name, bandwidth)
             layer = np.abs([x for _, x in errors.pop("layer")])
             print(f"{gpu} {pm.name}: layer median {np.median(layer):.1%} max {layer.max():.1%} "
                   f"within 10% {np.mean(layer <= 0.10):.1%}")
             for op, errs in errors.items():
                 big, small = summarize(errs, False), summarize(errs, True)
+                bytes_priced = op not in GEMM_OPS and pm.elementwise_kernel(op) not in seen
                 print(f"    {op:26s} m>=64 {big[0]:6.1%} {big[1]:6.1%} {big[2]:6.1%}   "
-                      f"m<64 {small[0]:6.1%} {small[1]:6.1%} {small[2]:6.1%}")
+                      f"m<64 {small[0]:6.1%} {small[1]:6.1%} {small[2]:6.1%}"
+                      + (f"   [bytes: {pm.elementwise_kernel(op)}]" if bytes_priced else ""))
 
 
 def roofline_of(hardware):

@@ -17,6 +17,9 @@ from pathlib import Path
 OPS = ("emb", "input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj", "post_attention_layernorm",
        "mlp_up_proj", "mlp_act", "mlp_down_proj", "add")
 GEOMETRY = ("n_head", "n_kv_head", "n_embd", "n_expanded_embd", "vocab_size", "use_gated_mlp")
+# The norm kernel of each profiled model (its HF config; Vidur's geometry does not say):
+# RMSNorm unless listed. The elementwise pricing keys norms by kernel kind.
+NORMS = {"microsoft/phi-2": "layer_norm"}
 DEST = Path(__file__).resolve().parents[2] / "testbed" / "sim" / "vidur_tables"
 
 
@@ -42,10 +45,10 @@ def condense_compute(src: Path, dest: Path) -> None:
                 for r in rows:
                     w.writerow([r["num_tokens"], r["num_tensor_parallel_workers"],
                                 *(_median(r, op) for op in OPS)])
-            index.append([model, out.name, *(rows[0][g] for g in GEOMETRY)])
+            index.append([model, out.name, *(rows[0][g] for g in GEOMETRY), NORMS.get(model, "rms_norm")])
         with (dest / "compute" / gpu_dir.name / "models.csv").open("w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(["model", "file", *GEOMETRY])
+            w.writerow(["model", "file", *GEOMETRY, "norm"])
             w.writerows(index)
 
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from testbed.model.config import ModelConfig
 from testbed.sim.config import HardwareConfig
+from testbed.sim.elementwise_kernels import elementwise_kernel
 from testbed.sim.layer_shapes import Gemm, LayerShapes
 from testbed.sim.operator_table import elementwise_samples, gemm_samples, load_compute_table
 from testbed.sim.table_pricing import Curve, RooflineRatio, TableElementwise, TableGemms
@@ -32,10 +33,10 @@ def table_models(table: str) -> tuple[TableGemms, TableElementwise]:
     return TableGemms(gemm_samples(models)), TableElementwise(elementwise_samples(models))
 
 
-def elementwise_ops(model: ModelConfig, shapes: LayerShapes) -> list[tuple[str, int, int]]:
-    """(table op, width per token, layers) of one GPU's elementwise work:
-    two norms, the residual add, rope, the MLP activation per layer, and the
-    embedding once."""
+def elementwise_ops(model: ModelConfig, shapes: LayerShapes) -> list[tuple[str, str, int, int]]:
+    """(table op, kernel kind, width per token, layers) of one GPU's
+    elementwise work: two norms, the residual add, rope, the MLP activation
+    per layer, and the embedding once."""
     h, L = model.hidden_size, shapes.num_layers
     a = shapes.attention
     if a.mla_rank:
@@ -52,8 +53,11 @@ def elementwise_ops(model: ModelConfig, shapes: LayerShapes) -> list[tuple[str, 
         e = shapes.experts
         act += e.layers * e.top_k * (e.act_elems_per_routed_token - 2 * h)
     act = max(1, act // L)
-    return [("input_layernorm", h, L), ("post_attention_layernorm", h, L), ("add", h, L),
-            ("attn_rope", rope, L), ("mlp_act", act, L), ("emb", h, 1)]
+    # ModelConfig has no norm or parallel-block field yet (Falcon has both): read them once it does
+    norm, parallel = getattr(model, "norm", "rms_norm"), getattr(model, "parallel_block", False)
+    ops = [("input_layernorm", h, L), ("post_attention_layernorm", h, L), ("add", h, L),
+           ("attn_rope", rope, L), ("mlp_act", act, L), ("emb", h, 1)]
+    return [(op, elementwise_kernel(op, norm, _gated(model), parallel), width, layers) for op, width, layers in ops]
 
 
 class GpuTablePricing:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from testbed.sim.elementwise_kernels import elementwise_kernel
+
 TABLES_DIR = Path(__file__).resolve().parent / "vidur_tables"
 SOURCE = "microsoft/vidur@7d47513 data/profiling (MIT licence), median columns"
 
@@ -35,6 +37,7 @@ class ProfiledModel:
     n_embd: int
     n_expanded_embd: int
     gated: bool
+    norm: str                 # its norm kernel: rms_norm or layer_norm (elementwise_kernels.py)
     rows: tuple[tuple[int, int, dict[str, float]], ...]
 
     @property
@@ -60,6 +63,14 @@ class ProfiledModel:
                 "emb": self.n_embd, "attn_rope": (heads + kv_heads) * self.head_dim,
                 "mlp_act": ((2 if self.gated else 1) + 1) * inter}[op]
 
+    @property
+    def parallel_block(self) -> bool:
+        """Attention and MLP side by side on one norm (phi-2): no post-attention norm rows."""
+        return not any("post_attention_layernorm" in ops for _, _, ops in self.rows)
+
+    def elementwise_kernel(self, op: str) -> str:
+        return elementwise_kernel(op, self.norm, self.gated, self.parallel_block)
+
 
 @dataclass(frozen=True)
 class GemmSample:
@@ -76,6 +87,7 @@ class GemmSample:
 class ElementwiseSample:
     model: str
     op: str
+    kernel: str               # the kernel kind that ran it (elementwise_kernels.py)
     tp: int
     m: int
     width: int                # elements of one token's row
@@ -104,7 +116,7 @@ def load_compute_table(gpu: str) -> tuple[ProfiledModel, ...]:
                     rows.append((int(r["num_tokens"]), int(r["tp"]), ops))
             models.append(ProfiledModel(entry["model"], int(entry["n_head"]), int(entry["n_kv_head"]),
                                         int(entry["n_embd"]), int(entry["n_expanded_embd"]),
-                                        entry["use_gated_mlp"] == "True", tuple(rows)))
+                                        entry["use_gated_mlp"] == "True", entry["norm"], tuple(rows)))
     return tuple(models)
 
 
@@ -114,7 +126,7 @@ def gemm_samples(models: tuple[ProfiledModel, ...] | list[ProfiledModel]) -> lis
 
 
 def elementwise_samples(models: tuple[ProfiledModel, ...] | list[ProfiledModel]) -> list[ElementwiseSample]:
-    return [ElementwiseSample(pm.name, op, tp, m, pm.elementwise_width(op, tp), ops[op])
+    return [ElementwiseSample(pm.name, op, pm.elementwise_kernel(op), tp, m, pm.elementwise_width(op, tp), ops[op])
             for pm in models for m, tp, ops in pm.rows for op in ELEMENTWISE_OPS if op in ops]
 
 

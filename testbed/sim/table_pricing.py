@@ -12,7 +12,8 @@ roofline misses: small-m GEMMs below peak bandwidth, fixed launch latency,
 tile and wave quantisation, each as measured on shapes of similar size.
 
 Elementwise ops (norms, rope, activation, residual add, embedding) are the
-same, per op, keyed by the width of one token's row instead of (n, k).
+same, per op and kernel kind, keyed by the width of one token's row instead
+of (n, k); a kernel kind no profiled model ran is priced by the bytes it moves.
 
 Past the tables' largest m, a GEMM grows linearly at the throughput of its
 largest profiled rows (compute-bound), an elementwise op linearly too
@@ -28,6 +29,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from testbed.sim.elementwise_kernels import KERNELS, bytes_moved_per_token
 from testbed.sim.layer_shapes import Gemm
 from testbed.sim.operator_table import ElementwiseSample, GemmSample
 
@@ -36,7 +38,7 @@ Curve = Callable[[float], float]
 # Kernel width in natural log units (0.35: shapes within ~1.4x weigh most)
 # and the pull of the slopes towards 1 (a fraction of the total weight).
 # Chosen once by reasoning about the tables' spacing (shapes of neighbouring
-# TP degrees differ by 2x); experiments/benchmarks/bench_gpu_tables.py prints
+# TP degrees differ by 2x); experiments/benchmarks/bench_gpu_presets.py --bandwidth prints
 # the leave-one-model-out error at other widths.
 BANDWIDTH = 0.35
 SLOPE_PRIOR = 0.05
@@ -146,32 +148,73 @@ class TableGemms:
         return lambda m: _interp(m, xs, ys)
 
 
+# The bytes price of an op whose kernel no profiled model ran: its bandwidth
+# from the op's rows at m >= BYTES_FIT_MIN_M (bandwidth-bound), its launch
+# floor from the rows at m <= FLOOR_MAX_M (latency-bound); fixed a priori.
+BYTES_FIT_MIN_M = 1024
+FLOOR_MAX_M = 16
+
+
+@dataclass(frozen=True)
+class BytesPrice:
+    """max(launches x launch floor, bytes / bandwidth): an elementwise op
+    priced by the bytes it moves, for a kernel the tables never measured."""
+    bytes_per_s: float
+    floor_s: float                 # per launch
+
+    def seconds(self, m: float, bytes_per_token: float, launches: int = 1) -> float:
+        return max(launches * self.floor_s, m * bytes_per_token / self.bytes_per_s)
+
+
 class TableElementwise:
     """Seconds of an elementwise op over m tokens of `width` elements each,
-    per op name. Keyed by (width,), not by m·width: vLLM's row kernels (norms,
-    activation, rope) run one thread block per token, so at small m the time
-    follows the width of a row, not the elements in all."""
+    per (op, kernel kind). Keyed by (width,), not by m·width: vLLM's row
+    kernels (norms, activation, rope) run one thread block per token, so at
+    small m the time follows the width of a row, not the elements in all.
+    A kernel no profiled model ran (LayerNorm where every model ran RMSNorm)
+    is priced by the bytes it moves (elementwise_kernels.py) at the bandwidth
+    and launch floor the op's other kernels show, never by a neighbour's curve."""
 
-    def __init__(self, samples: Sequence[ElementwiseSample], bandwidth: float = BANDWIDTH):
-        by_op: dict[str, dict[tuple[int, ...], list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
+    def __init__(self, samples: Sequence[ElementwiseSample], bandwidth: float = BANDWIDTH, dtype_bytes: int = 2):
+        by_kernel: dict[tuple[str, str], dict[tuple[int, ...], list[tuple[float, float]]]] = \
+            defaultdict(lambda: defaultdict(list))
         for s in samples:
-            by_op[s.op][(s.width,)].append((float(s.m), s.seconds))
-        self._families = {op: CurveFamily(points, bandwidth) for op, points in by_op.items()}
+            by_kernel[(s.op, s.kernel)][(s.width,)].append((float(s.m), s.seconds))
+        self._families = {key: CurveFamily(points, bandwidth) for key, points in by_kernel.items()}
+        self.dtype_bytes = dtype_bytes
+        by_op: dict[str, list[ElementwiseSample]] = defaultdict(list)
+        for s in samples:
+            by_op[s.op].append(s)
+        self._bytes = {op: price for op, rows in by_op.items() if (price := self._bytes_price(rows))}
+
+    def _bytes_price(self, samples: Sequence[ElementwiseSample]) -> BytesPrice | None:
+        """None where the rows reach neither regime (no bandwidth-bound or no latency-bound m)."""
+        rate = [s.m * bytes_moved_per_token(s.kernel, s.width, self.dtype_bytes) / s.seconds
+                for s in samples if s.m >= BYTES_FIT_MIN_M]
+        floor = [s.seconds / KERNELS[s.kernel].launches for s in samples if s.m <= FLOOR_MAX_M]
+        if not rate or not floor:
+            return None
+        return BytesPrice(float(statistics.median(rate)), float(statistics.median(floor)))
 
     @property
-    def ops(self) -> list[str]:
+    def kernels(self) -> list[tuple[str, str]]:
         return sorted(self._families)
 
-    def seconds(self, op: str, m: float, width: int) -> float:
-        return self._families[op].seconds(m, (width,))
+    def seconds(self, op: str, m: float, width: int, kernel: str) -> float:
+        if (op, kernel) in self._families:
+            return self._families[(op, kernel)].seconds(m, (width,))
+        if op not in self._bytes:
+            raise ValueError(f"the operator table has no '{op}' rows at m <= {FLOOR_MAX_M} and m >= {BYTES_FIT_MIN_M} "
+                             f"to price the '{kernel}' kernel by bytes; profile '{op}' on this GPU")
+        return self._bytes[op].seconds(m, bytes_moved_per_token(kernel, width, self.dtype_bytes), KERNELS[kernel].launches)
 
-    def curve(self, ops: Sequence[tuple[str, int, int]], scale: float = 1.0) -> Curve:
-        """Seconds of (op, width, layers) triples as a function of m."""
-        grid = next(iter(self._families.values())).grid if self._families else np.ones(1)
+    def curve(self, ops: Sequence[tuple[str, str, int, int]], scale: float = 1.0) -> Curve:
+        """Seconds of (op, kernel, width, layers) as a function of m."""
+        # every family's grid: a kernel seen in fewer models may stop at a smaller m
+        grid = np.array(sorted({float(m) for fam in self._families.values() for m in fam.grid}))
         total = np.zeros_like(grid)
-        for op, width, layers in ops:
-            fam = self._families[op]
-            total += np.interp(grid, fam.grid, fam.seconds_on_grid((width,))) * layers
+        for op, kernel, width, layers in ops:
+            total += np.array([self.seconds(op, m, width, kernel) for m in grid]) * layers
         xs, ys = grid.tolist(), (total * scale).tolist()
         return lambda m: _interp(m, xs, ys)
 
