@@ -137,3 +137,11 @@ def test_cli_bad_config_is_one_line_exit_2(case, tmp_path):
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("error: ") and field in lines[0], lines[0]
     assert not (tmp_path / "summary.json").exists()
+
+
+@pytest.mark.parametrize("variant", [{"norm": "layer_norm"}, {"parallel_block": True}, {"gated_mlp": False}])
+def test_the_real_engine_refuses_an_architecture_it_does_not_build(variant):
+    from testbed.model.llama import LlamaModel
+    (field, value), = variant.items()
+    with pytest.raises(ValueError, match=rf"{field}={value}\b.* only run with runtime=sim"):
+        LlamaModel(ModelConfig(**variant))

@@ -102,11 +102,18 @@ def test_a_kernel_no_table_ran_is_priced_by_the_bytes_it_moves():
     assert table.seconds("add", 4096, width, "add3") > 1.5 * table.seconds("add", 4096, width, "add")
 
 
-def test_presets_price_the_mlp_activation_they_run():
-    for model, kind in (("falcon-180b", "gelu"), ("llama3-8b", "silu_and_mul")):
+def test_presets_price_the_kernels_they_run():
+    # Falcon: a plain GELU MLP, LayerNorm, attention and MLP in parallel (one three-row add)
+    for model, act, norm, add in (("falcon-180b", "gelu", "layer_norm", "add3"),
+                                  ("llama3-8b", "silu_and_mul", "rms_norm", "add")):
         cfg = load_model_preset(model)
         ops = {op: k for op, k, _, _ in elementwise_ops(cfg, layer_shapes(cfg, 8 if model == "falcon-180b" else 1))}
-        assert ops["mlp_act"] == kind and ops["input_layernorm"] == "rms_norm"
+        assert (ops["mlp_act"], ops["input_layernorm"], ops["add"]) == (act, norm, add)
+
+
+def test_a_norm_the_model_config_does_not_know_is_refused():
+    with pytest.raises(ValueError, match=r"model\.norm: 'batch_norm' is not one of rms_norm, layer_norm"):
+        load_model_preset("llama3-8b", norm="batch_norm")
 
 
 def test_a_profiled_shape_is_priced_close_to_its_own_rows():

@@ -262,3 +262,4 @@ def test_bad_model_type(llama_dir, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(src))
     with pytest.raises(ValueError, match="model_type 'gpt2'"):
         load_model(ModelConfig(path=str(tmp_path)))
+

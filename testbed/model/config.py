@@ -41,6 +41,8 @@ class ModelConfig:
     num_shared_experts: int = 0           # MoE: experts every token uses (DeepSeek)
     first_dense_layers: int = 0           # MoE: leading layers with a dense MLP (DeepSeek)
     gated_mlp: bool = True                # SwiGLU (3 matrices); False: a plain 2-matrix MLP (Falcon)
+    norm: str = "rms_norm"                # rms_norm | layer_norm (Falcon, phi-2)
+    parallel_block: bool = False          # attention and MLP read the same input, one add (Falcon, phi-2)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -78,6 +80,8 @@ class ModelConfig:
             raise bad("dtype", f"'{self.dtype}' is not one of {sorted(DTYPE_BYTES)}")
         if self.attention not in ("gqa", "mla"):
             raise bad("attention", f"'{self.attention}' is not one of gqa, mla")
+        if self.norm not in ("rms_norm", "layer_norm"):
+            raise bad("norm", f"'{self.norm}' is not one of rms_norm, layer_norm")
         if self.attention == "mla" and self.kv_lora_rank < 1:
             raise bad("kv_lora_rank", "MLA needs kv_lora_rank >= 1")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:

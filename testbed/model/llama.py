@@ -111,9 +111,11 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        if cfg.attention != "gqa" or cfg.num_experts or not cfg.gated_mlp:
-            raise ValueError(f"model '{cfg.name}': the real engine runs dense GQA/MHA models; "
-                             f"attention={cfg.attention}, num_experts={cfg.num_experts} only run with runtime=sim")
+        if cfg.attention != "gqa" or cfg.num_experts or not cfg.gated_mlp or cfg.norm != "rms_norm" \
+                or cfg.parallel_block:
+            raise ValueError(f"model '{cfg.name}': the real engine runs dense Llama-style GQA/MHA models; "
+                             f"attention={cfg.attention}, num_experts={cfg.num_experts}, gated_mlp={cfg.gated_mlp}, "
+                             f"norm={cfg.norm}, parallel_block={cfg.parallel_block} only run with runtime=sim")
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.resolved_head_dim, cfg.rope_theta)

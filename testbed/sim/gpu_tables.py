@@ -53,11 +53,10 @@ def elementwise_ops(model: ModelConfig, shapes: LayerShapes) -> list[tuple[str, 
         e = shapes.experts
         act += e.layers * e.top_k * (e.act_elems_per_routed_token - 2 * h)
     act = max(1, act // L)
-    # ModelConfig has no norm or parallel-block field yet (Falcon has both): read them once it does
-    norm, parallel = getattr(model, "norm", "rms_norm"), getattr(model, "parallel_block", False)
+    norm, parallel = model.norm, model.parallel_block
     ops = [("input_layernorm", h, L), ("post_attention_layernorm", h, L), ("add", h, L),
            ("attn_rope", rope, L), ("mlp_act", act, L), ("emb", h, 1)]
-    return [(op, elementwise_kernel(op, norm, _gated(model), parallel), width, layers) for op, width, layers in ops]
+    return [(op, elementwise_kernel(op, norm, model.gated_mlp, parallel), width, layers) for op, width, layers in ops]
 
 
 class GpuTablePricing:
@@ -89,7 +88,7 @@ class GpuTablePricing:
         """The routed experts of every MoE layer: per touched expert, its up and
         down GEMMs over its share of the m·top_k routed rows."""
         e = self.shapes.experts
-        up_width = 2 if _gated(self.model) else 1
+        up_width = 2 if self.model.gated_mlp else 1
         im = e.expert_params // ((up_width + 1) * self.model.hidden_size)
         rows = max(1.0, m * e.top_k / touched)
         total = 0.0
@@ -98,6 +97,3 @@ class GpuTablePricing:
             total += self.gemms.seconds(rows, g.n, g.k) * scale
         return e.layers * touched * total
 
-
-def _gated(model: ModelConfig) -> bool:
-    return getattr(model, "gated_mlp", True)

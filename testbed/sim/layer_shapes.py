@@ -19,13 +19,6 @@ import numpy as np
 from testbed.model.config import ModelConfig
 
 
-def _pending_field(model: ModelConfig, name: str, default):
-    # Fields proposed for ModelConfig and not there yet: gated_mlp (Falcon),
-    # num_shared_experts and first_dense_layers (DeepSeek). Reading them this
-    # way makes the presets' values count as soon as ModelConfig has them.
-    return getattr(model, name, default)
-
-
 @dataclass(frozen=True)
 class Gemm:
     """y[m, n] = x[m, k] @ W[k, n] on one GPU, present in `layers` layers."""
@@ -126,7 +119,7 @@ def layer_shapes(model: ModelConfig, tp: int = 1) -> LayerShapes:
         attention = AttentionShape(heads, d, d, 2 * kv_heads * d * b, 2 * heads * d * b)
         rope_elems = (heads + kv_heads) * d
 
-    gated = _pending_field(model, "gated_mlp", True)
+    gated = model.gated_mlp
     up_width = 2 if gated else 1
 
     def mlp(width: int, layers: int, prefix: str) -> list[Gemm]:
@@ -134,10 +127,10 @@ def layer_shapes(model: ModelConfig, tp: int = 1) -> LayerShapes:
 
     experts = None
     if model.num_experts:
-        dense_layers = min(L, _pending_field(model, "first_dense_layers", 0))
+        dense_layers = min(L, model.first_dense_layers)
         moe_layers = L - dense_layers
         im = _split(model.moe_intermediate_size or model.intermediate_size, tp)
-        shared = _pending_field(model, "num_shared_experts", 0)
+        shared = model.num_shared_experts
         mlp_gemms = mlp(_split(model.intermediate_size, tp), dense_layers, "") if dense_layers else []
         mlp_gemms.append(Gemm("router", model.num_experts, h, moe_layers))
         if shared:
