@@ -204,7 +204,7 @@ def workload_args(a) -> list[str]:
         "model.num_kv_heads=8", f"num_kv_blocks={blocks}", "scheduler=vllm_v0",
         f"max_num_batched_tokens={a.prompt_len}", f"token_budget={a.prompt_len}",
         "progress=false", "wandb.mode=disabled", "timeout_s=300", "transfer.timeout_s=60",
-        f"transfer.transport={a.transport}"]
+        f"transfer.transport={a.transport}", *a.override]
 
 
 DATA_RISE = 4096      # bytes per ~1 ms sample that count as data, not acks or Ray's heartbeats
@@ -328,13 +328,18 @@ def main() -> None:
     p.add_argument("--ceiling-only", action="store_true",
                    help="only the raw pyzmq and gloo rates and the CPU per GB over the veth")
     p.add_argument("--run-timeout-s", type=float, default=400)
+    p.add_argument("--split-cpus", action="store_true",
+                   help="each node's processes on a CPU of its own (taskset), as two hosts have")
+    p.add_argument("--override", nargs="+", default=[],
+                   help="more overrides of the real runs, e.g. transfer.frame_bytes=262144")
     a = p.parse_args()
     out_dir = Path(tempfile.mkdtemp(prefix="bench2n-"))
     t0 = time.monotonic()
-    with TwoNodes() as tn:
+    with TwoNodes(split_cpus=a.split_cpus) as tn:
         print(f"# {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC, load average "
               f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
-        print(f"cluster up in {time.monotonic() - t0:.0f} s; transfer.transport={a.transport}; runs under {out_dir}",
+        print(f"cluster up in {time.monotonic() - t0:.0f} s; transfer.transport={a.transport}; node CPUs "
+              f"{tn.a.cpus or 'any'} / {tn.b.cpus or 'any'}; overrides {a.override}; runs under {out_dir}",
               flush=True)
         rtt = rtt_s(tn)
         latency_us = rtt / 2 * 1e6

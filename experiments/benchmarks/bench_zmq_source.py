@@ -15,7 +15,8 @@ engine. Each cell of the sweep sets:
   buffers  SO_SNDBUF / SO_RCVBUF (zmq.SNDBUF / RCVBUF; 0 = the kernel's
            autotuning, the default).
 Printed per cell: the receiver's rate (first data byte to last), each side's
-CPU ms per GB by thread (/proc/self/task/*/schedstat: softirq work done in a
+CPU ms per GB by thread, the pair's cores (both sides' CPU over the wall time:
+1.0 = one core's worth, however many threads) (/proc/self/task/*/schedstat: softirq work done in a
 thread's context counts there), and the machine's busy cores over the
 receiver's interval (/proc/stat, every process).
 
@@ -193,10 +194,13 @@ def cells(kind: str, rate: float) -> list[dict]:
     if kind == "frames":           # as a run places them (no pinning), at the rate
         return [dict(rate=rate, wire="curve", source_mib=32, fill="random", frame_kib=fk, sndbuf=bf, rcvbuf=bf)
                 for fk in (128, 256, 512, 1024) for bf in (0, 4 << 20)]
+    if kind == "bimodal":          # many short reps: how often the two I/O threads run at once
+        return [dict(rate=rate, wire="curve", source_mib=32, fill="random", pin=pn, frame_kib=fk, sndbuf=4 << 20,
+                     rcvbuf=4 << 20) for fk in (1024, 256) for pn in ("none", "split")]
     if kind == "bufs":
         return [dict(rate=r, wire="curve", source_mib=32, fill="random", sndbuf=sb, rcvbuf=rb)
                 for r in link for sb, rb in ((0, 0), (1 << 20, 1 << 20), (4 << 20, 4 << 20), (0, 4 << 20))]
-    raise SystemExit(f"--cells: unknown {kind!r} (default, burst, bufs, pin, overlap, frames)")
+    raise SystemExit(f"--cells: unknown {kind!r} (default, burst, bufs, pin, overlap, frames, bimodal)")
 
 
 def main() -> None:
@@ -228,7 +232,8 @@ def main() -> None:
             burst = c.get("burst") or (max(2 * int(c["rate"] * 1e9 / 8 / 250), 128 << 10) if c["rate"] else 0)
             print(f"{c['rate'] or 'none':>5} {burst:>8} {c['wire']:<6} {c['source_mib']:>7} {c['fill']:<7} "
                   f"{c.get('sndbuf', 0):>7} {c.get('rcvbuf', 0):>7} {rep:>3} {c.get('pin', 'none'):<5} {c.get('frame_kib', 1024):>5} {r['gbps']:6.2f} {r['cores_busy']:5.2f} {r['migrations']:5d} "
-                  f"{r['tx_ms_per_gb']:8.0f} {r['rx_ms_per_gb']:8.0f}  {th}", flush=True)
+                  f"{r['tx_ms_per_gb']:8.0f} {r['rx_ms_per_gb']:8.0f} "
+                  f"{(r['tx_ms_per_gb'] + r['rx_ms_per_gb']) / 1e3 * r['gbps'] / 8:10.2f}  {th}", flush=True)
     print(f"# load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (2 cores shared by 4 "
           "engineers: noisy)")
 
