@@ -339,8 +339,9 @@ def main() -> None:
     p.add_argument("--ceiling-only", action="store_true",
                    help="only the raw pyzmq and gloo rates and the CPU per GB over the veth")
     p.add_argument("--run-timeout-s", type=float, default=400)
-    p.add_argument("--split-cpus", action="store_true",
-                   help="each node's processes on a CPU of its own (taskset), as two hosts have")
+    p.add_argument("--split-cpus", action=argparse.BooleanOptionalAction, default=True,
+                   help="each node's processes on CPUs of their own (taskset), as two hosts have; "
+                        "--no-split-cpus: anywhere (the runs before 2026-12-02)")
     p.add_argument("--override", nargs="+", default=[],
                    help="more overrides of the real runs, e.g. transfer.frame_bytes=262144")
     a = p.parse_args()
