@@ -55,6 +55,8 @@ class ChannelServer:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)      # unroutable ack: an error, not a silent drop
         # zmq allocates each incoming frame whole: bound it before any header is read
         self.sock.setsockopt(zmq.MAXMSGSIZE, max(cfg.max_message_bytes, cfg.max_header_bytes))
+        if cfg.socket_buffer_bytes:
+            self.sock.setsockopt(zmq.RCVBUF, cfg.socket_buffer_bytes)
         self._ipc_dir: Path | None = None
         self._auth = None
         if cfg.protocol == "tcp":
@@ -130,6 +132,8 @@ class ChannelClient:
         # flush(), so a send never blocks halfway through a payload
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_header_bytes)   # only acks come back
+        if self.cfg.socket_buffer_bytes:
+            sock.setsockopt(zmq.SNDBUF, self.cfg.socket_buffer_bytes)
         client_keys(sock, self.curve)
         sock.connect(address)
         self._socks[peer] = sock

@@ -23,6 +23,9 @@ class TransferConfig:
     # 1-4 MiB chunks move ~3x faster than one 64 MiB message on this loopback; 1 MiB (this
     # CPU's L2) measured a little faster than 2 MiB end to end (bench_transport.py)
     frame_bytes: int = 1 * MiB
+    # SO_SNDBUF / SO_RCVBUF of the data connection (0: the kernel's autotuning), capped by
+    # net.core.wmem_max / rmem_max
+    socket_buffer_bytes: int = 0
     max_header_bytes: int = 64 * 1024     # a header (or ack) frame larger than this is rejected
     max_message_bytes: int = 1024 * MiB   # a payload declaring more bytes than this is rejected
     timeout_s: float = 30.0               # blocking sends, rendezvous, waits for data after its header
@@ -64,6 +67,8 @@ class TransferConfig:
             raise bad("max_header_bytes", f"must be >= 1024, got {self.max_header_bytes}")
         if self.frame_bytes < 4096:
             raise bad("frame_bytes", f"must be >= 4096, got {self.frame_bytes} (1-4 MiB is fastest)")
+        if self.socket_buffer_bytes < 0:
+            raise bad("socket_buffer_bytes", f"must be >= 0 (0: the kernel's autotuning), got {self.socket_buffer_bytes}")
         if self.max_message_bytes < self.frame_bytes:
             raise bad("max_message_bytes", f"{self.max_message_bytes} must be >= frame_bytes={self.frame_bytes}")
         if not self.timeout_s > 0:

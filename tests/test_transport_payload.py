@@ -176,6 +176,7 @@ def test_unpack_rejects_what_the_cache_cannot_take():
     ("rate_gbps", 0.0, "transfer.rate_gbps: must be > 0"),
     ("latency_ms", -1.0, "transfer.latency_ms: must be >= 0"),
     ("frame_bytes", 100, "transfer.frame_bytes: must be >= 4096"),
+    ("socket_buffer_bytes", -1, "transfer.socket_buffer_bytes: must be >= 0"),
     ("max_message_bytes", 4096, "transfer.max_message_bytes: 4096 must be >= frame_bytes"),
     ("timeout_s", 0.0, "transfer.timeout_s: must be > 0"),
     ("dist_backend", "mpi", "transfer.dist_backend: 'mpi' is not one of gloo, nccl"),

@@ -229,3 +229,23 @@ def test_wake_socket_turns_readable_when_kv_comes_and_quiet_once_taken():
             got = receiver.poll(1000)
         assert got[0].error is None and torch.equal(got[0].data, payload.data)
         assert poller.poll(50) == []
+
+
+def test_socket_buffers_are_set_and_the_bytes_arrive_exactly():
+    """transfer.socket_buffer_bytes sets SO_RCVBUF on the receiver's socket and SO_SNDBUF on
+    the sender's (zmq applies them to each TCP connection); the payload still arrives exact."""
+    from testbed.kv_transfer.landing import BlockLanding
+    cfg = TransferConfig(frame_bytes=64 * 1024, socket_buffer_bytes=256 * 1024)
+    src, dst = make_cache(5), torch.zeros(4, 2, 64, 16, 2, 8)
+    ids = list(range(20))
+    with make_receiver(cfg) as receiver, make_sender(cfg, name="p") as sender:
+        receiver.land_with(lambda p: BlockLanding(dst, p))
+        sender.connect("d", receiver.address)
+        assert receiver._server.sock.getsockopt(zmq.RCVBUF) == 256 * 1024
+        assert sender._client.socket("d").getsockopt(zmq.SNDBUF) == 256 * 1024
+        sender.send("d", pack_kv(src, (0, 4), ids, ids, 16 * len(ids), "r"))
+        got, deadline = [], time.monotonic() + 30
+        while not got and time.monotonic() < deadline:
+            got = receiver.poll(50)
+    assert [p.error for p in got] == [None]
+    assert torch.equal(dst[:, :, ids], src[:, :, ids]) and not dst[:, :, 20:].any()

@@ -14,6 +14,7 @@ node B without the run's keys."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -289,3 +290,22 @@ def test_netns_nodes_shape_and_leave_nothing_behind():
     assert net.pids() == []
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
     assert not set(net.names) & set(listed)
+
+
+def test_netns_nodes_split_cpus_give_each_node_cpus_of_its_own():
+    """split_cpus: what a node's exec starts runs only on that node's CPUs; the nodes' sets
+    are disjoint and cover this process's CPUs (or wrap around when there are fewer)."""
+    from testbed.launchers.netns_nodes import cpu_sets
+    mine = sorted(os.sched_getaffinity(0))
+    with NetnsNodes(2, prefix="tp", split_cpus=True) as net:
+        allowed = []
+        for node in net.nodes:
+            out = subprocess.run(node.exec(PY, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"),
+                                 capture_output=True, text=True, timeout=30).stdout
+            allowed.append(json.loads(out))
+            assert allowed[-1] == [int(c) for c in node.cpus.split(",")]
+    if len(mine) >= 2:
+        assert not set(allowed[0]) & set(allowed[1]) and sorted(allowed[0] + allowed[1]) == mine
+    assert cpu_sets(len(mine) + 1)[-1] == str(mine[0])           # more nodes than CPUs: wraps
+    from testbed.launchers.netns_nodes import Node
+    assert Node("ns", "10.0.0.1", "veth0").exec("true") == ["ip", "netns", "exec", "ns", "true"]   # any CPU

@@ -37,7 +37,7 @@ PY = sys.executable
 PEER = r"""
 import json, os, sys, time
 import torch, zmq
-role, mode, host, keys_path, frame_kib, total_mib, port, source_mib = sys.argv[1:9]
+role, mode, host, keys_path, frame_kib, total_mib, port, source_mib, sockbuf = sys.argv[1:10]
 frame, total, port = int(frame_kib) << 10, int(total_mib) << 20, int(port)
 torch.set_num_threads(1)
 
@@ -91,7 +91,7 @@ if mode == "raw":
 else:
     from testbed.kv_transfer import TransferConfig, make_receiver, make_sender, view_kv
     from testbed.kv_transfer.landing import BlockLanding
-    cfg = TransferConfig(host=host, frame_bytes=frame, timeout_s=60)
+    cfg = TransferConfig(host=host, frame_bytes=frame, timeout_s=60, socket_buffer_bytes=int(sockbuf))
     blocks = 256                                            # 32 MiB: [4, 2, 256, 16, 8, 32] fp32
     cache = torch.randn(4, 2, blocks + 8, 16, 8, 32)
     reps = total // (32 << 20)
@@ -129,14 +129,15 @@ else:
 
 
 def run_pair(net: NetnsNodes, mode: str, keys_path: str, mib: int, frame_kib: int = 1024,
-             raw_source_mib: int = 32) -> dict:
+             raw_source_mib: int = 32, socket_buffer_bytes: int = 0) -> dict:
     """One sender on net.nodes[0], one receiver on net.nodes[1]: `mode` raw or transport. Returns
     the rate, CPU ms per GB of each side and of each thread ("tx:main", "rx:ZMQbg/IO/0", ...), and
     minor page faults per 4 KiB page moved."""
     node_a, node_b = net.nodes
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     total = mib + (32 if mode == "transport" else 0)          # + the transport's warm-up payload
-    args = [mode, node_b.address, keys_path, str(frame_kib), str(total), "5995", str(raw_source_mib)]
+    args = [mode, node_b.address, keys_path, str(frame_kib), str(total), "5995", str(raw_source_mib),
+            str(socket_buffer_bytes)]
     rx = subprocess.Popen(node_b.exec(PY, "-c", PEER, "recv", *args), stdout=subprocess.PIPE, text=True, env=env)
     first = rx.stdout.readline()
     tx = subprocess.Popen(node_a.exec(PY, "-c", PEER, "send", *args), stdin=subprocess.PIPE,
@@ -176,19 +177,22 @@ def main() -> None:
                    help="raw sends its frames from a buffer this large, cycled: 32 = the transport's payload, "
                         "out of L2 like a real cache; 1 = one cache-hot frame (bench_two_nodes.py's raw pyzmq)")
     p.add_argument("--modes", nargs="+", default=["raw", "transport"])
+    p.add_argument("--socket-buffer", type=int, default=0, help="the transport's transfer.socket_buffer_bytes")
     a = p.parse_args()
     work = tempfile.mkdtemp(prefix="curvecpu-")
     keys_path = os.path.join(work, "keys.json")
     CurveKeys.generate().write(keys_path)
     print(f"# {time.strftime('%H:%M:%S', time.gmtime())} UTC, load average {os.getloadavg()[0]:.2f}; "
-          f"tbf {a.rate or 'none'} Gb/s; {a.frame_kib} KiB frames; {a.mib} MiB per pair", flush=True)
+          f"tbf {a.rate or 'none'} Gb/s; {a.frame_kib} KiB frames; {a.mib} MiB per pair; "
+          f"transfer.socket_buffer_bytes={a.socket_buffer}", flush=True)
     print(HEAD)
     with NetnsNodes(2) as net:
         if a.rate:
             net.shape(net.nodes[0], a.rate)
         for rep in range(a.reps):
             for mode in a.modes:
-                print(line(mode, rep, run_pair(net, mode, keys_path, a.mib, a.frame_kib, a.raw_source_mib)),
+                print(line(mode, rep, run_pair(net, mode, keys_path, a.mib, a.frame_kib, a.raw_source_mib,
+                                                 a.socket_buffer)),
                       flush=True)
     print(f"# load average after: {os.getloadavg()[0]:.2f} (2 cores shared by 4 engineers: noisy)")
 

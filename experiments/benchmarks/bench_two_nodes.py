@@ -100,7 +100,7 @@ else:
 
 
 ZMQ_PAIR = """
-import sys, time, zmq
+import os, sys, time, zmq
 host, role, curve = sys.argv[1], sys.argv[2], sys.argv[3] == "curve"
 keys = sys.argv[4:]            # z85: server public, server secret, client public, client secret
 ctx = zmq.Context()
@@ -117,7 +117,7 @@ else:
     s = ctx.socket(zmq.PUSH)
     if curve:
         s.curve_serverkey, s.curve_publickey, s.curve_secretkey = (k.encode() for k in (keys[0], keys[2], keys[3]))
-    s.connect(f'tcp://{host}:5998'); s.send(b'go'); buf = bytes(1 << 20)
+    s.connect(f'tcp://{host}:5998'); s.send(b'go'); buf = os.urandom(1 << 20)   # bytes(n) would be the zero page
     for _ in range(128):
         s.send(buf, copy=False)
     s.send(b'end'); s.close(linger=10000)
@@ -175,22 +175,33 @@ def gloo_ceiling_gbps(tn: TwoNodes) -> float:
         snd.wait(timeout=60)
 
 
-def print_cpu_per_gb(tn: TwoNodes, rates: list[float], reps: int = 2) -> None:
+def transfer_override(a, field: str, default: int) -> int:
+    """transfer.<field> as --override sets it for the real runs, else its default."""
+    for o in a.override:
+        if o.startswith(f"transfer.{field}="):
+            return int(o.split("=", 1)[1])
+    return default
+
+
+def print_cpu_per_gb(tn: TwoNodes, a, reps: int = 2) -> None:
     """CPU per GB of raw CURVE and of the zmq transport over the unshaped veth, by thread
     (bench_curve_cpu.py), and the cores each needs at each rate: both nodes share this machine."""
     from bench_curve_cpu import HEAD, line, run_pair
     from testbed.kv_transfer.curve import CurveKeys
     keys_path = str(Path(tempfile.mkdtemp(prefix="bench2n-keys-")) / "keys.json")
     CurveKeys.generate().write(keys_path)
-    print(f"CPU per GB over the unshaped veth, CURVE, 1 MiB frames, 128 MiB per row (bench_curve_cpu.py); "
-          f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}\n{HEAD}", flush=True)
+    frame = transfer_override(a, "frame_bytes", 1 << 20)
+    sockbuf = transfer_override(a, "socket_buffer_bytes", 0)
+    print(f"CPU per GB over the unshaped veth, CURVE, {frame >> 10} KiB frames, socket buffers {sockbuf or 'autotuned'} "
+          f"(the transport's), 128 MiB per row (bench_curve_cpu.py); {os.cpu_count()} cores, load average "
+          f"{os.getloadavg()[0]:.2f}\n{HEAD}", flush=True)
     need: dict[str, list[float]] = {}
     for rep in range(reps):
         for mode in ("raw", "transport"):
-            r = run_pair(tn.net, mode, keys_path, 128)
+            r = run_pair(tn.net, mode, keys_path, 128, frame >> 10, socket_buffer_bytes=sockbuf)
             need.setdefault(mode, []).append(r["ms_per_gb"])
             print(line(mode, rep, r), flush=True)
-    for rate in rates:
+    for rate in a.rates:
         print(f"at {rate:g} Gb/s ({rate / 8:.3f} GB/s) the CPU alone needs: " + ", ".join(
             f"{mode} {statistics.median(v) / 1e3 * rate / 8:.2f} cores" for mode, v in need.items())
             + f" of {os.cpu_count()} (every other process of the run and the machine shares them)", flush=True)
@@ -204,7 +215,7 @@ def workload_args(a) -> list[str]:
         "model.num_kv_heads=8", f"num_kv_blocks={blocks}", "scheduler=vllm_v0",
         f"max_num_batched_tokens={a.prompt_len}", f"token_budget={a.prompt_len}",
         "progress=false", "wandb.mode=disabled", "timeout_s=300", "transfer.timeout_s=60",
-        f"transfer.transport={a.transport}"]
+        f"transfer.transport={a.transport}", *a.override]
 
 
 DATA_RISE = 4096      # bytes per ~1 ms sample that count as data, not acks or Ray's heartbeats
@@ -328,13 +339,19 @@ def main() -> None:
     p.add_argument("--ceiling-only", action="store_true",
                    help="only the raw pyzmq and gloo rates and the CPU per GB over the veth")
     p.add_argument("--run-timeout-s", type=float, default=400)
+    p.add_argument("--split-cpus", action=argparse.BooleanOptionalAction, default=True,
+                   help="each node's processes on CPUs of their own (taskset), as two hosts have; "
+                        "--no-split-cpus: anywhere (the runs before 2026-12-02)")
+    p.add_argument("--override", nargs="+", default=[],
+                   help="more overrides of the real runs, e.g. transfer.frame_bytes=262144")
     a = p.parse_args()
     out_dir = Path(tempfile.mkdtemp(prefix="bench2n-"))
     t0 = time.monotonic()
-    with TwoNodes() as tn:
+    with TwoNodes(split_cpus=a.split_cpus) as tn:
         print(f"# {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC, load average "
               f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
-        print(f"cluster up in {time.monotonic() - t0:.0f} s; transfer.transport={a.transport}; runs under {out_dir}",
+        print(f"cluster up in {time.monotonic() - t0:.0f} s; transfer.transport={a.transport}; node CPUs "
+              f"{tn.a.cpus or 'any'} / {tn.b.cpus or 'any'}; overrides {a.override}; runs under {out_dir}",
               flush=True)
         rtt = rtt_s(tn)
         latency_us = rtt / 2 * 1e6
@@ -344,7 +361,7 @@ def main() -> None:
                   flush=True)
         for _ in range(2):
             print(f"raw gloo over the veth (plain TCP): {gloo_ceiling_gbps(tn):.2f} Gb/s", flush=True)
-        print_cpu_per_gb(tn, a.rates)
+        print_cpu_per_gb(tn, a)
         if a.ceiling_only:
             return
         host_us = host_cost_s(a) * 1e6

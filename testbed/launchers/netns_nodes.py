@@ -4,7 +4,11 @@ experiments/benchmarks/bench_two_nodes.py).
 
 A star without a bridge: node 0 (the hub) is joined to each other node k by a
 veth pair on its own private /24 (10.231.k.0/24: the hub is .1, node k is .2);
-the hub forwards between spokes. `shape` puts the kernel's token bucket
+the hub forwards between spokes. With `split_cpus` each node also gets CPUs of
+its own (`taskset` on whatever `Node.exec` starts), as separate hosts have:
+otherwise the scheduler may run one node's sender and the other's receiver
+on one core (a waker pulls its wakee to its own CPU), and a pair of I/O
+threads that would run side by side takes turns on it. `shape` puts the kernel's token bucket
 (`tc qdisc ... root tbf`) on one direction of a link: the sending side's
 veth. Names carry this process's pid (and a random part), so two runs never collide, and
 `close` (also run at exit) kills whatever still runs inside the namespaces
@@ -52,10 +56,12 @@ class Node:
     netns: str               # the namespace's name
     address: str             # its address on the link to the hub (the hub's: on the link to node 1)
     dev: str                 # that link's veth inside this namespace
+    cpus: str = ""           # the CPUs its processes run on, as taskset -c takes them ("": any)
 
     def exec(self, *cmd: str) -> list[str]:
-        """`cmd` as run inside this node's namespace."""
-        return ["ip", "netns", "exec", self.netns, *cmd]
+        """`cmd` as run inside this node's namespace (and on its CPUs)."""
+        pin = ["taskset", "-c", self.cpus] if self.cpus else []
+        return ["ip", "netns", "exec", self.netns, *pin, *cmd]
 
 
 @dataclass(frozen=True)
@@ -70,7 +76,7 @@ class NetnsNodes:
     `mtu`: 9000 by default, a datacenter's jumbo frame (1500 moves ~6 Gb/s over a
     veth here, 9000 ~7, from one Python socket)."""
 
-    def __init__(self, n: int = 2, prefix: str = "tb", mtu: int = 9000) -> None:
+    def __init__(self, n: int = 2, prefix: str = "tb", mtu: int = 9000, split_cpus: bool = False) -> None:
         if n < 2:
             raise ValueError(f"NetnsNodes: n must be >= 2, got {n}")
         why = netns_unavailable()
@@ -81,6 +87,7 @@ class NetnsNodes:
             raise NetnsError(f"the host already uses {SUBNET}.0.0/16; NetnsNodes needs it free")
         # the pid, and a random part for several instances in one process; devices <= 15 characters
         tag = f"{prefix}{os.getpid()}{secrets.token_hex(2)[:3]}"
+        cpus = cpu_sets(n) if split_cpus else [""] * n
         self.names = [f"{tag}n{i}" for i in range(n)]
         self.links: list[Link] = []
         self._closed = False
@@ -98,7 +105,8 @@ class NetnsNodes:
                 _ip("-n", hub, "link", "set", hub_dev, "mtu", str(mtu), "up")
                 _ip("-n", name, "link", "set", spoke_dev, "mtu", str(mtu), "up")
                 _ip("-n", name, "route", "add", f"{SUBNET}.0.0/16", "via", f"{SUBNET}.{k}.1")
-                self.links.append(Link(Node(hub, f"{SUBNET}.{k}.1", hub_dev), Node(name, f"{SUBNET}.{k}.2", spoke_dev)))
+                self.links.append(Link(Node(hub, f"{SUBNET}.{k}.1", hub_dev, cpus[0]),
+                                       Node(name, f"{SUBNET}.{k}.2", spoke_dev, cpus[k])))
             if n > 2:
                 subprocess.run(Node(hub, "", "").exec("sysctl", "-qw", "net.ipv4.ip_forward=1"), check=True)
         except BaseException:
@@ -154,6 +162,16 @@ class NetnsNodes:
         for name in self.names:
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
         atexit.unregister(self.close)
+
+
+def cpu_sets(n: int) -> list[str]:
+    """This process's CPUs cut into n contiguous sets, one per node (taskset lists); with
+    fewer CPUs than nodes, node i gets CPU i modulo their count."""
+    mine = sorted(os.sched_getaffinity(0))
+    if len(mine) < n:
+        return [str(mine[i % len(mine)]) for i in range(n)]
+    bounds = [len(mine) * i // n for i in range(n + 1)]
+    return [",".join(map(str, mine[bounds[i]:bounds[i + 1]])) for i in range(n)]
 
 
 def namespace_pids(netns: str) -> list[int]:

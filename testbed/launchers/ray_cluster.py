@@ -32,7 +32,8 @@ def free_port(host: str = "") -> int:
 
 class RayCluster:
     def __init__(self, host: str = "127.0.0.1", num_cpus: int = 3, resources: dict | None = None,
-                 netns: str | None = None, port: int | None = None, object_store_bytes: int = 256 << 20):
+                 netns: str | None = None, port: int | None = None, object_store_bytes: int = 256 << 20,
+                 cpus: str = ""):
         self.host, self.netns, self.object_store_bytes = host, netns, object_store_bytes
         self.port = port or free_port("" if netns else host)
         self.address = f"{host}:{self.port}"
@@ -42,22 +43,29 @@ class RayCluster:
         self.env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token",
                     "RAY_AUTH_TOKEN": secrets.token_hex(32)}
         self._procs: list[subprocess.Popen] = []
-        self._start(["--head", f"--port={self.port}", "--include-dashboard=false"], host, num_cpus, resources, netns)
+        self._start(["--head", f"--port={self.port}", "--include-dashboard=false"], host, num_cpus, resources, netns,
+                    cpus)
 
-    def _start(self, role_args: list[str], host: str, num_cpus: int, resources: dict | None, netns: str | None):
+    def _start(self, role_args: list[str], host: str, num_cpus: int, resources: dict | None, netns: str | None,
+               cpus: str = ""):
+        """cpus: the node's processes (raylet, its workers, the actors) run on these CPUs only
+        (taskset -c; "": any)."""
         cmd = [RAY, "start", "--block", *role_args, f"--node-ip-address={host}", f"--num-cpus={num_cpus}",
                "--num-gpus=0", "--disable-usage-stats", f"--temp-dir={self.temp_dir}",
                f"--object-store-memory={self.object_store_bytes}"]
         if resources:
             cmd.append(f"--resources={json.dumps(resources)}")
+        if cpus:
+            cmd = ["taskset", "-c", cpus, *cmd]
         if netns:
             cmd = ["ip", "netns", "exec", netns, *cmd]
         log = open(Path(self.temp_dir) / f"start-{len(self._procs)}.log", "w")
         self._procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                             start_new_session=True))
 
-    def add_node(self, host: str, num_cpus: int = 2, resources: dict | None = None, netns: str | None = None):
-        self._start([f"--address={self.address}"], host, num_cpus, resources, netns)
+    def add_node(self, host: str, num_cpus: int = 2, resources: dict | None = None, netns: str | None = None,
+                 cpus: str = ""):
+        self._start([f"--address={self.address}"], host, num_cpus, resources, netns, cpus)
         return self._procs[-1]
 
     def wait_nodes(self, n: int, timeout_s: float = 120) -> None:

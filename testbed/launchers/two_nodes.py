@@ -23,16 +23,18 @@ NODE_RESOURCE = 8              # units of `node_a` / `node_b` each node offers; 
 
 
 class TwoNodes:
-    def __init__(self, cpus_a: int = 2, cpus_b: int = 2, mtu: int = 9000, start_timeout_s: float = 180) -> None:
-        self.net = NetnsNodes(2, mtu=mtu)
+    def __init__(self, cpus_a: int = 2, cpus_b: int = 2, mtu: int = 9000, start_timeout_s: float = 180,
+                 split_cpus: bool = False) -> None:
+        """split_cpus: each node's processes on CPUs of its own (NetnsNodes), as two hosts."""
+        self.net = NetnsNodes(2, mtu=mtu, split_cpus=split_cpus)
         self.ray: RayCluster | None = None
         atexit.register(self.close)
         try:
             self.a, self.b = self.net.nodes
             self.ray = RayCluster(host=self.a.address, num_cpus=cpus_a, resources={"node_a": NODE_RESOURCE},
-                                  netns=self.a.netns)
+                                  netns=self.a.netns, cpus=self.a.cpus)
             self.ray.add_node(self.b.address, num_cpus=cpus_b, resources={"node_b": NODE_RESOURCE},
-                              netns=self.b.netns)
+                              netns=self.b.netns, cpus=self.b.cpus)
             self.ray.wait_nodes(2, timeout_s=start_timeout_s)
         except BaseException:
             self.close()
