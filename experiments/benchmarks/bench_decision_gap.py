@@ -168,7 +168,8 @@ def analyse(result, cfg, targets, label: str) -> dict:
                 "priced_ms_p50": pct([p * 1e3 for _, p in rows], 50),
                 "measured_over_priced_p10": pct(r, 10), "p50": pct(r, 50), "p90": pct(r, 90), "p99": pct(r, 99),
                 "measured_ms_p99": pct([m * 1e3 for m, _ in rows], 99),
-                "priced_ms_p99": pct([p * 1e3 for _, p in rows], 99)}
+                "priced_ms_p99": pct([p * 1e3 for _, p in rows], 99),
+                "measured_total_s": round(sum(m for m, _ in rows), 2), "priced_total_s": round(sum(p for _, p in rows), 2)}
 
     # the worker's time between iterations (its loop: polling, commands, events), per worker
     between = []
@@ -209,7 +210,7 @@ def analyse(result, cfg, targets, label: str) -> dict:
         "iterations": len(iterations), "rebuilt": len(rebuilt),
         "chunk_iterations": ratio(chunk), "decode_iterations": ratio(decode),
         "between_iterations_ms": {"p50": pct(np.asarray(between) * 1e3, 50),
-                                  "p99": pct(np.asarray(between) * 1e3, 99)},
+                                  "p99": pct(np.asarray(between) * 1e3, 99), "total_s": round(sum(between), 2)},
         "worker_busy_s": {w: round(s, 2) for w, s in busy_s.items()},
         "hop_out_ms": {"p50": pct(np.asarray(hop) * 1e3, 50), "p99": pct(np.asarray(hop) * 1e3, 99)},
         "tbt_frontend_ms": {"p50": pct(fe_ms, 50), "p90": pct(fe_ms, 90), "p99": pct(fe_ms, 99)},
@@ -244,6 +245,44 @@ def run_sim(cfg):
     return SimRuntime(sim_cfg, log=lambda *_: None).run(requests_of(sim_cfg)), sim_cfg
 
 
+def sensitivity(scales: list[float], replicas: int, budget: int) -> list[dict]:
+    """The simulator's decision search (the study's own: decision_search.length_rows)
+    for sarathi-`budget` on `replicas` workers at L, every step of the cpu
+    profile scaled by s (calibration_scale and the overhead terms; the hops
+    not): how far the capacity moves when the real steps are s x the profile's."""
+    from testbed.experiments.decision_search import Prober, length_rows, point_cfg
+    from testbed.experiments.decision_slo import get_smoothness
+    from testbed.experiments.deployments import Deployment, replace_run
+    from testbed.steady_state import SteadyRule
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+    from testbed.config import register_configs
+    from testbed.model.config import CONF_DIR
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = OmegaConf.to_object(compose("config", ["experiment=decision-real", "wandb.mode=disabled"]))
+    e = cfg.experiment
+    rule = SteadyRule(e.decision_span_factor, e.decision_min_judged, e.decision_max_requests)
+    dep = Deployment(f"sarathi-{budget}", "colocated", "colocated", "sarathi", budget, replicas=replicas,
+                     uses_link=False)
+    out = []
+    for s in scales:
+        point = point_cfg(cfg, "tiny", "cpu")
+        h = point.hardware
+        hw = dataclasses.replace(h, calibration_scale=h.calibration_scale * s, overhead_ms=h.overhead_ms * s,
+                                 overhead_per_seq_ms=h.overhead_per_seq_ms * s,
+                                 overhead_per_token_ms=h.overhead_per_token_ms * s,
+                                 step_jitter_ms=[q * s for q in h.step_jitter_ms])
+        point = replace_run(point, hardware=hw)
+        rows, _ = length_rows(Prober(rule, lambda *_: None), e, point, dep, replicas, [point.link],
+                              [get_smoothness(e.decision_smoothness[0])], L, 2.0 * replicas, lambda *_: None)
+        r = rows[0]
+        out.append({"step_scale": s, "capacity_per_gpu": r["capacity_per_gpu"], "limited_by": r["limited_by"],
+                    "steady": r["steady"], "probes": r["probes"]})
+        print(json.dumps(out[-1]), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rate", type=float, default=2.18, help="requests/s of the deployment")
@@ -253,7 +292,12 @@ def main() -> None:
     ap.add_argument("--torch-threads", type=int, default=1)
     ap.add_argument("--runtime", choices=("both", "real", "sim"), default="both")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--sensitivity", type=float, nargs="*", default=None,
+                    help="instead: the simulator's capacity with every step scaled by each of these")
     args = ap.parse_args()
+    if args.sensitivity:
+        sensitivity(args.sensitivity, args.replicas, args.budget)
+        return
     cfg, targets = decision_point(args.rate, args.span_s, args.replicas, args.budget, args.torch_threads)
     out = {"args": vars(args) | {"out": str(args.out)}, "num_requests": cfg.workload.num_requests}
     if args.runtime in ("both", "sim"):
