@@ -38,7 +38,8 @@ import numpy as np
 L = 1024
 
 
-def decision_point(rate: float, span_s: float, replicas: int, budget: int, torch_threads: int):
+def decision_point(rate: float, span_s: float, replicas: int, budget: int, torch_threads: int,
+                   profile: str | None = None):
     """The decision-real probe's run config (decision_real.real_point of
     sarathi-`budget` at L) at `rate` for arrivals over ~span_s, and its SLO targets."""
     from hydra import compose, initialize_config_dir
@@ -57,6 +58,9 @@ def decision_point(rate: float, span_s: float, replicas: int, budget: int, torch
         cfg = OmegaConf.to_object(compose("config", ["experiment=decision-real", "wandb.mode=disabled"]))
     e = cfg.experiment
     point = point_cfg(cfg, "tiny", "cpu")
+    if profile:          # another `testbed profile` of this machine prices the steps (and the twin)
+        from testbed.sim.config import load_hardware_preset
+        point = replace_run(point, hardware=load_hardware_preset(profile))
     dep = Deployment(f"sarathi-{budget}", "colocated", "colocated", "sarathi", budget, replicas=replicas,
                      uses_link=False)
     run = dep.apply(real_point(point, load_link_preset(e.links[0]), e.decision_real_probe_s))
@@ -292,13 +296,15 @@ def main() -> None:
     ap.add_argument("--torch-threads", type=int, default=1)
     ap.add_argument("--runtime", choices=("both", "real", "sim"), default="both")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--profile", default=None, help="a hardware YAML to price with instead of conf/hardware/cpu.yaml")
     ap.add_argument("--sensitivity", type=float, nargs="*", default=None,
                     help="instead: the simulator's capacity with every step scaled by each of these")
     args = ap.parse_args()
     if args.sensitivity:
         sensitivity(args.sensitivity, args.replicas, args.budget)
         return
-    cfg, targets = decision_point(args.rate, args.span_s, args.replicas, args.budget, args.torch_threads)
+    cfg, targets = decision_point(args.rate, args.span_s, args.replicas, args.budget, args.torch_threads,
+                                  args.profile)
     out = {"args": vars(args) | {"out": str(args.out)}, "num_requests": cfg.workload.num_requests}
     if args.runtime in ("both", "sim"):
         result, sim_cfg = run_sim(cfg)
@@ -311,7 +317,8 @@ def main() -> None:
     print(text)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        name = f"gap_r{args.rate:g}_x{args.replicas}_c{args.budget}_t{args.torch_threads}_{args.runtime}.json"
+        tag = f"_{Path(args.profile).stem}" if args.profile else ""
+        name = f"gap_r{args.rate:g}_x{args.replicas}_c{args.budget}_t{args.torch_threads}_{args.runtime}{tag}.json"
         (args.out / name).write_text(text)
 
 
