@@ -71,3 +71,19 @@ def test_a_profile_beside_a_busy_neighbour_records_two_workers(tmp_path):
     assert load_hardware_preset(str(tmp_path / "cpu-2w.yaml")) == hw
     assert "workers stepping at once=2" in (tmp_path / "cpu-2w.yaml").read_text()
     assert not mp.active_children()
+
+
+def test_decision_real_records_its_profile_conditions_and_refuses_a_profile_without_twins(tmp_path):
+    from test_decision_real import small
+
+    from testbed.experiments.decision import run_decision
+    lines = []
+    run_decision(small(decision_real_budget_s=1e-9), tmp_path, lines.append)        # no real probe runs
+    import json
+    profile = json.loads((tmp_path / "decision_summary.json").read_text())["assumptions"]["real"]["profile"]
+    assert (profile["profiled_workers"], profile["profiled_threads"]) == (1, 1)
+    assert "testbed profile --workers 2" in profile["note"]
+    assert any(line.startswith("decision real: hardware 'cpu' was profiled with 1 worker(s)") for line in lines)
+    with pytest.raises(ValueError, match="experiment.decision_real_hardware='cpu-2w'"):
+        run_decision(small(decision_real_hardware="cpu-2w"), tmp_path / "refused", lambda *_: None)
+    assert not (tmp_path / "refused").exists()

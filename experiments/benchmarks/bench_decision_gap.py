@@ -249,7 +249,7 @@ def run_sim(cfg):
     return SimRuntime(sim_cfg, log=lambda *_: None).run(requests_of(sim_cfg)), sim_cfg
 
 
-def sensitivity(scales: list[float], replicas: int, budget: int) -> list[dict]:
+def sensitivity(scales: list[float], replicas: int, budget: int, profile: str | None = None) -> list[dict]:
     """The simulator's decision search (the study's own: decision_search.length_rows)
     for sarathi-`budget` on `replicas` workers at L, every step of the cpu
     profile scaled by s (calibration_scale and the overhead terms; the hops
@@ -272,6 +272,9 @@ def sensitivity(scales: list[float], replicas: int, budget: int) -> list[dict]:
     out = []
     for s in scales:
         point = point_cfg(cfg, "tiny", "cpu")
+        if profile:
+            from testbed.sim.config import load_hardware_preset
+            point = replace_run(point, hardware=load_hardware_preset(profile))
         h = point.hardware
         hw = dataclasses.replace(h, calibration_scale=h.calibration_scale * s, overhead_ms=h.overhead_ms * s,
                                  overhead_per_seq_ms=h.overhead_per_seq_ms * s,
@@ -281,7 +284,7 @@ def sensitivity(scales: list[float], replicas: int, budget: int) -> list[dict]:
         rows, _ = length_rows(Prober(rule, lambda *_: None), e, point, dep, replicas, [point.link],
                               [get_smoothness(e.decision_smoothness[0])], L, 2.0 * replicas, lambda *_: None)
         r = rows[0]
-        out.append({"step_scale": s, "capacity_per_gpu": r["capacity_per_gpu"], "limited_by": r["limited_by"],
+        out.append({"profile": profile or "cpu", "step_scale": s, "capacity_per_gpu": r["capacity_per_gpu"], "limited_by": r["limited_by"],
                     "steady": r["steady"], "probes": r["probes"]})
         print(json.dumps(out[-1]), flush=True)
     return out
@@ -301,7 +304,7 @@ def main() -> None:
                     help="instead: the simulator's capacity with every step scaled by each of these")
     args = ap.parse_args()
     if args.sensitivity:
-        sensitivity(args.sensitivity, args.replicas, args.budget)
+        sensitivity(args.sensitivity, args.replicas, args.budget, args.profile)
         return
     cfg, targets = decision_point(args.rate, args.span_s, args.replicas, args.budget, args.torch_threads,
                                   args.profile)
