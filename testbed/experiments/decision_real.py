@@ -89,9 +89,14 @@ def real_rows(cfg: RunConfig, sim_rows: list[dict], sim_service_s: dict, smooths
     first probe of each search is sized from its twin's last longest service
     time on the simulator (`sim_service_s`, the simulator's Prober's), and a
     short one is re-run longer once at most: each run is a minute here."""
+    from testbed.sim.config import load_hardware_preset
     from testbed.sim.cost_model import CostModel
     e = cfg.experiment
     num_gpus, hardware = e.decision_real_num_gpus, e.decision_real_hardware
+    profile = load_hardware_preset(hardware)
+    profile_note = profile_conditions(profile, num_gpus, cfg.torch_threads)
+    if profile_note:
+        log(f"decision real: {profile_note}")
     started, load_start = time.monotonic(), os.getloadavg()[0]
     prober = Prober(rule, log, RealProbes(), max_span_s=e.decision_real_probe_s, max_lengthenings=1,
                     deadline=started + e.decision_real_budget_s)
@@ -102,9 +107,6 @@ def real_rows(cfg: RunConfig, sim_rows: list[dict], sim_service_s: dict, smooths
     rows = []
     for model_name in e.real_models:
         point = point_cfg(cfg, model_name, hardware)
-        profile_note = profile_conditions(point.hardware, num_gpus, cfg.torch_threads)
-        if profile_note:
-            log(f"decision real: {profile_note}")
         worker = CostModel(point.model, point.hardware, point.parallel)
         stopped: dict[tuple, str] = {}
         for L in sorted(e.real_context_lens):
@@ -138,9 +140,8 @@ def real_rows(cfg: RunConfig, sim_rows: list[dict], sim_service_s: dict, smooths
         "cpu_count": os.cpu_count(), "load_1m_start": round(load_start, 2),
         "load_1m_end": round(os.getloadavg()[0], 2), "elapsed_s": round(time.monotonic() - started, 1),
         "num_probe_runs": prober.num_runs,
-        "profile": {"profiled_workers": point.hardware.profiled_workers,
-                    "profiled_threads": point.hardware.profiled_threads,
-                    "note": profile_conditions(point.hardware, num_gpus, cfg.torch_threads) or "as the rows run"}}
+        "profile": {"profiled_workers": profile.profiled_workers, "profiled_threads": profile.profiled_threads,
+                    "note": profile_note or "as the rows run"}}
     return rows, prober, assumptions
 
 
