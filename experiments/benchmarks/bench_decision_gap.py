@@ -117,9 +117,9 @@ class ProcSampler:
 
 
 def rebuild(iterations, records, kv_bytes_per_token: int) -> list[tuple]:
-    """(iteration, slices, token end times per request) for every iteration
-    whose rebuilt batch matches its record; colocated sarathi without
-    preemption (one that preempted does not match and is left out)."""
+    """(iteration, slices, ids of the requests it sampled a token for) for
+    every iteration whose rebuilt batch matches its record; colocated sarathi
+    without preemption (one that preempted does not match and is left out)."""
     first = {}
     for r in records:
         first.setdefault(r.first_scheduled_s, []).append(r)
@@ -142,10 +142,10 @@ def rebuild(iterations, records, kv_bytes_per_token: int) -> list[tuple]:
             slices += [(1, r.prompt_len + j) for r, j in decoding]
             ok = (left == 0 and len(decoding) == it.num_decode_tokens
                   and sum(c for _, c in slices) * kv_bytes_per_token == it.kv_bytes_read)
-            if ok:
-                out.append((it, slices))
-            decoding = [[r, j + 1] for r, j in decoding if j + 1 < len(r.output_token_ids)]
             done = [e for e in prefilling if e[1] == e[0].prompt_len]
+            if ok:
+                out.append((it, slices, [r.request_id for r, _ in decoding] + [e[0].request_id for e in done]))
+            decoding = [[r, j + 1] for r, j in decoding if j + 1 < len(r.output_token_ids)]
             prefilling = [e for e in prefilling if e[1] < e[0].prompt_len]
             decoding += [[e[0], 1] for e in done if len(e[0].output_token_ids) > 1]
     return out
@@ -163,8 +163,8 @@ def analyse(result, cfg, targets, label: str) -> dict:
     records = result.records
     iterations = result.iterations
     rebuilt = rebuild(iterations, records, cfg.model.kv_bytes_per_token)
-    chunk = [(it.duration_s, cost.iteration_time_s(s)) for it, s in rebuilt if it.num_prefill_tokens]
-    decode = [(it.duration_s, cost.iteration_time_s(s)) for it, s in rebuilt if not it.num_prefill_tokens]
+    chunk = [(it.duration_s, cost.iteration_time_s(s)) for it, s, _ in rebuilt if it.num_prefill_tokens]
+    decode = [(it.duration_s, cost.iteration_time_s(s)) for it, s, _ in rebuilt if not it.num_prefill_tokens]
 
     def ratio(rows):
         r = [m / p for m, p in rows]
@@ -186,18 +186,17 @@ def analyse(result, cfg, targets, label: str) -> dict:
         busy_s[w] = sum(it.duration_s for it in its)
         between += [b.start_s - (a.start_s + a.duration_s) for a, b in zip(its, its[1:])
                     if b.start_s - (a.start_s + a.duration_s) < 0.05]     # back to back, not idle
-    # frontend gaps against worker-side gaps: a token's worker time is the end of the last
-    # iteration (of any worker) to end before the frontend got it, as calibration.measure_serving does
-    ends = sorted(it.start_s + it.duration_s for it in iterations)
-    import bisect
+    # frontend gaps against worker-side gaps: a token's worker time is the end of the
+    # rebuilt iteration that sampled it (requests in an unmatched iteration are skipped)
+    sampled_at: dict[str, list[float]] = {}
+    for it, _, ids in rebuilt:
+        for rid in ids:
+            sampled_at.setdefault(rid, []).append(it.start_s + it.duration_s)
     hop, fe_gaps, w_gaps = [], [], []
     for r in records:
-        if len(r.token_times_s) < 2:
+        wt = sampled_at.get(r.request_id, [])
+        if len(r.token_times_s) < 2 or len(wt) != len(r.token_times_s):
             continue
-        wt = []
-        for t in r.token_times_s:
-            k = bisect.bisect_right(ends, t)
-            wt.append(ends[k - 1] if k else t)
         hop += [t - w for t, w in zip(r.token_times_s, wt)]
         fe_gaps += list(np.diff(r.token_times_s))
         w_gaps += list(np.diff(wt))
