@@ -9,9 +9,9 @@ have source=real and the same columns, so each sits beside its simulated
 twin (the same model, hardware, link, N, SLO, L and deployment; the
 simulator priced by this CPU's profile, decision_real_hardware). The
 profile should be measured as the rows run: `testbed profile --workers N`
-with N = decision_real_num_gpus workers stepping at once (a step here takes
-1.4-2.2x longer beside a busy core than beside an idle one); a profile
-measured otherwise is named in the log and the assumptions.
+with N = decision_real_num_gpus workers stepping at once (a step beside a
+busy core takes longer than beside an idle one); a profile measured
+otherwise is named in the log and the assumptions.
 
 Real probes run on the wall clock, so they are bounded: a probe's arrivals
 span at most decision_real_probe_s, and a request still running three

@@ -4,10 +4,10 @@ model, `threads` torch threads) stepping a serving-like mix without pause: a
 prompt in chunks of 512 tokens beside 8 decodes. While they run, the profile
 measures its tables in this process, so that they are the step times of one
 of N workers stepping at once on this machine, as a deployment of N real
-workers runs near its capacity. On this 2-core VM a step with the other core
-busy took 1.4-2.2x its time with that core idle (shared cache and memory
-bandwidth: experiments/README.md, "decision", issue 20), which a profile
-measured beside an idle core does not see."""
+workers runs near its capacity: a step beside a busy core takes longer than
+beside an idle one (shared cache and memory bandwidth; measured in
+experiments/README.md, "decision", issue 20), which a profile measured
+alone does not see."""
 from __future__ import annotations
 
 import multiprocessing as mp
