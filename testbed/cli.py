@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         from testbed.report import report_main
         return report_main(rest)
     if cmd == "profile":
-        from testbed.sim.profile import profile_main
+        from testbed.profiling.profile import profile_main
         return profile_main(rest)
     if cmd == "capacity":
         from testbed.capacity import capacity_main

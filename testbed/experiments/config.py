@@ -71,6 +71,9 @@ class ExperimentConfig:
     decision_max_requests: int = 4000        # a probe's requests at most
     # decision's real-engine rows (real=true, decision_real.py): real_models x real_context_lens on this CPU
     decision_real_num_gpus: int = 2          # worker processes, one per GPU of the deployment
+    # the `testbed profile` of this CPU pricing the real rows' simulated twins; measure it with
+    # --workers decision_real_num_gpus (the workers step at once near capacity: issue 20)
+    decision_real_hardware: str = "cpu"
     decision_real_probe_s: float = 60.0      # a real probe's arrivals span at most this; its drain as long
     decision_real_budget_s: float = 1500.0   # wall time of all real rows; once spent, the rest are flagged
     decision_real_rel_tol: float = 0.25      # the real searches' bracket (each probe is a minute of wall time)

@@ -6,8 +6,12 @@ rows (decision.py's Prober, search and length_rows), each probe a real run:
 worker processes with torch_threads each, the KV of disaggregated
 deployments over zmq on loopback shaped to the link's bandwidth. The rows
 have source=real and the same columns, so each sits beside its simulated
-twin (the same model, hardware `cpu`, link, N, SLO, L and deployment; the
-simulator priced by the cpu hardware profile).
+twin (the same model, hardware, link, N, SLO, L and deployment; the
+simulator priced by this CPU's profile, decision_real_hardware). The
+profile should be measured as the rows run: `testbed profile --workers N`
+with N = decision_real_num_gpus workers stepping at once (a step beside a
+busy core takes longer than beside an idle one); a profile measured
+otherwise is named in the log and the assumptions.
 
 Real probes run on the wall clock, so they are bounded: a probe's arrivals
 span at most decision_real_probe_s, and a request still running three
@@ -33,9 +37,6 @@ from testbed.experiments.deployments import deployments, replace_run
 from testbed.metrics import RequestRecord
 from testbed.steady_state import SteadyRule
 
-HARDWARE = "cpu"          # the hardware profile of this machine (`testbed profile`)
-
-
 class RealProbes:
     """A probe run on the real engine: the deployment's worker processes started
     for it and stopped after it. No request finishing says nothing about
@@ -58,8 +59,9 @@ def check_real(e) -> None:
     if missing:
         raise ValueError(f"experiment.real_models: {missing} not in experiment.models={list(e.models)}; the real "
                          f"rows are compared with the simulator's rows of the same model (add them to models)")
-    if HARDWARE not in e.hardware:
-        raise ValueError(f"experiment.hardware: the real rows run on this CPU; add '{HARDWARE}' to "
+    if e.decision_real_hardware not in e.hardware:
+        raise ValueError(f"experiment.hardware: the real rows run on this CPU, priced by "
+                         f"experiment.decision_real_hardware='{e.decision_real_hardware}'; add it to "
                          f"experiment.hardware={list(e.hardware)} (the simulator's twin rows) or set "
                          f"experiment.real=false")
     if e.decision_real_num_gpus not in e.decision_num_gpus:
@@ -87,25 +89,30 @@ def real_rows(cfg: RunConfig, sim_rows: list[dict], sim_service_s: dict, smooths
     first probe of each search is sized from its twin's last longest service
     time on the simulator (`sim_service_s`, the simulator's Prober's), and a
     short one is re-run longer once at most: each run is a minute here."""
+    from testbed.sim.config import load_hardware_preset
     from testbed.sim.cost_model import CostModel
     e = cfg.experiment
-    num_gpus = e.decision_real_num_gpus
+    num_gpus, hardware = e.decision_real_num_gpus, e.decision_real_hardware
+    profile = load_hardware_preset(hardware)
+    profile_note = profile_conditions(profile, num_gpus, cfg.torch_threads)
+    if profile_note:
+        log(f"decision real: {profile_note}")
     started, load_start = time.monotonic(), os.getloadavg()[0]
     prober = Prober(rule, log, RealProbes(), max_span_s=e.decision_real_probe_s, max_lengthenings=1,
                     deadline=started + e.decision_real_budget_s)
     prober.service_s.update(sim_service_s)          # the same keys: (model, hardware, N, deployment, link, L, tbt)
     twin = {(r["model"], r["link"], r["deployment"], r["context_len"]): r["capacity_per_gpu"] for r in sim_rows
-            if r["hardware"] == HARDWARE and r["num_gpus"] == num_gpus and r["slo"] == smooths[0].name
+            if r["hardware"] == hardware and r["num_gpus"] == num_gpus and r["slo"] == smooths[0].name
             and r["tbt_slo_ms"] == e.decision_tbt_slos_ms[0]}
     rows = []
     for model_name in e.real_models:
-        point = point_cfg(cfg, model_name, HARDWARE)
+        point = point_cfg(cfg, model_name, hardware)
         worker = CostModel(point.model, point.hardware, point.parallel)
         stopped: dict[tuple, str] = {}
         for L in sorted(e.real_context_lens):
             for dep in deployments(e, num_gpus, point.parallel.tp * point.parallel.pp, e.decision_reuse > 0):
                 for link in (links if dep.uses_link else links[:1]):
-                    key = (model_name, HARDWARE, num_gpus, dep.label, link.name if dep.uses_link else "-", L,
+                    key = (model_name, hardware, num_gpus, dep.label, link.name if dep.uses_link else "-", L,
                            e.decision_tbt_slos_ms[0] if dep.reads_slo else "-")
                     service_s = sim_service_s.get(key) or isolated_s(worker, L, e.decision_output_len)
                     # a passing probe drains within about one service time; an overloaded one is cut
@@ -125,12 +132,28 @@ def real_rows(cfg: RunConfig, sim_rows: list[dict], sim_service_s: dict, smooths
                                          skip=stopped.get(where))
                     rows += new
     assumptions = {
-        "models": list(e.real_models), "hardware": HARDWARE, "num_gpus": num_gpus,
+        "models": list(e.real_models), "hardware": hardware, "num_gpus": num_gpus,
         "context_lens": sorted(e.real_context_lens), "workers": "one process per GPU, torch_threads="
         f"{cfg.torch_threads}, launcher=local", "kv_transfer": "zmq on loopback shaped to the link (transport=shaped)",
         "probe_s": e.decision_real_probe_s, "budget_s": e.decision_real_budget_s, "rel_tol": e.decision_real_rel_tol,
         "max_probes": e.decision_real_max_probes, "start": "the simulator's capacity of the twin row",
         "cpu_count": os.cpu_count(), "load_1m_start": round(load_start, 2),
         "load_1m_end": round(os.getloadavg()[0], 2), "elapsed_s": round(time.monotonic() - started, 1),
-        "num_probe_runs": prober.num_runs}
+        "num_probe_runs": prober.num_runs,
+        "profile": {"profiled_workers": profile.profiled_workers, "profiled_threads": profile.profiled_threads,
+                    "note": profile_note or "as the rows run"}}
     return rows, prober, assumptions
+
+
+def profile_conditions(hw, num_workers: int, torch_threads: int) -> str:
+    """"" when the profile `hw` was measured as the real rows run (num_workers
+    workers stepping at once, torch_threads each), else what differs and the fix."""
+    if (hw.profiled_workers, hw.profiled_threads) == (num_workers, torch_threads):
+        return ""
+    seen = "not recorded" if not hw.profiled_workers else \
+        f"{hw.profiled_workers} worker(s) stepping at once, {hw.profiled_threads} torch thread(s) each"
+    return (f"hardware '{hw.name}' was profiled with {seen}; the real rows run {num_workers} workers with "
+            f"torch_threads={torch_threads}, so the simulated twins price steps measured otherwise "
+            f"(re-measure: testbed profile --workers {num_workers} --threads {torch_threads} "
+            f"--out conf/hardware/{hw.name}-{num_workers}w.yaml, then experiment.hardware=[...] and "
+            f"experiment.decision_real_hardware={hw.name}-{num_workers}w)")

@@ -138,63 +138,73 @@ def memcpy_gbps(nbytes: int = 64 << 20, min_time_s: float = 0.1) -> float:
 
 
 def profile_cpu(out_path: str | Path, model_name: str = "tiny", quick: bool = False, name: str = "cpu",
-                num_threads: int = 1, engine_overhead: bool = True, log=lambda _: None) -> HardwareConfig:
+                num_threads: int = 1, engine_overhead: bool = True, log=lambda _: None,
+                num_workers: int = 1) -> HardwareConfig:
     """Measure this machine on the GEMM and attention shapes of `model_name`
     and (engine_overhead) the real engine's per-iteration overhead and frontend
     hop (a short real run), write the hardware YAML to out_path (e.g. conf/hardware/cpu.yaml) and return it.
+    With num_workers > 1, num_workers - 1 busy neighbours (neighbors.py) step
+    the same model meanwhile: the tables are then one of num_workers workers'.
+    The YAML records num_threads and num_workers (profiled_threads, profiled_workers).
     quick=True takes a few seconds (tests), the full grid a minute or two."""
+    from testbed.profiling.neighbors import Neighbors
     model, plan = load_model_preset(model_name), _QUICK if quick else _FULL
     if model.dtype not in _TORCH_DTYPES or model.attention != "gqa":
         raise ValueError(f"model='{model_name}': profile a GQA model in float32/bfloat16/float16 "
                          "that the real engine runs (e.g. tiny, mid)")
+    if num_workers < 1:
+        raise ValueError(f"--workers: the worker processes stepping at once, >= 1; got {num_workers}")
     threads = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
-        gemm_rows = measure_engine_gemms(model, plan.token_counts, plan.min_time_s)
-        attention_rows = profile_attention(model, plan)
-        bandwidth = memcpy_gbps(min_time_s=plan.min_time_s * 5)
-        peak = max(2.0 * m * n * k / s for m, n, k, s in gemm_rows) / 1e12
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-        hardware = HardwareConfig(
-            name=name, peak_tflops=peak, peak_tflops_fp32=peak, hbm_bw_gbps=bandwidth,
-            memory_gib=round(memory, 1), compute_efficiency=1.0, memory_efficiency=1.0, gemm_ramp_tokens=0.0,
-            # all floats: Hydra's typed list[list[float]] rejects ints
-            gemm_profile=[[float(m), float(n), float(k), float(f"{s:.4g}")] for m, n, k, s in gemm_rows],
-            attention_profile=[[*row[:-1], float(f"{row[-1]:.4g}")] for row in attention_rows], profiled_for=name)
-        overhead_note = "not measured (engine_overhead=False)"
-        if engine_overhead:
-            from testbed.config import RuntimeConfig
-            from testbed.profiling.calibration import measure_frontend_message, measure_overhead, measure_serving
-            fit = measure_overhead(model, hardware, quick, lambda: measure_serving(model, hardware, quick))
-            serving = fit.serving
-            hardware.overhead_ms = round(fit.overhead_ms, 4)
-            hardware.overhead_per_seq_ms = round(fit.overhead_per_seq_ms, 4)
-            hardware.overhead_per_token_ms = round(fit.overhead_per_token_ms, 5)
-            hardware.calibration_scale = round(fit.calibration_scale, 4)
-            hardware.step_jitter_ms = [round(q, 4) for q in jitter_quantiles(serving.step_deviations_ms)]
-            hardware.frontend_hop_ms = round(serving.hop_ms, 4)
-            hardware.frontend_message_ms = round(measure_frontend_message(model, RuntimeConfig.host), 4)
+        with Neighbors(model_name, num_workers - 1, num_threads):
+            gemm_rows = measure_engine_gemms(model, plan.token_counts, plan.min_time_s)
+            attention_rows = profile_attention(model, plan)
+            bandwidth = memcpy_gbps(min_time_s=plan.min_time_s * 5)
+            peak = max(2.0 * m * n * k / s for m, n, k, s in gemm_rows) / 1e12
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+            hardware = HardwareConfig(
+                name=name, peak_tflops=peak, peak_tflops_fp32=peak, hbm_bw_gbps=bandwidth,
+                memory_gib=round(memory, 1), compute_efficiency=1.0, memory_efficiency=1.0, gemm_ramp_tokens=0.0,
+                # all floats: Hydra's typed list[list[float]] rejects ints
+                gemm_profile=[[float(m), float(n), float(k), float(f"{s:.4g}")] for m, n, k, s in gemm_rows],
+                attention_profile=[[*row[:-1], float(f"{row[-1]:.4g}")] for row in attention_rows],
+                profiled_for=name, profiled_threads=num_threads, profiled_workers=num_workers)
+            overhead_note = "not measured (engine_overhead=False)"
+            if engine_overhead:
+                from testbed.config import RuntimeConfig
+                from testbed.profiling.calibration import measure_frontend_message, measure_overhead, measure_serving
+                fit = measure_overhead(model, hardware, quick, lambda: measure_serving(model, hardware, quick))
+                serving = fit.serving
+                hardware.overhead_ms = round(fit.overhead_ms, 4)
+                hardware.overhead_per_seq_ms = round(fit.overhead_per_seq_ms, 4)
+                hardware.overhead_per_token_ms = round(fit.overhead_per_token_ms, 5)
+                hardware.calibration_scale = round(fit.calibration_scale, 4)
+                hardware.step_jitter_ms = [round(q, 4) for q in jitter_quantiles(serving.step_deviations_ms)]
+                hardware.frontend_hop_ms = round(serving.hop_ms, 4)
+                hardware.frontend_message_ms = round(measure_frontend_message(model, RuntimeConfig.host), 4)
 
-            for seqs, tokens, wall, modeled, _ in fit.rows:
-                model_ms = fit.predict_ms(seqs, tokens, modeled)
-                log(f"  step of {seqs:2d} seqs, {tokens:4d} tokens: engine {wall * 1e3:7.2f} ms, "
-                    f"model {model_ms:7.2f} ms ({model_ms / (wall * 1e3) - 1:+.0%})")
-            for seqs, tokens, wall, modeled, count in fit.serving_rows:
-                if count >= 20 or tokens >= 1024:
+                for seqs, tokens, wall, modeled, _ in fit.rows:
                     model_ms = fit.predict_ms(seqs, tokens, modeled)
-                    log(f"  served {count:4d}x {seqs:2d} seqs, {tokens:4d} tokens: engine {wall * 1e3:7.2f} ms, "
+                    log(f"  step of {seqs:2d} seqs, {tokens:4d} tokens: engine {wall * 1e3:7.2f} ms, "
                         f"model {model_ms:7.2f} ms ({model_ms / (wall * 1e3) - 1:+.0%})")
-            served = [fit.predict_ms(*row[:2], row[3]) / (row[2] * 1e3) - 1 for row in fit.serving_rows]
-            log(f"  {len(fit.serving_rows)} batch shapes of real serving runs: model error median "
-                f"{np.median(served):+.0%}, 10th-90th percentile "
-                f"{np.percentile(served, 10):+.0%} to {np.percentile(served, 90):+.0%}")
-            overhead_note = (f"fitted with calibration_scale to the real engine's step times over "
-                             f"{len(fit.rows)} batch shapes stepped alone and {len(fit.serving_rows)} "
-                             f"served (testbed.profiling.calibration)")
+                for seqs, tokens, wall, modeled, count in fit.serving_rows:
+                    if count >= 20 or tokens >= 1024:
+                        model_ms = fit.predict_ms(seqs, tokens, modeled)
+                        log(f"  served {count:4d}x {seqs:2d} seqs, {tokens:4d} tokens: engine {wall * 1e3:7.2f} ms, "
+                            f"model {model_ms:7.2f} ms ({model_ms / (wall * 1e3) - 1:+.0%})")
+                served = [fit.predict_ms(*row[:2], row[3]) / (row[2] * 1e3) - 1 for row in fit.serving_rows]
+                log(f"  {len(fit.serving_rows)} batch shapes of real serving runs: model error median "
+                    f"{np.median(served):+.0%}, 10th-90th percentile "
+                    f"{np.percentile(served, 10):+.0%} to {np.percentile(served, 90):+.0%}")
+                overhead_note = (f"fitted with calibration_scale to the real engine's step times over "
+                                 f"{len(fit.rows)} batch shapes stepped alone and {len(fit.serving_rows)} "
+                                 f"served (testbed.profiling.calibration)")
     finally:
         torch.set_num_threads(threads)
     header = (f"# Measured on this machine by testbed.profiling.profile.profile_cpu ({time.strftime('%Y-%m-%d %H:%M')}):\n"
-              f"# model={model_name} ({model.dtype}), torch threads={num_threads}, quick={quick}.\n"
+              f"# model={model_name} ({model.dtype}), torch threads={num_threads}, quick={quick}, "
+              f"workers stepping at once={num_workers}.\n"
               "# peak_tflops: best GEMM throughput seen; hbm_bw_gbps: memcpy, read plus written bytes.\n"
               "# gemm_profile rows [m, n, k, seconds]; attention_profile rows of one torch-backend attention\n"
               f"# forward [{', '.join(ATTENTION_COLUMNS)}].\n"
@@ -221,14 +231,20 @@ def profile_main(argv: list[str]) -> int:
                         help="where to write the YAML (default: conf/hardware/cpu.yaml)")
     parser.add_argument("--model", default="tiny", help="the model preset whose shapes to measure (default: tiny)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, as each worker process uses (1)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="worker processes stepping at once, as a deployment of that many real workers "
+                             "runs near capacity: the profile measures beside workers - 1 busy neighbours (1)")
     parser.add_argument("--name", default=None, help="the preset's name (default: the output file's stem)")
     args = parser.parse_args(argv)
     if args.threads < 1:
         parser.error(f"--threads: must be >= 1, got {args.threads}")
+    if args.workers < 1:
+        parser.error(f"--workers: must be >= 1, got {args.workers}")
     out = Path(args.out)
     t0 = time.perf_counter()
     try:
-        hw = profile_cpu(out, args.model, args.quick, args.name or out.stem, args.threads, log=print)
+        hw = profile_cpu(out, args.model, args.quick, args.name or out.stem, args.threads, log=print,
+                         num_workers=args.workers)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

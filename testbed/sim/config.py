@@ -95,6 +95,11 @@ class HardwareConfig:
     # the preset `testbed profile` measured the fields above for ("" if none):
     # they describe that machine only (see __post_init__)
     profiled_for: str = ""
+    # the conditions the profile was measured under: torch threads per worker
+    # process, and worker processes stepping at once (`testbed profile --workers`);
+    # 0: not a CPU profile, or written before they were recorded
+    profiled_threads: int = 0
+    profiled_workers: int = 0
 
     def __post_init__(self) -> None:
         if self.profiled_for and self.profiled_for != self.name:
@@ -151,7 +156,7 @@ class HardwareConfig:
 
 _MEASURED = [f for f in fields(HardwareConfig) if f.name in (
     "overhead_per_seq_ms", "overhead_per_token_ms", "calibration_scale", "frontend_hop_ms", "frontend_message_ms",
-    "gemm_profile", "attention_profile", "step_jitter_ms")]
+    "gemm_profile", "attention_profile", "step_jitter_ms", "profiled_threads", "profiled_workers")]
 
 
 @dataclass
