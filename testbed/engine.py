@@ -138,45 +138,60 @@ class Engine:
         times as those calls, one by one (tests/test_sim_fast_forward.py)."""
         if self.prefill_only or self.seat_queue or not self.clock.virtual:
             return None, None
-        scheduler, clock = self.scheduler, self.clock
-        bs, commit = self.bm.block_size, self.bm.commit
-        run, left, steps, block_starts = None, 0, None, True
+        scheduler, clock, bs = self.scheduler, self.clock, self.bm.block_size
+        run, left, steps = None, 0, None
         while True:
-            if block_starts:      # else the same answer as last time (Scheduler.steady_decodes)
-                steady = scheduler.steady_decodes()
-                if steady is None:
-                    return run, None
-                requests, token_budget = steady
-                block_starts = False
+            # the scheduler is asked again only where a request starts a KV block
+            # (Scheduler.steady_decodes: else the same answer as last time)
+            steady = scheduler.steady_decodes()
+            if steady is None:
+                return run, None
+            requests, token_budget = steady
             if steps is None:
                 # iterations until one of them may finish a request (an EOS may end any)
                 left = min(r.max_tokens - len(r.output_token_ids) if r.sampling.ignore_eos else 1
                            for r in requests)
                 steps = self.executor.decode_steps(requests)
-            start = clock.t
-            tokens, duration, kv_bytes_read = next(steps)
-            end = start + duration
-            ends_s = start + (end - start)
-            if left <= 1 or ends_s >= until_s:
-                return run, self._decoded(requests, token_budget, start, tokens, duration, kv_bytes_read)
-            if run is None:
-                run = DecodeRun(requests, [len(r.output_token_ids) for r in requests])
-                for req in requests:
-                    if req.first_scheduled_s is None:
-                        req.first_scheduled_s = start
-            for req, token in zip(requests, tokens):
-                req.num_computed_tokens = computed = req.num_computed_tokens + 1
-                if computed % bs == 0:
-                    commit(req)
-                    block_starts = True     # its next token starts a block
-                req.output_token_ids.append(token)
-                req.token_times_s.append(end)
-            run.tokens.append(tokens)
-            run.ends_s.append(ends_s)
-            run.iterations.append(IterationRecord(start, end - start, 0, len(requests), kv_bytes_read, None,
-                                                  token_budget, None))
-            clock.t = ends_s
-            left -= 1
+            # the stretch's last iteration fills some request's block: the requests
+            # are updated once per stretch, not once per iteration (~0.3 µs a token)
+            stretch = min(bs - r.num_computed_tokens % bs for r in requests)
+            tokens_of, ends = [], []
+            for _ in range(stretch):
+                start = clock.t
+                tokens, duration, kv_bytes_read = next(steps)
+                end = start + duration
+                ends_s = start + (end - start)
+                if left <= 1 or ends_s >= until_s:
+                    self._advance(requests, tokens_of, ends)
+                    return run, self._decoded(requests, token_budget, start, tokens, duration, kv_bytes_read)
+                if run is None:
+                    run = DecodeRun(requests, [len(r.output_token_ids) for r in requests])
+                    for req in requests:
+                        if req.first_scheduled_s is None:
+                            req.first_scheduled_s = start
+                tokens_of.append(tokens)
+                ends.append(end)
+                run.tokens.append(tokens)
+                run.ends_s.append(ends_s)
+                run.iterations.append(IterationRecord(start, end - start, 0, len(requests), kv_bytes_read, None,
+                                                      token_budget, None))
+                clock.t = ends_s
+                left -= 1
+            self._advance(requests, tokens_of, ends)
+
+    def _advance(self, requests: list[Request], tokens_of: list[list[int]], ends: list[float]) -> None:
+        """The decode run's updates of len(ends) iterations at once: iteration j
+        sampled tokens_of[j] (in request order) at ends[j]; a block that filled
+        in the last of them is committed (none fills before it)."""
+        if not ends:
+            return
+        bs, commit, n = self.bm.block_size, self.bm.commit, len(ends)
+        for req, tokens in zip(requests, zip(*tokens_of)):
+            req.output_token_ids += tokens      # (the block reads the tokens before the last)
+            req.token_times_s += ends
+            req.num_computed_tokens = computed = req.num_computed_tokens + n
+            if computed % bs == 0:
+                commit(req)
 
     def _decoded(self, requests: list[Request], token_budget: int | None, start: float, tokens: list[int],
                  duration: float, kv_bytes_read: int) -> StepOutput:

@@ -19,7 +19,7 @@ same generation (stated per kernel)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -103,10 +103,20 @@ class KernelAttention:
     def decode_seconds(self, num_decodes: int, context_tokens: int, longest_context: int) -> float:
         """seconds() of `num_decodes` decodes (q = 1) alone whose contexts sum
         to `context_tokens`, the longest `longest_context`: the same float."""
+        return self.decode_seconds_of(num_decodes)(context_tokens, longest_context)
+
+    def decode_seconds_of(self, num_decodes: int) -> Callable[[int, int], float]:
+        """decode_seconds(num_decodes, ...) as a function of the contexts' sum
+        and longest, _decodes_s inlined (a DecodeRun prices every iteration with it)."""
         shape = self.shape
         kv, io = shape.kv_bytes_per_token, shape.io_bytes_per_token
-        return self.num_layers * (0.0 + self._decodes_s(kv * context_tokens + io * num_decodes,
-                                                         kv * longest_context + io))
+        io_decodes, num_layers = io * num_decodes, self.num_layers
+        decode_s_per_byte, single_s_per_byte = self._decode_s_per_byte, self._single_s_per_byte
+
+        def seconds(context_tokens: int, longest_context: int) -> float:
+            return num_layers * (0.0 + max((kv * context_tokens + io_decodes) * decode_s_per_byte,
+                                           (kv * longest_context + io) * single_s_per_byte))
+        return seconds
 
     def _decodes_s(self, decode_bytes: float, longest_bytes: float) -> float:
         """The decodes stream their KV together, no faster than the longest one alone."""

@@ -127,14 +127,23 @@ class CostModel:
         """decode_iteration_s(num_decodes, context_tokens, longest_context) as a
         function of the last two, its batch-size terms looked up once (a
         DecodeRun prices its iterations with one)."""
-        decode_seconds = getattr(self._attention, "decode_seconds", None)
-        if decode_seconds is None:
+        decode_seconds_of = getattr(self._attention, "decode_seconds_of", None)
+        if decode_seconds_of is None:
             return None
-        counted, scale = self._counted_for(float(num_decodes), num_decodes, num_decodes), self._scale
+        attention_s, scale = decode_seconds_of(num_decodes), self._scale
+        gemm, experts, elementwise, lm_head, allreduce, pp, overhead, launch_bound = self._counted_for(
+            float(num_decodes), num_decodes, num_decodes)
 
+        # _terms_of's float operations in its order, inlined: two calls fewer per
+        # iteration (tests/test_sim_fast_forward.py compares it with iteration_time_s)
         def seconds(context_tokens: int, longest_context: int) -> float:
-            return float(sum(_terms_of(counted, decode_seconds(num_decodes, context_tokens, longest_context),
-                                       scale)))
+            attention = attention_s(context_tokens, longest_context)
+            if scale != 1.0:
+                attention *= scale
+            terms = (gemm, experts, attention, elementwise, lm_head, allreduce, pp)
+            if launch_bound is None:
+                return float(sum(terms + (overhead,)))
+            return float(sum(terms + (overhead + max(0.0, launch_bound - sum(terms)),)))
         return seconds
 
     def breakdown(self, slices: Slices, num_sampled: int | None = None) -> dict[str, float]:
