@@ -56,8 +56,7 @@ def read_rows(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-@pytest.mark.slow
-def test_the_study_finds_the_crossover_the_arithmetic_gives(tmp_path):
+def test_the_study_finds_the_crossover_the_arithmetic_gives(tmp_path):        # ~5 s here
     cfg = constructed()
     # the study's own result: run_experiment pops its W&B series and tables (tests/test_wandb.py reads those back)
     result = run_decision(cfg, tmp_path, print)
@@ -65,7 +64,7 @@ def test_the_study_finds_the_crossover_the_arithmetic_gives(tmp_path):
     rows = read_rows(tmp_path / "decision.csv")
     assert list(rows[0]) == ["model", "hardware", "link", "link_gbps", "num_gpus", "slo", "tbt_slo_ms", "ttft_slo_ms",
                              "context_len", "deployment", "family", "capacity_per_gpu", "bound", "limited_by",
-                             "steady", "probes", "source"]
+                             "steady", "probes", "source", "first_failing_per_gpu"]
     assert len(rows) == len(GRID) * 2 * 2                 # L x (sarathi-1100, disagg-1P1D) x 2 definitions
     assert {r["ttft_slo_ms"] for r in rows} == {"35.0"}
     by = {(r["slo"], r["deployment"], int(r["context_len"])): r for r in rows}
@@ -73,9 +72,12 @@ def test_the_study_finds_the_crossover_the_arithmetic_gives(tmp_path):
         for L in (4096, 8192):           # 4 chunks of 10 ms: no rate meets a 35 ms TTFT
             col = by[(slo, "sarathi-1100", L)]
             assert (col["capacity_per_gpu"], col["bound"], col["limited_by"]) == ("", "none", "ttft")
+            assert float(col["first_failing_per_gpu"]) > 0          # the lowest rate probed, failed
         for L in GRID:
             dis = by[(slo, "disagg-1P1D", L)]
             assert dis["bound"] == "bracketed" and dis["steady"] == "True" and float(dis["capacity_per_gpu"]) > 0
+            # the bracket: the first failing rate above the capacity, within the search's 10%
+            assert 1.0 < float(dis["first_failing_per_gpu"]) / float(dis["capacity_per_gpu"]) <= 1.1 + 1e-9
         for L in (512, 1024):            # twice the prefill throughput: ~2x, at least 1.4x
             col, dis = by[(slo, "sarathi-1100", L)], by[(slo, "disagg-1P1D", L)]
             assert col["steady"] == "True" and col["bound"] == "bracketed"

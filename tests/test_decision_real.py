@@ -109,16 +109,18 @@ def test_real_rows_past_the_budget_are_flagged_not_measured(tmp_path, monkeypatc
 
 
 def test_sim_vs_real_matches_rows_by_every_key():
-    def row(source, dep="disagg-1P1D", L=1024, cap=2.0, link="tcp-25", steady=True):
+    def row(source, dep="disagg-1P1D", L=1024, cap=2.0, link="tcp-25", steady=True, fail=None):
         return {"model": "tiny", "hardware": "cpu", "link": link, "num_gpus": 2, "slo": "p99_tbt", "tbt_slo_ms": 100,
                 "deployment": dep, "context_len": L, "capacity_per_gpu": cap, "steady": steady,
-                "limited_by": "ttft", "source": source}
+                "limited_by": "ttft", "source": source, "first_failing_per_gpu": fail}
     rows = [row("sim", cap=4.0), row("sim", L=2048, cap=1.0), row("sim", dep="adaptive", cap=8.0),
-            row("real", cap=2.0), row("real", L=2048, cap=1.5, steady=False), row("real", link="rdma-100")]
+            row("real", cap=2.0, fail="2.83"), row("real", L=2048, cap=1.5, steady=False), row("real", link="rdma-100")]
     pairs = sim_vs_real(rows)
     assert [(p["context_len"], p["deployment"], p["has_sim"]) for p in pairs] == [
         (1024, "disagg-1P1D", True), (2048, "disagg-1P1D", True), (1024, "disagg-1P1D", False)]
     assert pairs[0]["real_over_sim"] == 0.5 and pairs[0]["sim_capacity_per_gpu"] == 4.0
+    assert pairs[0]["real_over_sim_upper"] == 2.83 / 4.0           # the real bracket [2.0, 2.83) over 4.0
+    assert pairs[1]["real_over_sim_upper"] is None and pairs[2]["real_over_sim_upper"] is None
     assert pairs[1]["real_over_sim"] is None and pairs[1]["real_steady"] is False   # unsteady: no ratio
     assert pairs[2]["sim_capacity_per_gpu"] is None
 

@@ -25,7 +25,8 @@ from testbed.steady_state import SteadyRule, Window
 from testbed.workloads.config import WorkloadConfig
 
 COLUMNS = ("model", "hardware", "link", "link_gbps", "num_gpus", "slo", "tbt_slo_ms", "ttft_slo_ms", "context_len",
-           "deployment", "family", "capacity_per_gpu", "bound", "limited_by", "steady", "probes", "source")
+           "deployment", "family", "capacity_per_gpu", "bound", "limited_by", "steady", "probes", "source",
+           "first_failing_per_gpu")
 
 
 @dataclass
@@ -146,6 +147,7 @@ class Search:
     limited_by: str
     steady: bool
     probes: int
+    first_failing: float | None = None   # the lowest probed rate above capacity (it failed); None: none did
 
 
 def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targets: SLOTargets, start: float,
@@ -185,8 +187,8 @@ def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targe
     bound = "none" if cap is None else "lower" if fail is None else "bracketed"
     steady = never_fits or all(verdicts[r][1] for r in (cap, fail) if r is not None)
     if out_of_time:
-        return Search(cap, bound, "budget", False, len(verdicts))
-    return Search(cap, bound, verdicts[fail][0] if fail is not None else "", steady, len(verdicts))
+        return Search(cap, bound, "budget", False, len(verdicts), fail)
+    return Search(cap, bound, verdicts[fail][0] if fail is not None else "", steady, len(verdicts), fail)
 
 
 def point_cfg(cfg: RunConfig, model_name: str, hardware_name: str) -> RunConfig:
@@ -268,4 +270,6 @@ def _row(point: RunConfig, link, num_gpus: int, slo: str, tbt, targets: SLOTarge
             "ttft_slo_ms": round(targets.ttft_ms, 3), "context_len": L, "deployment": dep.label,
             "family": dep.family, "capacity_per_gpu": None if res.capacity is None else res.capacity / gpus,
             "bound": res.bound, "limited_by": res.limited_by, "steady": res.steady, "probes": res.probes,
-            "source": source}
+            "source": source,
+            # the capacity lies in [capacity_per_gpu, first_failing_per_gpu): the search's bracket
+            "first_failing_per_gpu": None if res.first_failing is None else res.first_failing / gpus}

@@ -114,9 +114,15 @@ def sim_vs_real(rows: list[dict]) -> list[dict]:
             continue
         s = sim.get(key(r), {})
         real_cap, sim_cap = _capacity(r), _capacity(s) if s else None
+        fail = r.get("first_failing_per_gpu")
+        real_fail = float(fail) if fail not in (None, "") else None
         out.append({**{k: r[k] for k in MATCH_KEYS}, "has_sim": bool(s),
                     "sim_capacity_per_gpu": s.get("capacity_per_gpu"), "real_capacity_per_gpu": r["capacity_per_gpu"],
                     "sim_steady": _truthy(s.get("steady")), "real_steady": _truthy(r.get("steady")),
                     "sim_limited_by": s.get("limited_by"), "real_limited_by": r.get("limited_by"),
-                    "real_over_sim": real_cap / sim_cap if real_cap is not None and sim_cap else None})
+                    "real_over_sim": real_cap / sim_cap if real_cap is not None and sim_cap else None,
+                    # the real search's bracket over the simulator's capacity: real/sim lies in
+                    # [real_over_sim, real_over_sim_upper) (None where the real search never failed)
+                    "real_over_sim_upper": real_fail / sim_cap if real_cap is not None and sim_cap
+                    and real_fail is not None else None})
     return out
