@@ -262,3 +262,31 @@ def test_find_capacity_with_the_steady_rule_lengthens_a_short_probe_and_judges_t
     assert res.rate is not None and res.first_failing_rate is not None and res.steady
     saved = json.loads((tmp_path / "capacity.json").read_text())
     assert saved["steady"] is True and all("steady" in p for p in saved["probes"])
+
+
+def test_a_probe_too_short_to_judge_anyone_is_lengthened_not_counted_as_a_failure():
+    """A probe whose every request finished but whose window holds none (its
+    first size came from a service time far too short) says nothing: failing
+    it sent a search below half its capacity (deepseek-v2-lite, sarathi-2048
+    at 2K). It is re-run as long as the rule asks, even more than 3x longer."""
+    from omegaconf import OmegaConf
+
+    from testbed.experiments.decision import Prober
+    from testbed.experiments.decision_search import verdict
+    from testbed.experiments.decision_slo import SLOTargets, get_smoothness
+    hardware = OmegaConf.to_container(OmegaConf.load(DATA / "decision_hardware.yaml"))
+    cfg = from_dict({"runtime": {"name": "sim"}, "model": {"name": "tiny"}, "wandb": {"mode": "disabled"},
+                     "progress": False, "hardware": hardware, "token_budget": 1100,
+                     "workload": {"name": "w", "arrival": "poisson", "rate": 1.0, "num_requests": 10,
+                                  "prompt_dist": "fixed", "prompt_len": 64, "output_dist": "fixed",
+                                  "output_len": 400}})
+    rule = SteadyRule(span_factor=10, min_judged=20, max_requests=2000)
+    smooth, targets = get_smoothness("p99_tbt"), SLOTargets(ttft_ms=1e6, tbt_ms=1e6)
+    prober = Prober(rule, lambda *_: None)
+    # a first guess of 1 us per request: 30 requests at 20 req/s, arriving over ~1.5 s, while each
+    # takes 4 s (400 iterations of 10 ms, any batch): the window [first + 4 s, last - 4 s] is empty
+    assert rule.num_requests(20.0, 1e-6) == 30
+    run = prober.probe(("k",), cfg, 20.0, 1e-6, lambda r: verdict(r, smooth, targets) == "")
+    assert run.num_requests > 3 * 30 and run.num_finished == run.num_requests
+    assert run.window.judged and run.window.steady and 3.9 < run.window.service_s < 4.5
+    assert verdict(run, smooth, targets) == ""

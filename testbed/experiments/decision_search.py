@@ -57,7 +57,8 @@ class Prober:
     probe sees a longer service-time tail, so the target moves). A failing one
     is lengthened only when at most 3x longer would do: an overloaded probe has no
     steady state to reach (its service times grow with the queue), and stays
-    flagged when too short. Remembers every run by
+    flagged when too short; except an unjudged one (every request finished,
+    none in the window: it says nothing), lengthened as a passing one. Remembers every run by
     (deployment, link, L, SLO the run reads, rate) so SLO definitions share them.
     `passes(run)` says whether a run meets the SLOs of the search asking.
     With `max_span_s` no probe's arrivals span longer than that (the real
@@ -86,8 +87,11 @@ class Prober:
         passed = passes(run)
         for _ in range(self.max_lengthenings):
             needed = self._size(rate, run.window.service_s)
+            # every request finished and none in the window: too short to say anything, not a failure
+            # (failing such a probe sent dsv2's sarathi-2048 search at 2K below half its capacity)
+            unjudged = run.num_finished == run.num_requests and not run.window.judged
             if run.window.steady or not run.num_finished or needed <= run.num_requests \
-                    or not (passed or needed <= 3 * run.num_requests):
+                    or not (passed or unjudged or needed <= 3 * run.num_requests):
                 break
             run = self._run(cfg, rate, needed)
             passed = passes(run)
