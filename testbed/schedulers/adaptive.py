@@ -68,7 +68,8 @@ class AdaptiveScheduler(SarathiScheduler):
         self.ttft_s = context.slo_ttft_ms * 1e-3
         self.deadlines = TokenDeadlines(self.tbt_s)
         self.correction = StepCorrection(self.acfg.ewma_alpha, self.acfg.tbt_quantile)
-        self.traffic = Traffic(self.acfg.rollout_window)
+        # what the rollout expects of arrivals it cannot see yet; observed only when it uses it
+        self.traffic = Traffic(self.acfg.rollout_window) if self.acfg.rollout_arrivals else None
         # the part of a TBT SLO an iteration may take: all of it when bound() carries the error margin
         self.plan_s = (self.tbt_s - _EDGE_S if self.acfg.tbt_quantile is not None
                        else self.acfg.tbt_headroom * self.tbt_s)
@@ -94,10 +95,12 @@ class AdaptiveScheduler(SarathiScheduler):
 
     def add(self, request: Request) -> None:
         super().add(request)
-        self.traffic.observe_arrival(self.context.clock.now())
+        if self.traffic is not None:
+            self.traffic.observe_arrival(self.context.clock.now())
 
     def on_step(self, batch: Batch, duration_s: float) -> None:
-        self.traffic.observe_step(duration_s)
+        if self.traffic is not None:
+            self.traffic.observe_step(duration_s)
         planned = self._planned
         if planned is not None and planned[0] is batch:
             self.correction.observe(planned[1], planned[2], duration_s)
@@ -161,9 +164,11 @@ class AdaptiveScheduler(SarathiScheduler):
 
         def price(pairs, sampled):
             return correct(predict(pairs, sampled), kind)       # the mean: TTFT is summed, not bounded
-        rate = self.traffic.rate_per_s(self.context.clock.now()) if self.acfg.rollout_arrivals else 0.0
+        traffic = self.traffic
+        rate, typical_s = (traffic.rate_per_s(self.context.clock.now()), traffic.typical_step_s()) \
+            if traffic is not None else (0.0, 0.0)
         return ttft_minimising_budget(price, decodes, todo, budget, self.min_chunk, self.acfg.min_budget,
-                                      self.acfg.budget_multiple, rate, self.traffic.typical_step_s())
+                                      self.acfg.budget_multiple, rate, typical_s)
 
     def _prefill_work(self, partial: list[Request]) -> list[Request]:
         """The prompts this iteration may chunk, in sarathi's order (partial
