@@ -170,36 +170,8 @@ def profile_cpu(out_path: str | Path, model_name: str = "tiny", quick: bool = Fa
                 gemm_profile=[[float(m), float(n), float(k), float(f"{s:.4g}")] for m, n, k, s in gemm_rows],
                 attention_profile=[[*row[:-1], float(f"{row[-1]:.4g}")] for row in attention_rows],
                 profiled_for=name, profiled_threads=num_threads, profiled_workers=num_workers)
-            overhead_note = "not measured (engine_overhead=False)"
-            if engine_overhead:
-                from testbed.config import RuntimeConfig
-                from testbed.profiling.calibration import measure_frontend_message, measure_overhead, measure_serving
-                fit = measure_overhead(model, hardware, quick, lambda: measure_serving(model, hardware, quick))
-                serving = fit.serving
-                hardware.overhead_ms = round(fit.overhead_ms, 4)
-                hardware.overhead_per_seq_ms = round(fit.overhead_per_seq_ms, 4)
-                hardware.overhead_per_token_ms = round(fit.overhead_per_token_ms, 5)
-                hardware.calibration_scale = round(fit.calibration_scale, 4)
-                hardware.step_jitter_ms = [round(q, 4) for q in jitter_quantiles(serving.step_deviations_ms)]
-                hardware.frontend_hop_ms = round(serving.hop_ms, 4)
-                hardware.frontend_message_ms = round(measure_frontend_message(model, RuntimeConfig.host), 4)
-
-                for seqs, tokens, wall, modeled, _ in fit.rows:
-                    model_ms = fit.predict_ms(seqs, tokens, modeled)
-                    log(f"  step of {seqs:2d} seqs, {tokens:4d} tokens: engine {wall * 1e3:7.2f} ms, "
-                        f"model {model_ms:7.2f} ms ({model_ms / (wall * 1e3) - 1:+.0%})")
-                for seqs, tokens, wall, modeled, count in fit.serving_rows:
-                    if count >= 20 or tokens >= 1024:
-                        model_ms = fit.predict_ms(seqs, tokens, modeled)
-                        log(f"  served {count:4d}x {seqs:2d} seqs, {tokens:4d} tokens: engine {wall * 1e3:7.2f} ms, "
-                            f"model {model_ms:7.2f} ms ({model_ms / (wall * 1e3) - 1:+.0%})")
-                served = [fit.predict_ms(*row[:2], row[3]) / (row[2] * 1e3) - 1 for row in fit.serving_rows]
-                log(f"  {len(fit.serving_rows)} batch shapes of real serving runs: model error median "
-                    f"{np.median(served):+.0%}, 10th-90th percentile "
-                    f"{np.percentile(served, 10):+.0%} to {np.percentile(served, 90):+.0%}")
-                overhead_note = (f"fitted with calibration_scale to the real engine's step times over "
-                                 f"{len(fit.rows)} batch shapes stepped alone and {len(fit.serving_rows)} "
-                                 f"served (testbed.profiling.calibration)")
+            overhead_note = (calibrate_overhead(model, hardware, quick, log) if engine_overhead
+                             else "not measured (engine_overhead=False)")
     finally:
         torch.set_num_threads(threads)
     header = (f"# Measured on this machine by testbed.profiling.profile.profile_cpu ({time.strftime('%Y-%m-%d %H:%M')}):\n"
@@ -218,6 +190,40 @@ def profile_cpu(out_path: str | Path, model_name: str = "tiny", quick: bool = Fa
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     Path(out_path).write_text(header + body)
     return hardware
+
+
+def calibrate_overhead(model, hardware: HardwareConfig, quick: bool, log) -> str:
+    """Fit `hardware`'s per-iteration overhead, calibration scale, step jitter
+    and frontend hop to the real engine's steps (short real runs), log the
+    model's error per batch shape, and return the YAML header's note on it."""
+    from testbed.config import RuntimeConfig
+    from testbed.profiling.calibration import measure_frontend_message, measure_overhead, measure_serving
+    fit = measure_overhead(model, hardware, quick, lambda: measure_serving(model, hardware, quick))
+    serving = fit.serving
+    hardware.overhead_ms = round(fit.overhead_ms, 4)
+    hardware.overhead_per_seq_ms = round(fit.overhead_per_seq_ms, 4)
+    hardware.overhead_per_token_ms = round(fit.overhead_per_token_ms, 5)
+    hardware.calibration_scale = round(fit.calibration_scale, 4)
+    hardware.step_jitter_ms = [round(q, 4) for q in jitter_quantiles(serving.step_deviations_ms)]
+    hardware.frontend_hop_ms = round(serving.hop_ms, 4)
+    hardware.frontend_message_ms = round(measure_frontend_message(model, RuntimeConfig.host), 4)
+
+    for seqs, tokens, wall, modeled, _ in fit.rows:
+        model_ms = fit.predict_ms(seqs, tokens, modeled)
+        log(f"  step of {seqs:2d} seqs, {tokens:4d} tokens: engine {wall * 1e3:7.2f} ms, "
+            f"model {model_ms:7.2f} ms ({model_ms / (wall * 1e3) - 1:+.0%})")
+    for seqs, tokens, wall, modeled, count in fit.serving_rows:
+        if count >= 20 or tokens >= 1024:
+            model_ms = fit.predict_ms(seqs, tokens, modeled)
+            log(f"  served {count:4d}x {seqs:2d} seqs, {tokens:4d} tokens: engine {wall * 1e3:7.2f} ms, "
+                f"model {model_ms:7.2f} ms ({model_ms / (wall * 1e3) - 1:+.0%})")
+    served = [fit.predict_ms(*row[:2], row[3]) / (row[2] * 1e3) - 1 for row in fit.serving_rows]
+    log(f"  {len(fit.serving_rows)} batch shapes of real serving runs: model error median "
+        f"{np.median(served):+.0%}, 10th-90th percentile "
+        f"{np.percentile(served, 10):+.0%} to {np.percentile(served, 90):+.0%}")
+    return (f"fitted with calibration_scale to the real engine's step times over "
+            f"{len(fit.rows)} batch shapes stepped alone and {len(fit.serving_rows)} "
+            f"served (testbed.profiling.calibration)")
 
 
 def profile_main(argv: list[str]) -> int:
