@@ -27,10 +27,12 @@ from testbed.wire_text import shown
 
 log = logging.getLogger(__name__)
 
-# sender -> receiver messages: [HEADER, msgpack header, transport extras...], and data
-# chunks of the open payload as single-frame messages (a kind frame before each chunk
-# costs ~15% of the loopback's throughput here)
+# sender -> receiver messages: [HEADER, msgpack header, transport extras...], data chunks
+# of the open payload as single-frame messages (a kind frame before each chunk costs ~15%
+# of the loopback's throughput here), and [TRAILER, checksum] after them (zmq_transport.py)
 HEADER = b"H"
+# [TRAILER, 8 bytes]: the checksum of the payload whose data just ended, when its header had none
+TRAILER = b"T"
 
 
 def _name_bytes(name: str) -> bytes:

@@ -10,10 +10,12 @@ GPU caches are gathered on the device and staged through host memory (pinned
 when `out` is a pinned buffer), because the payload's data is always on the CPU.
 
 `view_kv` is pack_kv without the gather, for senders that take `parts`
-(zmq): the payload's bytes are the cache's own contiguous segments, one per
-(layer, k/v, run of adjacent source blocks), hashed in place, sent zero-copy.
-Only the checksum (~2 ms for 32 MiB) precedes the first byte on the wire,
-instead of gather + checksum (6-16 ms, 50+ ms into fresh staging memory:
+(zmq, torch_dist): the payload's bytes are the cache's own contiguous
+segments, one per (layer, k/v, run of adjacent source blocks), sent zero-copy,
+and its checksum is left to the sender (`checksum=None`): zmq hashes each
+chunk as it goes and sends the digest after the data, so nothing precedes
+the first byte on the wire (the checksum first cost ~2-3 ms for 32 MiB here,
+gather + checksum 6-16 ms, 50+ ms into fresh staging memory:
 bench_two_node_phases.py). The blocks must not change until the receiver
 has acknowledged the payload: the prefill worker holds them until `Release`
 (a lease that expires first frees them, and the receiver's checksum then
@@ -24,10 +26,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import xxhash
 
 from testbed.kernels.kv_ops import gather_blocks, scatter_blocks
-from testbed.kv_transfer.payload import DTYPE_NAMES, DTYPES, KVPayload, PayloadError, byte_view, checksum
+from testbed.kv_transfer.payload import DTYPE_NAMES, DTYPES, KVPayload, PayloadError, checksum
 
 MAX_SLICED_RUNS = 8
 
@@ -89,12 +90,9 @@ def view_kv(cache: torch.Tensor, layers: tuple[int, int], src_block_ids: Sequenc
     if cache.is_cuda or not cache.is_contiguous() or len(runs) > MAX_SLICED_RUNS:
         return None
     parts = [cache[layer, kv, first:first + n] for layer in range(*layers) for kv in (0, 1) for first, n in runs]
-    hasher = xxhash.xxh3_64()
-    for part in parts:
-        hasher.update(byte_view(part))
     return KVPayload(request_id=request_id, layer_start=layers[0], layer_end=layers[1],
                      block_ids=list(dst_block_ids), num_tokens=num_tokens, dtype=DTYPE_NAMES[cache.dtype],
-                     shape=shape, checksum=hasher.intdigest(), data=torch.empty(0, dtype=cache.dtype), last=last,
+                     shape=shape, checksum=None, data=torch.empty(0, dtype=cache.dtype), last=last,
                      meta=dict(meta or {}), parts=parts)
 
 

@@ -34,7 +34,7 @@ import zmq
 
 from testbed.kv_transfer.base import KVReceiver
 from testbed.kv_transfer.buffers import ReceiveBuffers
-from testbed.kv_transfer.channel import HEADER, ChannelServer
+from testbed.kv_transfer.channel import HEADER, TRAILER, ChannelServer
 from testbed.kv_transfer.config import TransferConfig
 from testbed.kv_transfer.landing import BufferLanding, Landing
 from testbed.kv_transfer.payload import KVPayload, PayloadError, decode_header
@@ -115,6 +115,9 @@ class ChannelReceiver(KVReceiver):
         try:
             if kind == HEADER:
                 return self._decode_header(origin, self._server.sock.recv(copy=False))
+            if kind == TRAILER:
+                self._reject(origin, "a checksum trailer with no payload awaiting one")
+                return []
             self._reject(origin, f"a message of unknown kind {shown(kind[:16])}")
             return []
         finally:

@@ -12,6 +12,11 @@ at once, so the allocator hands the same memory to the next one. (Keeping the
 frames instead, to save that copy, costs fresh page-faulting memory for every
 payload: slower below ~100 MiB here.)
 
+A header whose checksum is nil (pack.view_kv's payloads) is followed, after
+the data, by a trailer message [TRAILER, xxh3_64 as 8 little-endian bytes]:
+the sender hashes each chunk as it queues it, so the header and the first
+bytes go at once (the receiver hashes as the chunks land, as ever).
+
 Chunks are separate messages rather than frames of one multipart message
 because zmq delivers a multipart message only when all of it has arrived:
 nothing could be copied or hashed before the last byte, and zmq would hold the
@@ -29,7 +34,7 @@ import xxhash
 import zmq
 
 from testbed.kv_transfer.base import TransferError
-from testbed.kv_transfer.channel import HEADER, ChannelSender
+from testbed.kv_transfer.channel import HEADER, TRAILER, ChannelSender
 from testbed.kv_transfer.config import TransferConfig
 from testbed.kv_transfer.landing import Landing
 from testbed.kv_transfer.payload import KVPayload
@@ -52,9 +57,17 @@ class ZmqSender(ChannelSender):
             raise ValueError(f"request {payload.request_id}: payload has {sum(len(c) for c in chunks)} bytes of "
                              f"data, its header declares {payload.nbytes}")
         sock.send_multipart([HEADER, payload.encode_header()])
+        # a payload without a checksum (view_kv's) is hashed a chunk at a time, each once
+        # it is queued, while the I/O thread sends the ones before: the digest follows the data
+        hasher = xxhash.xxh3_64() if payload.checksum is None else None
         for chunk in chunks[:-1]:
             sock.send(chunk, copy=False)
+            if hasher is not None:
+                hasher.update(chunk)
         self._in_flight.append(sock.send(chunks[-1], copy=False, track=True))
+        if hasher is not None:
+            hasher.update(chunks[-1])
+            sock.send_multipart([TRAILER, hasher.intdigest().to_bytes(8, "little")])
         while self._in_flight and self._in_flight[0].done:
             self._in_flight.popleft()
 
@@ -105,6 +118,8 @@ class ZmqReceiver(ChannelReceiver):
         if o is None:
             return super()._recv_body(origin)
         sock, nbytes = self._server.sock, o.payload.nbytes
+        if o.received == nbytes:          # all the data is here; its checksum trailer is due
+            return self._recv_trailer(origin, o)
         start = min(o.received, nbytes)
         view = o.landing.view(start) if o.landing is not None else None
         if view is not None:
@@ -130,11 +145,30 @@ class ZmqReceiver(ChannelReceiver):
             o.hasher.update(chunk)                    # while the chunk is still in cache
             if view is None:
                 o.landing.write(start, chunk)
-        if o.received < nbytes:
+        if o.received < nbytes or o.payload.checksum is None:      # more data, or the trailer, to come
             return []
         del self._open_by_origin[origin]
         if o.landing is None:
             return []
+        return [self._land(o.payload, o.landing, o.hasher.intdigest())]
+
+    def _recv_trailer(self, origin: str, o: _Open) -> list[KVPayload]:
+        """The message after o's last byte, which must be [TRAILER, checksum]."""
+        del self._open_by_origin[origin]
+        first = self._server.sock.recv(copy=False)
+        if not self._server.more():
+            return self._end(o, f"more data than the {o.payload.nbytes} bytes declared")
+        kind = first.bytes
+        if kind != TRAILER:
+            cut = self._end(o, "no checksum trailer after its data (the sender's next message came instead)")
+            return [*cut, *self._on_control(origin, kind)]
+        digest = self._server.sock.recv()
+        self._server.drain()
+        if o.landing is None:
+            return []
+        if len(digest) != 8:
+            return self._end(o, f"a checksum trailer of {len(digest)} bytes, not 8")
+        o.payload.checksum = int.from_bytes(digest, "little")
         return [self._land(o.payload, o.landing, o.hasher.intdigest())]
 
     def _end(self, o: _Open, why: str) -> list[KVPayload]:
@@ -146,7 +180,8 @@ class ZmqReceiver(ChannelReceiver):
                    if now - o.last_progress_s > self.cfg.timeout_s]
         return [p for o in (self._open_by_origin.pop(origin) for origin in stalled)
                 for p in self._end(o, f"truncated: {o.received} of {o.payload.nbytes} bytes arrived, then "
-                                   f"nothing for {self.cfg.timeout_s}s")]
+                                   f"nothing for {self.cfg.timeout_s}s" +
+                                   (" (no checksum trailer)" if o.received == o.payload.nbytes else ""))]
 
     def close(self) -> None:
         self._open_by_origin.clear()

@@ -25,6 +25,7 @@ import torch
 import zmq
 
 from testbed.kv_transfer import TransferConfig, make_sender, pack_kv
+from testbed.kv_transfer.payload import HEADER_VERSION
 
 from testbed.runtime.build import apply_sampling
 from testbed.runtime.event_gate import EventGate
@@ -78,7 +79,7 @@ def kv_header(request_id: str, shape: list[int]) -> bytes:
     n = 4
     for d in shape:
         n *= d
-    return msgpack.packb({"v": 1, "request_id": request_id, "layer_start": 0, "layer_end": shape[0],
+    return msgpack.packb({"v": HEADER_VERSION, "request_id": request_id, "layer_start": 0, "layer_end": shape[0],
                           "block_ids": list(range(shape[2])), "num_tokens": 16, "dtype": "float32",
                           "shape": shape, "checksum": 0, "nbytes": n, "last": True, "meta": {}})
 

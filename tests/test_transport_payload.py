@@ -11,7 +11,7 @@ import xxhash
 
 from testbed.kv_transfer import (KVPayload, PayloadError, TransferConfig, coalesce_runs, make_sender,
                                  pack_kv, unpack_kv, view_kv)
-from testbed.kv_transfer.payload import decode_header
+from testbed.kv_transfer.payload import HEADER_VERSION, decode_header
 
 L, NB, BS, H, D = 3, 40, 4, 2, 8
 
@@ -59,7 +59,9 @@ def test_view_kv_is_pack_kv_without_the_copy(src, dtype):
     dst = list(range(len(src)))
     packed = pack_kv(cache, (1, 3), src, dst, len(src) * BS - 1, "r", meta={"first_token": 5})
     viewed = view_kv(cache, (1, 3), src, dst, len(src) * BS - 1, "r", meta={"first_token": 5})
-    assert viewed.encode_header() == packed.encode_header()          # the same header, checksum included
+    # the same header, but the checksum is left to the sender (zmq sends it after the data)
+    assert viewed.checksum is None and viewed.data_checksum() == packed.checksum
+    assert dataclasses.replace(viewed, checksum=packed.checksum).encode_header() == packed.encode_header()
     joined = torch.cat([torch.from_numpy(b) for b in viewed.byte_parts()])
     assert torch.equal(joined, packed.data.reshape(-1).view(torch.uint8))
     assert len(viewed.parts) == 2 * 2 * len(coalesce_runs(src))      # (layer, k/v, run)
@@ -121,7 +123,7 @@ def test_header_round_trip():
 
 
 def _header(**overrides) -> bytes:
-    h = {"v": 1, "request_id": "r9", "layer_start": 0, "layer_end": 1, "block_ids": [3], "num_tokens": 4,
+    h = {"v": HEADER_VERSION, "request_id": "r9", "layer_start": 0, "layer_end": 1, "block_ids": [3], "num_tokens": 4,
          "dtype": "float32", "shape": [1, 2, 1, BS, H, D], "checksum": 0, "nbytes": 2 * BS * H * D * 4,
          "last": True, "meta": {}}
     h.update(overrides)
@@ -138,7 +140,9 @@ def _header(**overrides) -> bytes:
     (_header(block_ids=[3, -1]), "block_ids must be non-negative integers", "r9"),
     (_header(shape=[1, 2, 2, BS, H, D]), r"does not match layers \[0, 1\) x \(k, v\) x 1 blocks", "r9"),
     (_header(nbytes=7), "nbytes=7 does not match shape", "r9"),
-    (_header(v=2), "header version 2 != 1", "r9"),
+    (_header(v=1), "header version 1 != 2", "r9"),
+    (_header(checksum=True), "header field 'checksum' is True, expected int or NoneType", "r9"),
+    (_header(checksum="0"), "header field 'checksum' is '0', expected int or NoneType", "r9"),
     (_header(shape=[1, 2, 1, 1 << 20, H, D], nbytes=(1 << 20) * H * D * 8),
      "payload of 134217728 bytes exceeds max_message_bytes=1048576", "r9"),
 ])

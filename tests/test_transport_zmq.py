@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))     # spawned children find the p
 import test_transport_peers as peers  # noqa: E402
 
 from testbed.kv_transfer import TransferConfig, TransferError, make_receiver, make_sender, pack_kv  # noqa: E402
+from testbed.kv_transfer.payload import HEADER_VERSION  # noqa: E402
 
 SPAWN = mp.get_context("spawn")
 
@@ -102,7 +103,7 @@ def test_corrupted_payload_fails_that_request_only():
 
 def _raw_header(request_id: str, nbytes: int, **extra) -> bytes:
     n = nbytes // 4
-    h = {"v": 1, "request_id": request_id, "layer_start": 0, "layer_end": 1, "block_ids": [0],
+    h = {"v": HEADER_VERSION, "request_id": request_id, "layer_start": 0, "layer_end": 1, "block_ids": [0],
          "num_tokens": 1, "dtype": "float32", "shape": [1, 2, 1, n // 2, 1, 1], "checksum": 0,
          "nbytes": nbytes, "last": True, "meta": {}}
     h.update(extra)
@@ -165,6 +166,97 @@ def test_hostile_messages_are_reported_not_fatal():
         raw.close()
         ctx.term()
         receiver.close()
+
+
+def test_a_checksum_after_the_data_is_checked_and_its_faults_fail_that_payload_only():
+    """A header with checksum nil (view_kv's payloads: the zmq sender hashes as it sends)
+    takes its checksum from the [T, 8 bytes] trailer after the data; a wrong one, a short
+    one, none before the next header, none at all, and a stray trailer each fail that
+    payload (or are rejected) and the next payload still lands."""
+    cfg = TransferConfig(max_header_bytes=4096, max_message_bytes=1 << 20, timeout_s=0.5)
+    receiver = make_receiver(cfg)
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.ROUTING_ID, b"trudy")
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(receiver.address)
+    data = torch.arange(2, dtype=torch.float32).view(1, 2, 1, 1, 1, 1)
+    digest = pack_kv(data, (0, 1), [0], [0], 1, "r").checksum.to_bytes(8, "little")
+
+    def send(request_id: str, *after: list[bytes]) -> None:
+        raw.send_multipart([b"H", _raw_header(request_id, 8, checksum=None)])
+        raw.send(data.numpy().tobytes())
+        for message in after:
+            raw.send_multipart(message)
+
+    def poll_all(n: int) -> list:
+        got, deadline = [], time.monotonic() + 10
+        while len(got) < n and time.monotonic() < deadline:
+            got += receiver.poll(100)
+        return got
+    try:
+        send("t-good", [b"T", digest])
+        send("t-wrong", [b"T", bytes(8)])
+        send("t-short", [b"T", digest[:7]])
+        send("t-none")                                   # the next header comes instead
+        send("t-after", [b"T", digest])
+        raw.send_multipart([b"T", digest])               # a trailer with no payload awaiting one
+        got = poll_all(5)
+        errors = {p.request_id: p.error for p in got}
+        assert [p.request_id for p in got] == ["t-good", "t-wrong", "t-short", "t-none", "t-after"]
+        assert errors["t-good"] is None and got[0].data.tolist() == data.tolist()
+        assert errors["t-wrong"].startswith("request t-wrong: checksum mismatch")
+        assert errors["t-short"] == "request t-short: a checksum trailer of 7 bytes, not 8"
+        assert errors["t-none"] == ("request t-none: no checksum trailer after its data (the sender's next "
+                                    "message came instead)")
+        assert errors["t-after"] is None and got[4].data.tolist() == data.tolist()
+        time.sleep(0.2)
+        assert poll_all(1) == [] and receiver.num_rejected == 1
+        send("t-stall")                                  # and then nothing
+        (stalled,) = poll_all(1)
+        assert stalled.error == ("request t-stall: truncated: 8 of 8 bytes arrived, then nothing for 0.5s "
+                                 "(no checksum trailer)")
+    finally:
+        raw.close()
+        ctx.term()
+        receiver.close()
+
+
+def test_the_sender_hashes_view_kv_payloads_in_flight_and_sends_the_digest_last():
+    """What goes on the wire for a view_kv payload: the header with checksum nil at once,
+    the data chunks, then [T, xxh3 of the data]; a packed payload keeps its checksum in the
+    header and sends no trailer."""
+    from testbed.kv_transfer import view_kv
+    from testbed.kv_transfer.payload import decode_header
+    cache = make_cache(3)
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    viewed = view_kv(cache, (0, 4), [3, 4, 5, 9], [0, 1, 2, 3], 60, "v")
+    packed = pack_kv(cache, (0, 4), [3, 4, 5, 9], [0, 1, 2, 3], 60, "p")
+    try:
+        with make_sender(TransferConfig(frame_bytes=5000), name="s") as sender:
+            sender.connect("r", f"tcp://127.0.0.1:{port}")
+            sender.send("r", viewed)
+            sender.send("r", packed)
+            chunks = sum(-(-len(part) // 5000) for part in viewed.byte_parts())     # a part ends a chunk
+            messages = []
+            while len(messages) < (1 + chunks + 1) + (1 + -(-packed.nbytes // 5000)):
+                assert router.poll(10_000), f"only {len(messages)} messages came"
+                messages.append(router.recv_multipart()[1:])
+            sender.flush()
+    finally:
+        router.close()
+        ctx.term()
+    header = decode_header(messages[0][1], 4096, 1 << 30)
+    assert messages[0][0] == b"H" and header.request_id == "v" and header.checksum is None
+    assert all(len(m) == 1 for m in messages[1:1 + chunks])
+    assert b"".join(m[0] for m in messages[1:1 + chunks]) == packed.data.numpy().tobytes()
+    assert messages[1 + chunks] == [b"T", packed.checksum.to_bytes(8, "little")]
+    second = decode_header(messages[2 + chunks][1], 4096, 1 << 30)
+    assert second.request_id == "p" and second.checksum == packed.checksum
+    assert all(len(m) == 1 for m in messages[3 + chunks:])
 
 
 def _os_threads() -> int:

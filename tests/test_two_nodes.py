@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from testbed.launchers.netns_nodes import NetnsNodes, netns_unavailable
+from testbed.launchers.netns_nodes import NetnsNodes, namespace_pids, netns_unavailable
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
@@ -290,6 +290,36 @@ def test_netns_nodes_shape_and_leave_nothing_behind():
     assert net.pids() == []
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
     assert not set(net.names) & set(listed)
+
+
+def test_netns_nodes_clean_up_when_their_process_is_terminated():
+    """SIGTERM (a kill, a timeout's) to a process inside `with NetnsNodes(...)`: it exits
+    143 through the context's exit, killing what ran inside and deleting the namespaces,
+    instead of dying at once and leaving them (Python's default for SIGTERM)."""
+    code = ("import subprocess, time\n"
+            "from testbed.launchers.netns_nodes import NetnsNodes\n"
+            "with NetnsNodes(2, prefix='tt') as net:\n"
+            "    sleeper = subprocess.Popen(net.nodes[1].exec('sleep', '600'))\n"
+            "    print(*net.names, sleeper.pid, flush=True)\n"
+            "    time.sleep(600)\n")
+    proc = subprocess.Popen([PY, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        *names, pid = proc.stdout.readline().split()
+        deadline = time.monotonic() + 10
+        while int(pid) not in namespace_pids(names[1]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert int(pid) in namespace_pids(names[1])
+        proc.terminate()
+        assert proc.wait(timeout=30) == 143
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not set(names) & set(subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                               text=True).stdout.split())
+    deadline = time.monotonic() + 10         # killed by close(); reaped by init once its parent is gone
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{pid}").exists()
 
 
 def test_netns_nodes_split_cpus_give_each_node_cpus_of_its_own():

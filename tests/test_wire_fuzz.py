@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from testbed.kv_transfer import KVPayload, PayloadError, TransferConfig, make_receiver, pack_kv
-from testbed.kv_transfer.payload import DTYPES, decode_header
+from testbed.kv_transfer.payload import DTYPES, HEADER_VERSION, decode_header
 from testbed.wire_text import shown
 
 MAX_HEADER = 4096
@@ -36,7 +36,7 @@ MAX_MESSAGE = 1 << 20
 
 
 def valid_header(**overrides) -> dict:
-    h = {"v": 1, "request_id": "r1", "layer_start": 0, "layer_end": 1, "block_ids": [3], "num_tokens": 4,
+    h = {"v": HEADER_VERSION, "request_id": "r1", "layer_start": 0, "layer_end": 1, "block_ids": [3], "num_tokens": 4,
          "dtype": "float32", "shape": [1, 2, 1, 4, 2, 8], "checksum": 0, "nbytes": 2 * 4 * 2 * 8 * 4,
          "last": True, "meta": {}}
     h.update(overrides)
@@ -233,6 +233,6 @@ def test_garbage_on_the_kv_socket_logs_the_sender_as_printable_text(zmq_context,
     assert len(anon) == 1 and " from 0x00" in anon[0], anon
     assert sum(f" from {hex_forged}:" in line for line in lines) == 2, lines
     bad_version = [p for p in got if p.request_id == "r\n2\x1b"]
-    assert len(bad_version) == 1 and bad_version[0].error == "request 0x720a321b: header version 9 != 1"
+    assert len(bad_version) == 1 and bad_version[0].error == f"request 0x720a321b: header version 9 != {HEADER_VERSION}"
     assert bad_version[0].origin == forged.decode("utf-8", "surrogateescape")    # raw: acks route by it
     assert [p.ok for p in got if p.request_id == "after-garbage"] == [True]

@@ -11,8 +11,9 @@ on one core (a waker pulls its wakee to its own CPU), and a pair of I/O
 threads that would run side by side takes turns on it. `shape` puts the kernel's token bucket
 (`tc qdisc ... root tbf`) on one direction of a link: the sending side's
 veth. Names carry this process's pid (and a random part), so two runs never collide, and
-`close` (also run at exit) kills whatever still runs inside the namespaces
-(`ip netns pids`) before deleting them: a veth pair dies with its namespace.
+`close` (also run at exit, and on SIGTERM, which then exits with 143) kills
+whatever still runs inside the namespaces (`ip netns pids`) before deleting
+them: a veth pair dies with its namespace.
 Needs root and iproute2."""
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 
@@ -92,6 +94,7 @@ class NetnsNodes:
         self.links: list[Link] = []
         self._closed = False
         atexit.register(self.close)
+        self._on_sigterm = _exit_on_sigterm()
         try:
             for name in self.names:
                 _ip("netns", "add", name)
@@ -162,6 +165,23 @@ class NetnsNodes:
         for name in self.names:
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
         atexit.unregister(self.close)
+        if self._on_sigterm is not None and signal.getsignal(signal.SIGTERM) is self._on_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _exit_on_sigterm():
+    """Make SIGTERM (a kill, a timeout's) raise SystemExit in the main thread, so that
+    context exits and atexit run `close` as on any other exit (Python's default
+    SIGTERM ends the process at once: namespaces, veths and Ray would be left).
+    Returns the handler, or None where one is set already or this is not the main thread."""
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return None
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, handler)
+    return handler
 
 
 def cpu_sets(n: int) -> list[str]:
