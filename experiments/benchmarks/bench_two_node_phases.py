@@ -7,8 +7,10 @@ engine), the same payload as bench_two_nodes.py (4096 tokens of the tiny
 model made MHA: 32 MiB).
 
 Timestamps (time.monotonic, one clock for every namespace of the machine):
-  sender:   t0 (the hand-off), packed (view_kv or pack_kv returned: xxh3, or gather + xxh3;
-            --packed: pack_kv even for zmq, the path before view_kv), sent (send() returned),
+  sender:   t0 (the hand-off), packed (view_kv or pack_kv returned: nothing, or gather + xxh3;
+            --packed: pack_kv even for zmq, the path before view_kv; --checksum-first: view_kv
+            then its xxh3, the path before the checksum trailer), sent (send() returned: zmq
+            hashes view_kv's chunks as it queues them),
             acked (the receiver's ack came back);
   receiver: header (header decoded), first/last (first and last data bytes read; gloo: the recv
             posted and completed), landed (poll returned the verified payload);
@@ -44,8 +46,8 @@ import json, sys, time, torch
 from testbed.kv_transfer import TransferConfig, make_receiver, make_sender, pack_kv, view_kv
 from testbed.kv_transfer.curve import CurveKeys
 from testbed.kv_transfer.landing import BlockLanding
-role, host, transport, keys_path, reps, dist_addr, packed = sys.argv[1:8]
-packed = packed == 'packed'
+role, host, transport, keys_path, reps, dist_addr, path = sys.argv[1:8]
+packed = path == 'packed'
 reps = int(reps)
 torch.set_num_threads(1)
 keys = CurveKeys.read(keys_path)
@@ -94,6 +96,8 @@ else:
         # what RealKVPort does: the blocks themselves where the sender takes parts, else packed
         payload = view_kv(cache, (0, 4), ids, ids, 16 * blocks, rid) if tx.takes_parts and not packed else None
         payload = payload or pack_kv(cache, (0, 4), ids, ids, 16 * blocks, rid, out=staging)
+        if path == 'checksum-first':       # the whole payload hashed before the header (before the trailer)
+            payload.checksum = payload.data_checksum()
         m["packed"] = time.monotonic()
         tx.send("rx", payload)
         m["sent"] = time.monotonic()
@@ -126,7 +130,7 @@ def probe(net: NetnsNodes, rate: float, a, keys_path: str, work: Path) -> list[d
         rx = subprocess.Popen(b_node.exec(PY, "-c", PEER, "recv", b_node.address, a.transport, keys_path,
                                           str(a.reps), dist_addr, "-"), stdout=subprocess.PIPE, text=True, env=env)
         tx = subprocess.Popen(a_node.exec(PY, "-c", PEER, "send", a_node.address, a.transport, keys_path,
-                                          str(a.reps), dist_addr, "packed" if a.packed else "parts"),
+                                          str(a.reps), dist_addr, a.path),
                               stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, env=env)
         tx.stdin.write(rx.stdout.readline())
@@ -164,17 +168,21 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--transport", choices=["zmq", "torch_dist"], default="zmq")
     p.add_argument("--packed", action="store_true", help="pack_kv even where the sender takes parts (the old path)")
+    p.add_argument("--checksum-first", action="store_true",
+                   help="view_kv's payload hashed whole before its header (the path before the checksum trailer)")
+    p.add_argument("--split-cpus", action="store_true", help="each node on CPUs of its own (as bench_two_nodes.py)")
     a = p.parse_args()
+    a.path = "packed" if a.packed else "checksum-first" if a.checksum_first else "parts"
     work = Path(tempfile.mkdtemp(prefix="phases-"))
     keys_path = str(work / "keys.json")
     CurveKeys.generate().write(keys_path)
     nbytes = 4 * 2 * 256 * 16 * 8 * 32 * 4
     cols = ["pack_ms", "send_ms", "header_ms", "wire_start_ms", "first_ms", "last_ms", "wire_end_ms",
             "transfer_ms", "tail_after_wire_ms", "ack_ms", "wire_gbps"]
-    with NetnsNodes(2) as net:
+    with NetnsNodes(2, split_cpus=a.split_cpus) as net:
         for rate in a.rates:
             rows = probe(net, rate, a, keys_path, work)
-            print(f"\n{a.transport}{' packed' if a.packed else ''}, tbf {rate or 'none'} Gb/s ({rows[0]['qdisc']}), ms after the hand-off (t0):")
+            print(f"\n{a.transport} {a.path}, tbf {rate or 'none'} Gb/s ({rows[0]['qdisc']}), ms after the hand-off (t0):")
             print(" ".join(f"{c:>18}" for c in ["rid", *cols, "transfer Gb/s"]))
             for r in rows:
                 print(" ".join(f"{r.get(c, float('nan')):>18.2f}" if c != "rid" else f"{r[c]:>18}"
