@@ -46,8 +46,14 @@ class RuntimeConfig:
     # iterations back to back, steady decode batches on a short path (runtime/sim.py); the
     # outputs are the same either way (tests/test_sim_fast_forward.py)
     sim_fast_forward: bool = True
+    # once a run has written this many iteration records, a process of its own encodes and
+    # writes requests.jsonl and iterations.jsonl (testbed/record_writer.py: the same bytes, on
+    # another core); null: always this process
+    record_writer_after: int | None = 100_000
 
     def validate(self) -> None:
+        if self.record_writer_after is not None and self.record_writer_after < 0:
+            raise ValueError(f"runtime.record_writer_after: must be >= 0 or null, got {self.record_writer_after}")
         if self.heartbeat_s <= 0:
             raise ValueError(f"runtime.heartbeat_s: must be > 0, got {self.heartbeat_s}")
         for f in ("hang_timeout_s", "frontend_timeout_s"):

@@ -15,7 +15,6 @@ records are seconds on one clock (wall or virtual); the summary reports ms.
 from __future__ import annotations
 
 import itertools
-import json
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
@@ -26,7 +25,7 @@ from typing import TextIO
 import numpy as np
 
 from testbed.batch import Batch, StepResult
-from testbed.jsonl import jsonl_objects
+from testbed.jsonl import jsonl_objects, jsonl_text
 from testbed.request import Request
 
 PERCENTILES = {"p50": 50.0, "p90": 90.0, "p99": 99.0, "p999": 99.9}
@@ -197,32 +196,17 @@ def write_jsonl(path: str | Path, records: Iterable[RequestRecord | IterationRec
 
 def append_jsonl(f: TextIO, records: Iterable[RequestRecord | IterationRecord]) -> None:
     """write_jsonl's lines, appended to the open file `f`."""
-    # json.dumps per record costs a few µs, a second for a 200K-iteration run:
-    # each field of a chunk of records is encoded in one call instead, and the
-    # lines are filled in from a template of the keys
-    # (and the lines are joined from the columns and the text between them:
-    # a third of the time of filling a %s template per line)
+    for names, columns in record_columns(records):
+        f.write(jsonl_text(names, columns))
+
+
+def record_columns(records: Iterable[RequestRecord | IterationRecord]) -> Iterator[tuple[list[str], list[list]]]:
+    """The records as (field names, one list of values per field), a chunk of
+    at most _JSONL_CHUNK records of one class at a time, in order."""
     for cls, group in itertools.groupby(records, key=type):
         names = [fl.name for fl in fields(cls)]
-        between = ["{" + json.dumps(names[0]) + ": "] + [f", {json.dumps(name)}: " for name in names[1:]]
         while chunk := list(itertools.islice(group, _JSONL_CHUNK)):
-            parts = []
-            for text, name in zip(between, names):
-                parts += (itertools.repeat(text), _json_column(list(map(attrgetter(name), chunk))))
-            parts.append(itertools.repeat("}\n"))
-            f.write("".join(itertools.chain.from_iterable(zip(*parts))))
-
-
-def _json_column(values: list) -> list[str]:
-    """json.dumps of each value. A column of scalars is encoded in one call and
-    split at the ", " between items: exact when that gives one part per value,
-    which it does unless a value's own encoding contains ", " (a list, or a
-    string holding one); those columns are encoded value by value."""
-    if not isinstance(values[0], list):
-        parts = json.dumps(values)[1:-1].split(", ")
-        if len(parts) == len(values):
-            return parts
-    return list(map(json.dumps, values))
+            yield names, [list(map(attrgetter(name), chunk)) for name in names]
 
 
 def _read_jsonl(path: str | Path, cls: type) -> list:

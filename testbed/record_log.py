@@ -16,6 +16,10 @@ file is the same every time): a record that ends before an earlier arrival's
 waits here for it. So what this holds is the records of requests that ended
 while an earlier one was still in flight: bounded by the requests in flight
 over the longest request's lifetime, not by the run's length.
+
+Once a run has written `writer_after` iteration records it hands the
+encoding and writing to a process of its own (testbed/record_writer.py), on
+another core: the same bytes, off the simulation's critical path.
 """
 from __future__ import annotations
 
@@ -24,7 +28,9 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from testbed.metrics import IterationRecord, RequestRecord, append_jsonl, read_iterations, read_requests
+from testbed.metrics import (IterationRecord, RequestRecord, append_jsonl, read_iterations, read_requests,
+                             record_columns)
+from testbed.record_writer import RecordWriter
 from testbed.run_stats import RunStats
 
 REQUESTS_FILE, ITERATIONS_FILE = "requests.jsonl", "iterations.jsonl"
@@ -40,8 +46,11 @@ class RecordSink(Protocol):
 
 class RecordLog:
     def __init__(self, stats: RunStats, run_dir: str | Path | None = None, chunk: int = 1024,
-                 flush_s: float = 1.0):
-        self.stats, self.chunk, self.flush_s = stats, chunk, flush_s
+                 flush_s: float = 1.0, writer_after: int | None = None):
+        """writer_after: iteration records written before a writer process takes over (None:
+        never; runtime.record_writer_after, 100K by default: below that its start, ~0.1 s,
+        costs about what it saves)."""
+        self.stats, self.chunk, self.flush_s, self.writer_after = stats, chunk, flush_s, writer_after
         self._tmp = None
         if run_dir is None:     # removed with this object (RunResult holds it)
             self._tmp = tempfile.TemporaryDirectory(prefix="testbed-records-")
@@ -54,6 +63,9 @@ class RecordLog:
         self.waiting: dict[int, RequestRecord] = {}      # arrival index -> a record ended before an earlier one
         self._next = 0                                   # the arrival index requests.jsonl takes next
         self._flushed_at = time.monotonic()
+        self._writer: RecordWriter | None = None
+        self._iterations_written = 0
+        self._closed = False
 
     # -- written as the run goes -----------------------------------------------------
     def request(self, record: RequestRecord, arrival_index: int) -> None:
@@ -87,20 +99,35 @@ class RecordLog:
             self.flush()
 
     def flush(self) -> None:
-        self.stats.add_iterations(self._pending["iterations"])
+        iterations = self._pending["iterations"]
+        self.stats.add_iterations(iterations)
+        self._iterations_written += len(iterations)
+        if self._writer is None and self.writer_after is not None and self._iterations_written >= self.writer_after:
+            for f in self._files.values():       # what is written so far stays; the writer appends
+                f.close()
+            self._writer = RecordWriter({kind: str(f.name) for kind, f in self._files.items()})
         for kind, pending in self._pending.items():
             if pending:
-                append_jsonl(self._files[kind], pending)
+                if self._writer is not None:
+                    self._writer.write(kind, record_columns(pending))
+                else:
+                    append_jsonl(self._files[kind], pending)
                 pending.clear()
-            self._files[kind].flush()
+            if self._writer is None:
+                self._files[kind].flush()
+        if self._writer is not None:
+            self._writer.flush()
         self._flushed_at = time.monotonic()
 
     def close(self) -> None:
         """Everything on disk; safe to call twice."""
-        if not self._files["requests"].closed:
+        if not self._closed:
+            self._closed = True
             for index in sorted(self.waiting):     # an arrival that never ended (none when a runtime ends its run)
                 self._take(self.waiting.pop(index))
             self.flush()
+            if self._writer is not None:
+                self._writer.close()
             for f in self._files.values():
                 f.close()
 

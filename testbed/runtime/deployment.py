@@ -43,7 +43,8 @@ class RunResult:
 def record_log(cfg: RunConfig, record_dir=None) -> RecordLog:
     """Where a runtime streams the run's records: `record_dir` (a run
     directory), else a temporary directory that lives as long as the log."""
-    return RecordLog(RunStats(cfg.slo.ttft_ms, cfg.slo.tpot_ms), record_dir)
+    return RecordLog(RunStats(cfg.slo.ttft_ms, cfg.slo.tpot_ms), record_dir,
+                     writer_after=cfg.runtime.record_writer_after)
 
 
 def mode_settings(cfg: RunConfig) -> ModeSettings:
