@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
@@ -161,6 +162,35 @@ class StoreIndex:
         c.blocks_stored += 1
         c.bytes_to_store += nbytes
         return True
+
+    def put_many(self, keys: Iterable[int], nbytes: int) -> int:
+        """put(key, nbytes) of each key in turn, values None (the simulator's store
+        node and the cache-aware router's shadow of it: ~10^6 blocks a run); the
+        number stored or refreshed. The usual case, DRAM only and nothing pinned,
+        is inlined: a new block evicts the least recently used ones from the
+        front, exactly as put would."""
+        blocks, c, cap = self._blocks, self.counters, self.capacity_bytes
+        kept = 0
+        for key in keys:
+            if key in blocks:
+                c.puts += 1
+                blocks.move_to_end(key)
+                c.blocks_refreshed += 1
+            elif self._pins or self._disk or self.disk_capacity_bytes or cap is None or nbytes > cap:
+                if not self.put(key, nbytes):
+                    continue
+            else:
+                c.puts += 1
+                while self.used_bytes + nbytes > cap:
+                    _, (size, _) = blocks.popitem(last=False)
+                    self.used_bytes -= size
+                    c.evictions += 1
+                blocks[key] = (nbytes, None)
+                self.used_bytes += nbytes
+                c.blocks_stored += 1
+                c.bytes_to_store += nbytes
+            kept += 1
+        return kept
 
     def _make_room(self, nbytes: int) -> bool:
         cap = self.capacity_bytes

@@ -77,8 +77,7 @@ class PrefixPool(PoolState):
             local.move_to_end(key)
         while len(local) > self._capacity[worker_id]:
             local.popitem(last=False)
-        for key in keys:
-            self._store.put(key, self.block_bytes)
+        self._store.put_many(keys, self.block_bytes)
         self._uncached[worker_id] += request.prompt_len - cached_tokens
 
     def prefilled(self, worker_id: str, uncached_tokens: int) -> None:

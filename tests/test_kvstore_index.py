@@ -39,6 +39,38 @@ def test_lru_evicts_the_least_recently_used_unpinned_block():
     assert idx.used_bytes == 300 and idx.num_pinned() == 0
 
 
+@pytest.mark.parametrize("capacity,disk,pinned", [(None, 0, False), (1000, 0, False), (1000, 0, True),
+                                                   (1000, 300, False), (50, 0, False)])
+def test_put_many_is_put_of_each_key_in_turn(capacity, disk, pinned):
+    """The simulator's batch put (its inlined path, and the fallback to put where pins,
+    a disk tier, no bound or an oversized block make it differ) leaves the index, its
+    LRU order and every counter as put() of each key would, and says how many were kept."""
+    import random
+    rng = random.Random(7)
+    one, many = StoreIndex(capacity, disk), StoreIndex(capacity, disk)
+    for step in range(300):
+        keys = [rng.randrange(40) for _ in range(rng.randrange(1, 8))]
+        if pinned and step % 50 == 0:
+            pins = rng.sample(range(40), 5)
+            for idx in (one, many):
+                idx.unpin(list(idx._pins))
+                idx.pin(pins)
+        if step % 7 == 0:
+            for idx in (one, many):
+                idx.get(keys[:2])
+        kept = sum(one.put(k, 100) for k in keys)
+        assert many.put_many(keys, 100) == kept
+        assert (many.keys(), list(many._disk), many.used_bytes, many.disk_used_bytes) == \
+            (one.keys(), list(one._disk), one.used_bytes, one.disk_used_bytes)
+        assert many.counters == one.counters
+    c = one.counters                                   # not vacuous: each path was taken
+    if capacity == 50:
+        assert c.puts_rejected == c.puts > 0           # every block is larger than the store
+    else:
+        assert c.blocks_refreshed > 0 and (capacity is None or c.evictions > 0)
+        assert not disk or c.demotions > 0
+
+
 def test_put_of_a_stored_block_only_refreshes_it():
     idx = StoreIndex(capacity_bytes=None)
     assert idx.put(1, 10) and idx.put(2, 10) and idx.put(1, 10)

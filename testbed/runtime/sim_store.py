@@ -74,7 +74,7 @@ class SimStorePort(StorePort):
 
     def publish(self, keys, block_ids) -> int:
         node = self.node
-        kept = sum(node.index.put(k, node.block_bytes) for k in keys)
+        kept = node.index.put_many(keys, node.block_bytes)
         if kept:
             node.ingress.reserve(self.runtime.clock.now(), kept * node.block_bytes)
         return kept
