@@ -22,9 +22,10 @@ after its prefill (not layer-wise), so:
                link.per_message_us = the tcp-25 preset's 15 us (documented):
                its exposed_ms p50 (the link alone);
   sim+host   = the same, per_message_us plus the host's serial work per
-               transfer (view_kv's xxh3 before the header, the last frame's
-               landing + xxh3 after the last byte; timed in-process before the
-               runs): one message per request here;
+               transfer (view_kv, and the last frame's landing + xxh3 after
+               the last byte; timed in-process before the runs; the sender
+               hashes the chunks as they go since the checksum trailer): one
+               message per request here;
   sim@ceil   = the link at min(R, C), C the transfer rate of a first run with
                no qdisc (the host's own ceiling: CURVE encryption, copies, a
                shared CPU): what the path can carry, whatever the tbf allows.
@@ -304,9 +305,9 @@ def sim_run(a, rate_gbps: float, latency_us: float, per_message_us: float, run_d
 
 def host_cost_s(a, reps: int = 5) -> float:
     """The host's serial work around the wire for one request's KV, in this process, median of
-    `reps`: the sender's view_kv (the xxh3 of the blocks, before the header can go) and the
-    receiver's landing + xxh3 of the last 1 MiB frame (after its last byte); the frames in
-    between land while the next is on the wire."""
+    `reps`: the sender's view_kv (views of the blocks: their xxh3 follows the data, chunk by
+    chunk, since the checksum trailer) and the receiver's landing + xxh3 of the last 1 MiB
+    frame (after its last byte); the frames in between land while the next is on the wire."""
     import torch
     import xxhash
     from testbed.kv_transfer import view_kv
@@ -365,7 +366,7 @@ def main() -> None:
         if a.ceiling_only:
             return
         host_us = host_cost_s(a) * 1e6
-        print(f"host serial work per request (view_kv's xxh3 + the last frame's landing and xxh3, in-process, "
+        print(f"host serial work per request (view_kv + the last frame's landing and xxh3, in-process, "
               f"median): {host_us / 1e3:.1f} ms", flush=True)
         ceiling = real_run(tn, a, None, out_dir / "real-unshaped")
         print(f"unshaped: {ceiling}", flush=True)
