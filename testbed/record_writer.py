@@ -16,12 +16,16 @@ child appends each chunk's lines to the file named for its kind, flushing
 after each, and exits at the end of its input, which is when the parent
 closes the pipe or dies. A full pipe blocks the parent: the records in flight
 stay bounded. A child that dies early is reported by the next write or by
-close, with what it printed.
+close, with what it printed. The child runs in a session of its own and
+ignores SIGINT and SIGTERM: a Ctrl-C or a kill of the run's process group
+stops the run, which then writes what it measured through the child and
+closes the pipe (the child's end).
 
     python -m testbed.record_writer KIND=PATH ...      (the child; appends to each PATH)
 """
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from collections.abc import Iterable
@@ -42,7 +46,7 @@ class RecordWriter:
         """paths: kind -> file the child appends that kind's lines to."""
         self._proc = subprocess.Popen([sys.executable, "-m", "testbed.record_writer",
                                        *(f"{kind}={path}" for kind, path in paths.items())],
-                                      stdin=subprocess.PIPE, stderr=subprocess.PIPE)
+                                      stdin=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         self._packer = msgpack.Packer(use_bin_type=True)
 
     def write(self, kind: str, chunks: Iterable[tuple[list[str], list[list]]]) -> None:
@@ -90,6 +94,8 @@ class RecordWriter:
 
 
 def main(argv: list[str]) -> int:
+    for sig in (signal.SIGINT, signal.SIGTERM):      # the parent ends it, by closing the pipe
+        signal.signal(sig, signal.SIG_IGN)
     files = {}
     for arg in argv:
         kind, _, path = arg.partition("=")

@@ -91,6 +91,31 @@ def test_a_writer_that_dies_is_reported_not_ignored(tmp_path):
             log.extend_iterations(iterations()[:64])
 
 
+def test_a_ctrl_c_or_a_group_kill_does_not_cut_the_records_short(tmp_path):
+    """The writer is in a session of its own (a terminal's Ctrl-C and a kill of the run's
+    process group do not reach it) and ignores SIGINT and SIGTERM sent to it anyway: the
+    run stops, writes the rest through it and closes the pipe, and then it exits."""
+    log = RecordLog(RunStats(None, None), tmp_path, chunk=16, writer_after=0)
+    log.extend_iterations(iterations()[:32])
+    child = log._writer._proc
+    assert os.getsid(child.pid) != os.getsid(0)
+    wanted = (1 << (signal.SIGINT - 1)) | (1 << (signal.SIGTERM - 1))
+    deadline = time.monotonic() + 10           # its start: the handlers are set once it runs
+    while time.monotonic() < deadline:
+        status = Path(f"/proc/{child.pid}/status").read_text()
+        if int(status.split("SigIgn:")[1].split()[0], 16) & wanted == wanted:
+            break
+        time.sleep(0.01)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        os.kill(child.pid, sig)
+    time.sleep(0.2)
+    assert child.poll() is None
+    log.extend_iterations(iterations()[32:64])
+    log.close()
+    assert child.returncode == 0
+    assert (tmp_path / "iterations.jsonl").read_text().count("\n") == 64
+
+
 def test_the_writer_exits_when_its_parent_dies(tmp_path):
     code = ("import os, sys\n"
             "from testbed.record_log import RecordLog\n"
