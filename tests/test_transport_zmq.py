@@ -110,20 +110,28 @@ def _raw_header(request_id: str, nbytes: int, **extra) -> bytes:
     return msgpack.packb(h)
 
 
+def raw_dealer(address: str, routing_id: bytes) -> tuple[zmq.Context, zmq.Socket]:
+    """A bare zmq peer of the receiver, to send it hand-built messages."""
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.ROUTING_ID, routing_id)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(address)
+    return ctx, raw
+
+
+def poll_all(receiver, n: int) -> list:
+    """What the receiver's polls return until n payloads came (or 10 s passed)."""
+    got, deadline = [], time.monotonic() + 10
+    while len(got) < n and time.monotonic() < deadline:
+        got += receiver.poll(100)
+    return got
+
+
 def test_hostile_messages_are_reported_not_fatal():
     cfg = TransferConfig(max_header_bytes=4096, max_message_bytes=1 << 20, frame_bytes=64 * 1024, timeout_s=0.5)
     receiver = make_receiver(cfg)
-    ctx = zmq.Context()
-    raw = ctx.socket(zmq.DEALER)
-    raw.setsockopt(zmq.ROUTING_ID, b"mallory")
-    raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(receiver.address)
-
-    def poll_all(n: int) -> list:
-        got, deadline = [], time.monotonic() + 10
-        while len(got) < n and time.monotonic() < deadline:
-            got += receiver.poll(100)
-        return got
+    ctx, raw = raw_dealer(receiver.address, b"mallory")
     good = torch.ones(1, 2, 1, 1, 1, 1)
     good_checksum = pack_kv(good, (0, 1), [0], [0], 1, "r").checksum
     try:
@@ -142,7 +150,7 @@ def test_hostile_messages_are_reported_not_fatal():
         raw.send_multipart([b"H", _raw_header("r-good", 8, checksum=good_checksum)])
         raw.send(good.numpy().tobytes()[:3])                            # chunks of any size add up
         raw.send(good.numpy().tobytes()[3:])
-        got = poll_all(5)
+        got = poll_all(receiver, 5)
         assert receiver.num_rejected == 5
         errors = {p.request_id: p.error for p in got}
         assert errors["r-huge"].startswith("request r-huge: payload of 1073741824 bytes exceeds max_message_bytes")
@@ -156,11 +164,11 @@ def test_hostile_messages_are_reported_not_fatal():
 
         raw.send_multipart([b"H", _raw_header("r-stall", 8)])
         raw.send(b"\0" * 4)                                             # and then nothing
-        (stalled,) = poll_all(1)
+        (stalled,) = poll_all(receiver, 1)
         assert stalled.error == "request r-stall: truncated: 4 of 8 bytes arrived, then nothing for 0.5s"
         # a chunk over max_message_bytes: zmq drops the connection before allocating it
         raw.send(b"\0" * (2 << 20))
-        assert poll_all(1) == [] and receiver.num_rejected == 5
+        assert poll_all(receiver, 1) == [] and receiver.num_rejected == 5
         assert receiver.ack("mallory-gone", "r", ok=False, reason="x") is False
     finally:
         raw.close()
@@ -175,11 +183,7 @@ def test_a_checksum_after_the_data_is_checked_and_its_faults_fail_that_payload_o
     payload (or are rejected) and the next payload still lands."""
     cfg = TransferConfig(max_header_bytes=4096, max_message_bytes=1 << 20, timeout_s=0.5)
     receiver = make_receiver(cfg)
-    ctx = zmq.Context()
-    raw = ctx.socket(zmq.DEALER)
-    raw.setsockopt(zmq.ROUTING_ID, b"trudy")
-    raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(receiver.address)
+    ctx, raw = raw_dealer(receiver.address, b"trudy")
     data = torch.arange(2, dtype=torch.float32).view(1, 2, 1, 1, 1, 1)
     digest = pack_kv(data, (0, 1), [0], [0], 1, "r").checksum.to_bytes(8, "little")
 
@@ -189,11 +193,6 @@ def test_a_checksum_after_the_data_is_checked_and_its_faults_fail_that_payload_o
         for message in after:
             raw.send_multipart(message)
 
-    def poll_all(n: int) -> list:
-        got, deadline = [], time.monotonic() + 10
-        while len(got) < n and time.monotonic() < deadline:
-            got += receiver.poll(100)
-        return got
     try:
         send("t-good", [b"T", digest])
         send("t-wrong", [b"T", bytes(8)])
@@ -201,7 +200,7 @@ def test_a_checksum_after_the_data_is_checked_and_its_faults_fail_that_payload_o
         send("t-none")                                   # the next header comes instead
         send("t-after", [b"T", digest])
         raw.send_multipart([b"T", digest])               # a trailer with no payload awaiting one
-        got = poll_all(5)
+        got = poll_all(receiver, 5)
         errors = {p.request_id: p.error for p in got}
         assert [p.request_id for p in got] == ["t-good", "t-wrong", "t-short", "t-none", "t-after"]
         assert errors["t-good"] is None and got[0].data.tolist() == data.tolist()
@@ -211,9 +210,9 @@ def test_a_checksum_after_the_data_is_checked_and_its_faults_fail_that_payload_o
                                     "message came instead)")
         assert errors["t-after"] is None and got[4].data.tolist() == data.tolist()
         time.sleep(0.2)
-        assert poll_all(1) == [] and receiver.num_rejected == 1
+        assert poll_all(receiver, 1) == [] and receiver.num_rejected == 1
         send("t-stall")                                  # and then nothing
-        (stalled,) = poll_all(1)
+        (stalled,) = poll_all(receiver, 1)
         assert stalled.error == ("request t-stall: truncated: 8 of 8 bytes arrived, then nothing for 0.5s "
                                  "(no checksum trailer)")
     finally:
