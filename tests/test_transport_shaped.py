@@ -82,3 +82,21 @@ def test_close_stops_the_link_thread_and_drops_the_queue():
     sender.close()
     assert time.monotonic() - t0 < 1.0
     assert not any(t.name == "shaped-link-shaped-close" for t in threading.enumerate())
+
+
+def test_blocks_rewritten_while_the_link_holds_them_fail_the_check():
+    """A view_kv payload (the cache's own blocks, no checksum yet) waits on the link for its
+    latency; blocks freed and rewritten meanwhile (an expired lease) must fail the receiver's
+    check: the shaped link hashes them when they are handed to it, not when it sends them."""
+    from testbed.kv_transfer import view_kv
+    cfg = TransferConfig(transport="shaped", rate_gbps=100.0, latency_ms=300.0)
+    cache = torch.randn(1, 2, 16, 16, 8, 32, generator=torch.Generator().manual_seed(2))
+    payload = view_kv(cache, (0, 1), list(range(16)), list(range(16)), 256, "req-rewritten")
+    assert payload.checksum is None
+
+    class Rewriting(list):
+        def __iter__(self):                  # _run's send loop: the blocks change right after send()
+            yield from super().__iter__()
+            cache.add_(1.0)
+    _, _, acks, arrivals = _run(cfg, Rewriting([payload]))
+    assert [a.ok for a in acks] == [False] and "checksum mismatch" in arrivals[0]["error"]
