@@ -34,11 +34,11 @@ class CorruptingSender(KVSender):
         if self.num_sent == self.nth:
             # a copy: the caller's buffer (and cache, which parts are views of) stay intact; the
             # checksum is of the bytes before the flip, also where the sender would hash them in flight
+            payload = payload.with_checksum()
             raw = np.concatenate(payload.byte_parts())
-            checksum = payload.data_checksum() if payload.checksum is None else payload.checksum
             raw[len(raw) // 2] ^= 0xFF
             data = torch.from_numpy(raw).view(DTYPES[payload.dtype]).view(payload.shape)
-            payload = dataclasses.replace(payload, data=data, parts=None, checksum=checksum)
+            payload = dataclasses.replace(payload, data=data, parts=None)
         self.inner.send(peer, payload)
 
     def flush(self, timeout_s: float | None = None) -> None:

@@ -19,6 +19,7 @@ MiB here, a serial delay before the first byte).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -100,6 +101,11 @@ class KVPayload:
         for part in self.byte_parts():
             hasher.update(part)
         return hasher.intdigest()
+
+    def with_checksum(self) -> KVPayload:
+        """This payload with its checksum: itself when it has one, else a copy hashed now
+        (for senders that cannot hash in flight, or must not wait to)."""
+        return self if self.checksum is not None else dataclasses.replace(self, checksum=self.data_checksum())
 
     @property
     def ok(self) -> bool:

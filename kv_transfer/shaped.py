@@ -14,7 +14,6 @@ TransferError, and the link keeps serving the other peers.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import threading
 import time
 
@@ -51,10 +50,9 @@ class ShapedSender(KVSender):
             self.inner.connect(peer, address)
 
     def send(self, peer: str, payload: KVPayload) -> None:
-        if payload.checksum is None:
-            # hashed now, not when the link thread sends it: blocks freed and rewritten in
-            # between (an expired lease) must fail the receiver's check, not pass it
-            payload = dataclasses.replace(payload, checksum=payload.data_checksum())
+        # hashed now, not when the link thread sends it: blocks freed and rewritten in
+        # between (an expired lease) must fail the receiver's check, not pass it
+        payload = payload.with_checksum()
         with self._cond:
             self._raise_if_failed()
             if peer in self._failed_peers:

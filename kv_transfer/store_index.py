@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
 from collections.abc import Iterable
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
@@ -170,17 +170,16 @@ class StoreIndex:
         is inlined: a new block evicts the least recently used ones from the
         front, exactly as put would."""
         blocks, c, cap = self._blocks, self.counters, self.capacity_bytes
+        if self._pins or self._disk or self.disk_capacity_bytes or cap is None or nbytes > cap:
+            return sum(self.put(key, nbytes) for key in keys)
         kept = 0
         for key in keys:
+            c.puts += 1
+            kept += 1
             if key in blocks:
-                c.puts += 1
                 blocks.move_to_end(key)
                 c.blocks_refreshed += 1
-            elif self._pins or self._disk or self.disk_capacity_bytes or cap is None or nbytes > cap:
-                if not self.put(key, nbytes):
-                    continue
             else:
-                c.puts += 1
                 while self.used_bytes + nbytes > cap:
                     _, (size, _) = blocks.popitem(last=False)
                     self.used_bytes -= size
@@ -189,7 +188,6 @@ class StoreIndex:
                 self.used_bytes += nbytes
                 c.blocks_stored += 1
                 c.bytes_to_store += nbytes
-            kept += 1
         return kept
 
     def _make_room(self, nbytes: int) -> bool:

@@ -23,7 +23,6 @@ host staging. With NCCL the data is staged host -> GPU on the sender and GPU
 from __future__ import annotations
 
 import collections
-import dataclasses
 import datetime
 import itertools
 import time
@@ -121,8 +120,7 @@ class TorchDistSender(ChannelSender):
         if sum(len(p) for p in pieces) != payload.nbytes or not 0 < len(pieces) <= MAX_PIECES:
             raise ValueError(f"request {payload.request_id}: payload has {sum(len(p) for p in pieces)} bytes of "
                              f"data in {len(pieces)} pieces, its header declares {payload.nbytes}")
-        if payload.checksum is None:       # (view_kv's): gloo's pieces are not hashed in flight
-            payload = dataclasses.replace(payload, checksum=payload.data_checksum())
+        payload = payload.with_checksum()      # (view_kv's have none): gloo's pieces are not hashed in flight
         sock.send_multipart([HEADER, payload.encode_header(),
                              msgpack.packb([self.group.rank, [len(p) for p in pieces]])])
         for piece in pieces:

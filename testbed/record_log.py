@@ -28,9 +28,8 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from testbed.metrics import (IterationRecord, RequestRecord, append_jsonl, read_iterations, read_requests,
-                             record_columns)
-from testbed.record_writer import RecordWriter
+from testbed.metrics import IterationRecord, RequestRecord, read_iterations, read_requests, record_columns
+from testbed.record_writer import InlineWriter, RecordWriter
 from testbed.run_stats import RunStats
 
 REQUESTS_FILE, ITERATIONS_FILE = "requests.jsonl", "iterations.jsonl"
@@ -58,12 +57,14 @@ class RecordLog:
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.requests_path, self.iterations_path = self.dir / REQUESTS_FILE, self.dir / ITERATIONS_FILE
-        self._files = {"requests": open(self.requests_path, "w"), "iterations": open(self.iterations_path, "w")}
+        self._paths = {"requests": str(self.requests_path), "iterations": str(self.iterations_path)}
+        for path in self._paths.values():
+            open(path, "w").close()                      # a run starts its files empty
+        self._writer: InlineWriter | RecordWriter = InlineWriter(self._paths)
         self._pending: dict[str, list] = {"requests": [], "iterations": []}
         self.waiting: dict[int, RequestRecord] = {}      # arrival index -> a record ended before an earlier one
         self._next = 0                                   # the arrival index requests.jsonl takes next
         self._flushed_at = time.monotonic()
-        self._writer: RecordWriter | None = None
         self._iterations_written = 0
         self._closed = False
 
@@ -102,21 +103,15 @@ class RecordLog:
         iterations = self._pending["iterations"]
         self.stats.add_iterations(iterations)
         self._iterations_written += len(iterations)
-        if self._writer is None and self.writer_after is not None and self._iterations_written >= self.writer_after:
-            for f in self._files.values():       # what is written so far stays; the writer appends
-                f.close()
-            self._writer = RecordWriter({kind: str(f.name) for kind, f in self._files.items()})
+        if isinstance(self._writer, InlineWriter) and self.writer_after is not None \
+                and self._iterations_written >= self.writer_after:
+            self._writer.close()                   # what is written so far stays; the process appends
+            self._writer = RecordWriter(self._paths)
         for kind, pending in self._pending.items():
             if pending:
-                if self._writer is not None:
-                    self._writer.write(kind, record_columns(pending))
-                else:
-                    append_jsonl(self._files[kind], pending)
+                self._writer.write(kind, record_columns(pending))
                 pending.clear()
-            if self._writer is None:
-                self._files[kind].flush()
-        if self._writer is not None:
-            self._writer.flush()
+        self._writer.flush()
         self._flushed_at = time.monotonic()
 
     def close(self) -> None:
@@ -126,10 +121,7 @@ class RecordLog:
             for index in sorted(self.waiting):     # an arrival that never ended (none when a runtime ends its run)
                 self._take(self.waiting.pop(index))
             self.flush()
-            if self._writer is not None:
-                self._writer.close()
-            for f in self._files.values():
-                f.close()
+            self._writer.close()
 
     # -- read back, once the run is over ----------------------------------------------
     def requests(self) -> list[RequestRecord]:

@@ -37,6 +37,27 @@ from testbed.jsonl import jsonl_text
 _COLUMNS, _TEXT = 0, 1          # a frame: [_COLUMNS, kind, names, columns] or [_TEXT, kind, ascii bytes]
 
 
+class InlineWriter:
+    """RecordWriter's interface in this process: each chunk encoded and appended here
+    (a run's first records, and every record of a short run)."""
+
+    def __init__(self, paths: dict[str, str]) -> None:
+        self._files = {kind: open(path, "a") for kind, path in paths.items()}
+
+    def write(self, kind: str, chunks: Iterable[tuple[list[str], list[list]]]) -> None:
+        f = self._files[kind]
+        for names, columns in chunks:
+            f.write(jsonl_text(names, columns))
+
+    def flush(self) -> None:
+        for f in self._files.values():
+            f.flush()
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+
+
 class RecordWriterError(RuntimeError):
     """The writer process is gone or failed: the records after its death were not written."""
 

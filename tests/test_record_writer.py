@@ -19,7 +19,7 @@ import pytest
 
 from testbed.metrics import IterationRecord, RequestRecord, write_jsonl
 from testbed.record_log import RecordLog
-from testbed.record_writer import RecordWriterError
+from testbed.record_writer import InlineWriter, RecordWriter, RecordWriterError
 from testbed.run_stats import RunStats
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +54,7 @@ def fill(log: RecordLog) -> None:
 def test_the_writer_writes_the_bytes_write_jsonl_writes(tmp_path, writer_after):
     log = RecordLog(RunStats(None, None), tmp_path / "w", chunk=64, writer_after=writer_after)
     fill(log)
-    assert log._writer is not None
+    assert isinstance(log._writer, RecordWriter)
     log.close()
     log.close()                                            # twice: nothing more happens
     write_jsonl(tmp_path / "requests.jsonl", requests())
@@ -65,7 +65,7 @@ def test_the_writer_writes_the_bytes_write_jsonl_writes(tmp_path, writer_after):
     assert first == json.dumps({f.name: getattr(iterations()[3], f.name) for f in fields(IterationRecord)})
     inline = RecordLog(RunStats(None, None), tmp_path / "i", chunk=64)
     fill(inline)
-    assert inline._writer is None
+    assert isinstance(inline._writer, InlineWriter)
     assert json.dumps(log.summary(10.0)) == json.dumps(inline.summary(10.0))     # (NaN != NaN)
 
 
