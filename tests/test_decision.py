@@ -89,6 +89,18 @@ def test_the_study_finds_the_crossover_the_arithmetic_gives(tmp_path):        # 
             assert float(by[(slo, "disagg-1P1D", L)]["capacity_per_gpu"]) <= per_iteration * 100 / 2
             if L <= 1024:
                 assert float(by[(slo, "sarathi-1100", L)]["capacity_per_gpu"]) <= 2 * per_iteration * 100 / 2
+    # each probe row carries the verdict of the definition that ran it: the rows of that definition
+    # passed at their capacity and missed their limit at their first failing rate
+    # (key: model/hardware/N/deployment/link/L/TBT target; rates are the deployment's, 2 GPUs each)
+    probes = {(p["key"].split("/")[3], int(p["key"].split("/")[5]), round(float(p["rate"]) / 2, 9)): p
+              for p in read_rows(tmp_path / "decision_probes.csv")}
+    assert {p["judged_by"] for p in probes.values()} == {"p99_tbt"}         # fluidity reused every run
+    assert {p["verdict"] for p in probes.values()} >= {"pass", "ttft"}
+    for r in (r for r in rows if r["slo"] == "p99_tbt"):
+        at = lambda per_gpu: probes[(r["deployment"], int(r["context_len"]), round(float(per_gpu), 9))]
+        if r["capacity_per_gpu"]:
+            assert at(r["capacity_per_gpu"])["verdict"] == "pass"
+        assert at(r["first_failing_per_gpu"])["verdict"] == r["limited_by"]
     assert {c["slo"]: c["l_star"] for c in summary["crossovers"]} == {"p99_tbt": 4096, "fluidity": 4096}
     c = summary["crossovers"][0]
     assert c["best_colocated"] == {"512": "sarathi-1100", "1024": "sarathi-1100"}
@@ -286,7 +298,7 @@ def test_a_probe_too_short_to_judge_anyone_is_lengthened_not_counted_as_a_failur
     # a first guess of 1 us per request: 30 requests at 20 req/s, arriving over ~1.5 s, while each
     # takes 4 s (400 iterations of 10 ms, any batch): the window [first + 4 s, last - 4 s] is empty
     assert rule.num_requests(20.0, 1e-6) == 30
-    run = prober.probe(("k",), cfg, 20.0, 1e-6, lambda r: verdict(r, smooth, targets) == "")
+    run = prober.probe(("k",), cfg, 20.0, 1e-6, lambda r: verdict(r, smooth, targets), "p99_tbt")
     assert run.num_requests > 3 * 30 and run.num_finished == run.num_requests
     assert run.window.judged and run.window.steady and 3.9 < run.window.service_s < 4.5
     assert verdict(run, smooth, targets) == ""

@@ -60,7 +60,10 @@ class Prober:
     flagged when too short; except an unjudged one (every request finished,
     none in the window: it says nothing), lengthened as a passing one. Remembers every run by
     (deployment, link, L, SLO the run reads, rate) so SLO definitions share them.
-    `passes(run)` says whether a run meets the SLOs of the search asking.
+    `limit(run)` is the SLO limit a run misses for the search asking ("" when
+    it meets them: a pass); its row in decision_probes.csv records that verdict
+    and the definition (`asker`) that gave it: a later definition reusing the
+    run may judge it otherwise (its rows in decision.csv say how).
     With `max_span_s` no probe's arrivals span longer than that (the real
     engine's probes run on the wall clock): one that needs more runs that
     long and stays flagged; `max_lengthenings` bounds the re-runs. Past
@@ -78,13 +81,14 @@ class Prober:
         self.num_runs = 0
 
     def probe(self, key: tuple, cfg: RunConfig, rate: float, first_service_s: float,
-              passes: Callable[[ProbeRun], bool]) -> ProbeRun:
+              limit: Callable[[ProbeRun], str], asker: str = "") -> ProbeRun:
         if (*key, rate) in self.runs:
             return self.runs[(*key, rate)]
         service = self.service_s.get(key, first_service_s)
         n = self._size(rate, service)
         run = self._run(cfg, rate, n)
-        passed = passes(run)
+        missed = limit(run)
+        passed = not missed
         for _ in range(self.max_lengthenings):
             needed = self._size(rate, run.window.service_s)
             # every request finished and none in the window: too short to say anything, not a failure
@@ -94,7 +98,8 @@ class Prober:
                     or not (passed or unjudged or needed <= 3 * run.num_requests):
                 break
             run = self._run(cfg, rate, needed)
-            passed = passes(run)
+            missed = limit(run)
+            passed = not missed
         if passed and run.window.service_s > 0:
             self.service_s[key] = run.window.service_s
         self.runs[(*key, rate)] = run
@@ -102,7 +107,7 @@ class Prober:
                           "num_finished": run.num_finished, "judged": len(run.window.judged),
                           "span_s": run.window.span_s, "service_s": run.window.service_s,
                           "steady": run.window.steady, "steady_reason": run.window.reason,
-                          "source": self.runner.source, "wall_s": round(run.wall_s, 2), "load_1m": run.load_1m})
+                          "verdict": missed or "pass", "judged_by": asker, "source": self.runner.source, "wall_s": round(run.wall_s, 2), "load_1m": run.load_1m})
         return run
 
     def _size(self, rate: float, service_s: float) -> int:
@@ -170,7 +175,7 @@ def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targe
         return verdict(run, smooth, targets)
 
     def probe(rate: float) -> bool:
-        run = prober.probe(key, cfg, rate, first_service_s, lambda r: limit_of(r) == "")
+        run = prober.probe(key, cfg, rate, first_service_s, limit_of, smooth.name)
         limit = limit_of(run)
         verdicts[rate] = (limit, run.window.steady)
         if run.num_finished == 0 and prober.runner.none_finished_is_memory:
