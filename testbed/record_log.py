@@ -4,11 +4,18 @@ The mode controller (modes/base.py) hands it each request's record when the
 request is terminal (finished, failed, aborted, rejected), with the request's
 place among the run's arrivals, and each iteration's record as the
 iteration's event arrives. It appends them to requests.jsonl and
-iterations.jsonl in the run directory (a temporary one when the caller gave
-none: capacity searches, studies and calibration read `RunResult.records`
-in-process), in write_jsonl's line format, a chunk of records at a time and
-at least every `flush_s`, and feeds RunStats (testbed/run_stats.py), which
-keeps a few numbers per request for the summary.
+iterations.jsonl in the run directory, in write_jsonl's line format, a chunk
+of records at a time and at least every `flush_s`, and feeds RunStats
+(testbed/run_stats.py), which keeps a few numbers per request for the
+summary.
+
+When the caller gave no run directory (capacity searches, studies and
+calibration read `RunResult.records` in-process) the records stay in memory
+as the objects the controller made: a capacity probe's records used to take
+about a seventh of its time to encode, write and parse back. A run that
+passes `memory_iterations` iteration records spills everything to a
+temporary directory and streams on from there, as a run with a directory
+does, so that a long run's memory stays bounded.
 
 requests.jsonl stays in arrival order, as when a run wrote its records at
 the end (readers and tests compare it line by line, and a simulated run's
@@ -25,10 +32,12 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
-from testbed.metrics import IterationRecord, RequestRecord, read_iterations, read_requests, record_columns
+from testbed.metrics import (IterationRecord, RequestRecord, iter_iterations, iter_requests, read_iterations,
+                             read_requests, record_columns)
 from testbed.record_writer import InlineWriter, RecordWriter
 from testbed.run_stats import RunStats
 
@@ -45,28 +54,49 @@ class RecordSink(Protocol):
 
 class RecordLog:
     def __init__(self, stats: RunStats, run_dir: str | Path | None = None, chunk: int = 1024,
-                 flush_s: float = 1.0, writer_after: int | None = None):
+                 flush_s: float = 1.0, writer_after: int | None = None, memory_iterations: int = 200_000):
         """writer_after: iteration records written before a writer process takes over (None:
         never; runtime.record_writer_after, 100K by default: below that its start, ~0.1 s,
-        costs about what it saves)."""
+        costs about what it saves). memory_iterations: without `run_dir`, the iteration
+        records kept in memory before the log spills to a temporary directory (~250 bytes
+        each)."""
         self.stats, self.chunk, self.flush_s, self.writer_after = stats, chunk, flush_s, writer_after
+        self.memory_iterations = memory_iterations
         self._tmp = None
-        if run_dir is None:     # removed with this object (RunResult holds it)
-            self._tmp = tempfile.TemporaryDirectory(prefix="testbed-records-")
-            run_dir = self._tmp.name
-        self.dir = Path(run_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.requests_path, self.iterations_path = self.dir / REQUESTS_FILE, self.dir / ITERATIONS_FILE
-        self._paths = {"requests": str(self.requests_path), "iterations": str(self.iterations_path)}
-        for path in self._paths.values():
-            open(path, "w").close()                      # a run starts its files empty
-        self._writer: InlineWriter | RecordWriter = InlineWriter(self._paths)
+        self.dir: Path | None = None                     # None: the records are in memory
+        self._kept: dict[str, list] = {"requests": [], "iterations": []}
+        self._writer: InlineWriter | RecordWriter | None = None
+        if run_dir is not None:
+            self._open_files(Path(run_dir))
         self._pending: dict[str, list] = {"requests": [], "iterations": []}
         self.waiting: dict[int, RequestRecord] = {}      # arrival index -> a record ended before an earlier one
         self._next = 0                                   # the arrival index requests.jsonl takes next
         self._flushed_at = time.monotonic()
         self._iterations_written = 0
         self._closed = False
+
+    def _open_files(self, run_dir: Path) -> None:
+        self.dir = run_dir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.requests_path, self.iterations_path = self.dir / REQUESTS_FILE, self.dir / ITERATIONS_FILE
+        self._paths = {"requests": str(self.requests_path), "iterations": str(self.iterations_path)}
+        for path in self._paths.values():
+            open(path, "w").close()                      # a run starts its files empty
+        self._writer = InlineWriter(self._paths)
+
+    def _spill(self) -> None:
+        """Past memory_iterations: what is in memory goes to a temporary directory
+        (removed with this object; RunResult holds it) and the run streams on from there."""
+        self._tmp = tempfile.TemporaryDirectory(prefix="testbed-records-")
+        self._open_files(Path(self._tmp.name))
+        for kind, kept in self._kept.items():
+            if kept:
+                self._writer.write(kind, record_columns(kept))
+        self._kept = {"requests": [], "iterations": []}
+
+    @property
+    def in_memory(self) -> bool:
+        return self.dir is None
 
     # -- written as the run goes -----------------------------------------------------
     def request(self, record: RequestRecord, arrival_index: int) -> None:
@@ -103,6 +133,14 @@ class RecordLog:
         iterations = self._pending["iterations"]
         self.stats.add_iterations(iterations)
         self._iterations_written += len(iterations)
+        if self.in_memory and self._iterations_written > self.memory_iterations:
+            self._spill()
+        if self.in_memory:
+            for kind, pending in self._pending.items():
+                self._kept[kind] += pending
+                pending.clear()
+            self._flushed_at = time.monotonic()
+            return
         if isinstance(self._writer, InlineWriter) and self.writer_after is not None \
                 and self._iterations_written >= self.writer_after:
             self._writer.close()                   # what is written so far stays; the process appends
@@ -121,17 +159,27 @@ class RecordLog:
             for index in sorted(self.waiting):     # an arrival that never ended (none when a runtime ends its run)
                 self._take(self.waiting.pop(index))
             self.flush()
-            self._writer.close()
+            if self._writer is not None:
+                self._writer.close()
 
     # -- read back, once the run is over ----------------------------------------------
     def requests(self) -> list[RequestRecord]:
         """Every request's record, in arrival order."""
         self.close()
-        return read_requests(self.requests_path)
+        return list(self._kept["requests"]) if self.in_memory else read_requests(self.requests_path)
 
     def iterations(self) -> list[IterationRecord]:
         self.close()
-        return read_iterations(self.iterations_path)
+        return list(self._kept["iterations"]) if self.in_memory else read_iterations(self.iterations_path)
+
+    def iter_requests(self) -> Iterator[RequestRecord]:
+        """requests() one record at a time (from the file: a long run's are never all in memory)."""
+        self.close()
+        return iter(self._kept["requests"]) if self.in_memory else iter_requests(self.requests_path)
+
+    def iter_iterations(self) -> Iterator[IterationRecord]:
+        self.close()
+        return iter(self._kept["iterations"]) if self.in_memory else iter_iterations(self.iterations_path)
 
     def summary(self, duration_s: float | None = None) -> dict:
         """summary.json's figures, from what was streamed."""

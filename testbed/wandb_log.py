@@ -9,7 +9,6 @@ import os
 from pathlib import Path
 
 from testbed.config import RunConfig, to_dict
-from testbed.metrics import iter_iterations, iter_requests
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -34,8 +33,8 @@ def log_run(cfg: RunConfig, out_dir: Path, summary: dict, result) -> str | None:
                      name=cfg.wandb.name or f"{cfg.mode}-{cfg.scheduler}-{cfg.model.name}-{cfg.workload.name}",
                      reinit="finish_previous")
     try:
-        # from the streamed files, one record at a time (requests in the order they ended)
-        for it in iter_iterations(result.log.iterations_path):
+        # from the streamed files, one record at a time (requests in arrival order)
+        for it in result.log.iter_iterations():
             run.log({"iteration/start_s": it.start_s, "iteration/duration_ms": it.duration_s * 1e3,
                      "iteration/num_prefill_tokens": it.num_prefill_tokens,
                      "iteration/num_decode_tokens": it.num_decode_tokens,
@@ -43,7 +42,7 @@ def log_run(cfg: RunConfig, out_dir: Path, summary: dict, result) -> str | None:
         columns = ["request_id", "status", "prompt_len", "num_output_tokens", "ttft_ms", "tpot_ms", "e2e_ms",
                    "num_preemptions", "kv_bytes_sent", "exposed_transfer_ms"]
         table = wandb.Table(columns=columns)
-        for r in iter_requests(result.log.requests_path):
+        for r in result.log.iter_requests():
             ms = lambda s: None if s is None else s * 1e3  # noqa: E731
             table.add_data(r.request_id, r.status, r.prompt_len, len(r.output_token_ids), ms(r.ttft_s),
                            ms(r.tpot_s), ms(r.e2e_s), r.num_preemptions, r.kv_bytes_sent, ms(r.exposed_transfer_s))

@@ -130,13 +130,55 @@ def test_record_log_writes_in_arrival_order_holding_only_what_ended_early(tmp_pa
     assert s["tbt_ms"]["p50"] == pytest.approx(100.0) and s["iterations"]["num_iterations"] == 1
 
 
-def test_without_a_run_directory_the_records_live_in_a_temporary_one():
-    log = RecordLog(RunStats(None, None))
+def test_without_a_run_directory_the_records_stay_in_memory():
+    log = RecordLog(RunStats(None, None), chunk=1)
+    a = record("a", 0.0, [0.1])
+    log.request(a, 0)
+    log.iteration(IterationRecord(0.0, 0.1, 4, 0))
+    assert log.in_memory and log.dir is None
+    assert log.requests() == [a] and log.requests()[0] is a      # the controller's own objects, never re-parsed
+    assert log.iterations() == [IterationRecord(0.0, 0.1, 4, 0)]
+    assert log.summary()["num_finished"] == 1
+
+
+def test_past_memory_iterations_the_records_spill_to_a_temporary_directory_removed_with_the_log():
+    log = RecordLog(RunStats(None, None), chunk=1, memory_iterations=3)
+    a, b = record("a", 0.0, [0.1]), record("b", 0.5, [0.6, 0.7])
+    log.request(a, 0)
+    its = [IterationRecord(float(i), 0.1, 4, 0) for i in range(5)]
+    for it in its[:3]:
+        log.iteration(it)
+    assert log.in_memory                                # 3 is not past the bound
+    log.iteration(its[3])
     where = log.dir
-    log.request(record("a", 0.0, [0.1]), 0)
-    assert where.is_dir() and log.requests() == [record("a", 0.0, [0.1])]
+    assert not log.in_memory and where.is_dir()
+    assert len((where / "iterations.jsonl").read_text().splitlines()) == 4     # what was in memory went first
+    log.iteration(its[4])
+    log.request(b, 1)
+    assert log.requests() == [a, b] and log.iterations() == its
+    assert list(log.iter_requests()) == [a, b] and list(log.iter_iterations()) == its
     del log
     assert not where.exists()
+
+
+@pytest.mark.parametrize("case", ["colocated_preempting", "disagg_seats", "kvstore_1p2d"])
+def test_a_simulated_run_gives_the_same_records_in_memory_as_through_its_files(case, tmp_path):
+    """A capacity probe's records (no run directory: kept in memory) against the same
+    run's records parsed back from requests.jsonl and iterations.jsonl."""
+    import sys
+    from pathlib import Path
+    from testbed.runtime.sim import SimRuntime
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_sim_fast_forward import BASE, CASES, CHAT
+    cfg = config(*BASE, *CHAT, *CASES[case])
+    requests = list(build_workload(cfg.workload, cfg.model.vocab_size, cfg.seed))
+    kept = SimRuntime(cfg, log=lambda line: None).run([sampled(cfg, r) for r in requests])
+    written = SimRuntime(cfg, log=lambda line: None, record_dir=tmp_path).run([sampled(cfg, r) for r in requests])
+    assert kept.log.in_memory and not written.log.in_memory
+    assert kept.records == written.records and kept.iterations == written.iterations
+    assert len(kept.records) == len(requests) and all(r.finished for r in kept.records)
+    assert len(kept.iterations) > len(requests)
+    assert kept.log.summary() == written.log.summary()
 
 
 def test_the_event_gate_forgets_a_request_grace_s_after_it_ended():
