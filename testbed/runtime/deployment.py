@@ -42,7 +42,8 @@ class RunResult:
 
 def record_log(cfg: RunConfig, record_dir=None) -> RecordLog:
     """Where a runtime streams the run's records: `record_dir` (a run
-    directory), else a temporary directory that lives as long as the log."""
+    directory), else memory (a temporary directory past the log's
+    memory_iterations, living as long as the log)."""
     return RecordLog(RunStats(cfg.slo.ttft_ms, cfg.slo.tpot_ms), record_dir,
                      writer_after=cfg.runtime.record_writer_after)
 
