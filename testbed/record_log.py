@@ -36,8 +36,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
-from testbed.metrics import (IterationRecord, RequestRecord, iter_iterations, iter_requests, read_iterations,
-                             read_requests, record_columns)
+from testbed.metrics import IterationRecord, RequestRecord, iter_iterations, iter_requests, record_columns
 from testbed.record_writer import InlineWriter, RecordWriter
 from testbed.run_stats import RunStats
 
@@ -165,12 +164,10 @@ class RecordLog:
     # -- read back, once the run is over ----------------------------------------------
     def requests(self) -> list[RequestRecord]:
         """Every request's record, in arrival order."""
-        self.close()
-        return list(self._kept["requests"]) if self.in_memory else read_requests(self.requests_path)
+        return list(self.iter_requests())
 
     def iterations(self) -> list[IterationRecord]:
-        self.close()
-        return list(self._kept["iterations"]) if self.in_memory else read_iterations(self.iterations_path)
+        return list(self.iter_iterations())
 
     def iter_requests(self) -> Iterator[RequestRecord]:
         """requests() one record at a time (from the file: a long run's are never all in memory)."""
