@@ -7,7 +7,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from testbed.capacity import find_capacity, judge
+from testbed.capacity import find_capacity, judge, search_rate
 from testbed.cli import main
 from testbed.config import RunConfig, register_configs
 from testbed.model.config import CONF_DIR
@@ -69,3 +69,33 @@ def test_testbed_capacity_command(tmp_path, capsys):
     assert f"capacity: {saved['rate']:.4g} req/s" in capsys.readouterr().out
     assert main(["capacity", "--out", str(tmp_path / "x"), "model=nope"]) == 2
     assert "model='nope' is not a known preset" in capsys.readouterr().err
+
+
+def _probed(capacity: float, start: float, **kw) -> list[float]:
+    rates = []
+
+    def probe(rate: float) -> bool:
+        rates.append(rate)
+        return rate <= capacity
+    search_rate(probe, start, 0.1, 10, **kw)
+    return rates
+
+
+def test_search_rate_doubles_then_bisects_to_the_tolerance():
+    assert _probed(10.0, 8.0) == pytest.approx([8.0, 16.0, 16 / 2 ** 0.5, 16 / 2 ** 0.75, 16 / 2 ** 0.625])
+    assert _probed(10.0, 40.0)[:3] == [40.0, 20.0, 10.0]
+
+
+@pytest.mark.parametrize("capacity, probes", [(10.0, 2), (10.5, 2), (9.5, 2), (30.0, 8), (3.0, 8)])
+def test_search_rate_from_a_near_start_brackets_in_two_probes_and_gallops_when_far(capacity, probes):
+    rates = _probed(capacity, 10.0, step=1.1)
+    assert len(rates) == probes
+    passed = [r for r in rates if r <= capacity]
+    failed = [r for r in rates if r > capacity and r > max(passed)]
+    assert max(passed) <= capacity < min(failed) <= max(passed) * 1.1 * (1 + 1e-9)     # the same 10% bracket
+
+
+@pytest.mark.parametrize("step", [1.0, 0.5, 3.0])
+def test_search_rate_refuses_a_step_outside_one_to_two(step):
+    with pytest.raises(ValueError, match=r"search_rate: step must be in \(1, 2\], got"):
+        search_rate(lambda rate: True, 1.0, 0.1, 10, step)
