@@ -90,29 +90,35 @@ def _check(cfg: RunConfig, rel_tol: float, max_probes: int) -> None:
 
 
 def search_rate(probe: Callable[[float], bool], start: float, rel_tol: float, max_probes: int,
-                step: float = 2.0) -> None:
+                bracket: tuple[float, float] | None = None) -> None:
     """Moves up from `start` while rates pass, or down while they fail, until
     one rate passes and a higher one fails, then bisects geometrically (rates
     span orders of magnitude) until hi/lo - 1 <= rel_tol or max_probes probes
     ran. probe(rate) says whether the rate met the SLOs; the caller keeps the
-    verdicts. The first move is by `step` (in (1, 2]) and each further move
-    squares it, up to doubling: the default doubles from the start; a start
-    near the answer with step = 1 + rel_tol (a capacity already measured
-    under nearly the same conditions) brackets it in two probes."""
-    if not 1.0 < step <= 2.0:
-        raise ValueError(f"search_rate: step must be in (1, 2], got {step}")
+    verdicts. Each move doubles (or halves). With `bracket` (lo, hi), found
+    under nearly the same conditions (the same deployment on another link),
+    the search probes lo, then hi, and moves on only where a verdict differs,
+    first by hi/lo, each further move squaring that up to doubling: where the
+    conditions did not matter it ends in those two probes, on the same rates."""
+    step = 2.0
+    if bracket is not None:
+        lo, hi = bracket
+        if not 0 < lo < hi <= 2 * lo:
+            raise ValueError(f"search_rate: bracket must be (lo, hi) with 0 < lo < hi <= 2 lo, got {bracket}")
+        start, step = lo, hi / lo
     lo = hi = None                     # highest passing, lowest failing
     rate, n = start, 0
     while n < max_probes and (lo is None or hi is None):
         n += 1
         if probe(rate):
             lo = rate
-            rate *= step
+            # the bracket's own upper end, not lo * step: the very rate probed before
+            rate = bracket[1] if bracket is not None and n == 1 else rate * step
         else:
             hi = rate
             rate /= step
         step = min(step * step, 2.0)
-    # (a bracket of exactly 1 + rel_tol, as a step of rel_tol gives, is done despite rounding)
+    # (a bracket of exactly 1 + rel_tol, as a given one can be, is done despite rounding)
     while n < max_probes and lo is not None and hi is not None and hi / lo - 1 > rel_tol * (1 + 1e-9):
         n += 1
         mid = (lo * hi) ** 0.5

@@ -86,16 +86,21 @@ def test_search_rate_doubles_then_bisects_to_the_tolerance():
     assert _probed(10.0, 40.0)[:3] == [40.0, 20.0, 10.0]
 
 
-@pytest.mark.parametrize("capacity, probes", [(10.0, 2), (10.5, 2), (9.5, 2), (30.0, 8), (3.0, 8)])
-def test_search_rate_from_a_near_start_brackets_in_two_probes_and_gallops_when_far(capacity, probes):
-    rates = _probed(capacity, 10.0, step=1.1)
-    assert len(rates) == probes
+@pytest.mark.parametrize("capacity, probes", [(9.5, 2), (9.0, 2), (10.5, 4), (30.0, 8), (3.0, 8)])
+def test_search_rate_from_a_bracket_probes_its_ends_and_gallops_only_where_a_verdict_differs(capacity, probes):
+    rates = _probed(capacity, 1.0, bracket=(9.2, 10.1))
+    assert rates[0] == 9.2 and len(rates) == probes
     passed = [r for r in rates if r <= capacity]
     failed = [r for r in rates if r > capacity and r > max(passed)]
     assert max(passed) <= capacity < min(failed) <= max(passed) * 1.1 * (1 + 1e-9)     # the same 10% bracket
 
 
-@pytest.mark.parametrize("step", [1.0, 0.5, 3.0])
-def test_search_rate_refuses_a_step_outside_one_to_two(step):
-    with pytest.raises(ValueError, match=r"search_rate: step must be in \(1, 2\], got"):
-        search_rate(lambda rate: True, 1.0, 0.1, 10, step)
+def test_a_bracket_that_still_holds_is_reprobed_on_the_very_same_rates():
+    lo, hi = 7.3, 7.3 * 1.0905077326652577          # a bisection's bracket: hi is not lo * (hi / lo) in floats
+    assert _probed(7.5, 1.0, bracket=(lo, hi)) == [lo, hi]
+
+
+@pytest.mark.parametrize("bracket", [(1.0, 1.0), (2.0, 1.0), (0.0, 1.0), (1.0, 2.5)])
+def test_search_rate_refuses_a_bracket_that_is_not_one(bracket):
+    with pytest.raises(ValueError, match=r"search_rate: bracket must be \(lo, hi\) with 0 < lo < hi <= 2 lo, got"):
+        search_rate(lambda rate: True, 1.0, 0.1, 10, bracket)

@@ -160,13 +160,14 @@ class Search:
 
 
 def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targets: SLOTargets, start: float,
-           first_service_s: float, rel_tol: float, max_probes: int, step: float = 2.0) -> Search:
+           first_service_s: float, rel_tol: float, max_probes: int,
+           bracket: tuple[float, float] | None = None) -> Search:
     """The highest steady-judged rate meeting the SLOs (bisection to rel_tol).
     On the simulator a rate where no request finishes (the prompt does not
     fit the KV memory) fails for every rate: the search stops there. A search
     cut by the Prober's deadline keeps what it measured, flagged
-    (limited_by=budget, steady=false). `step`: search_rate's first move
-    from `start`."""
+    (limited_by=budget, steady=false). `bracket`: search_rate's, a bracket
+    found on another link, probed first instead of searching from `start`."""
     verdicts: dict[float, tuple[str, bool]] = {}       # rate -> (failed limit or "", steady)
 
     class NeverFits(Exception):
@@ -185,7 +186,7 @@ def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targe
 
     never_fits = out_of_time = False
     try:
-        search_rate(probe, start, rel_tol, max_probes, step)
+        search_rate(probe, start, rel_tol, max_probes, bracket)
     except NeverFits:           # a verdict on memory, not on load: no probe length changes it
         never_fits = True
     except OutOfTime:
@@ -236,13 +237,14 @@ def isolated_s(cost, L: int, output_len: int) -> float:
 def length_rows(prober: Prober, e, point: RunConfig, dep: Deployment, num_gpus: int, row_links: list,
                 smooths: list[Smoothness], L: int, start: float, log, rel_tol: float | None = None,
                 max_probes: int | None = None, skip: str | None = None,
-                step: float = 2.0) -> tuple[list[dict], float | None]:
+                bracket: tuple[float, float] | None = None) -> tuple[list[dict], Search | None]:
     """One deployment's rows at one L: a search from `start` (req/s of the
     deployment) per TBT target and smoothness definition, each row repeated
-    under every link of row_links; and the first search's capacity (req/s).
+    under every link of row_links; and the first search that found a
+    capacity (else the first search).
     With `skip` nothing is probed: the rows are flagged (no capacity,
-    steady=false, limited_by=skip). `step`: each search's first move from
-    `start` (search_rate)."""
+    steady=false, limited_by=skip). `bracket` (req/s of the deployment): a
+    bracket found on another link, each search's first two probes."""
     from testbed.sim.cost_model import CostModel
     one_gpu = CostModel(point.model, point.hardware, ParallelConfig())
     worker = CostModel(point.model, point.hardware, point.parallel)
@@ -262,8 +264,9 @@ def length_rows(prober: Prober, e, point: RunConfig, dep: Deployment, num_gpus: 
             t0 = time.monotonic()
             res = Search(None, "none", skip, False, 0) if skip else search(
                 prober, key, run_cfg, smooth, targets, start, service_s, rel_tol or e.capacity_rel_tol,
-                max_probes or e.capacity_max_probes, step)
-            first = res.capacity if first is None else first
+                max_probes or e.capacity_max_probes, bracket)
+            if first is None or (first.capacity is None and res.capacity is not None):
+                first = res
             rows += [_row(point, link, num_gpus, smooth.name, tbt, targets, L, dep, gpus, res, prober.runner.source)
                      for link in row_links]
             per_gpu = "-" if res.capacity is None else f"{res.capacity / gpus:.4g}"
