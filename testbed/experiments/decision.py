@@ -34,7 +34,7 @@ from pathlib import Path
 
 from testbed.config import RunConfig
 from testbed.experiments.decision_figures import capacity_series, decision_figures
-from testbed.experiments.decision_search import (COLUMNS, Prober, ProbeRun, Smoothness,  # noqa: F401 (re-exported)
+from testbed.experiments.decision_search import (COLUMNS, Prober, ProbeRun, Search, Smoothness,  # noqa: F401 (re-exported)
                                                  isolated_s, length_rows, point_cfg, verdict)
 from testbed.experiments.decision_slo import get_smoothness
 from testbed.experiments.decision_summary import crossovers, definition_changes, sim_vs_real
@@ -59,7 +59,7 @@ def run_decision(cfg: RunConfig, out: Path, log=print) -> dict:
             for num_gpus in e.decision_num_gpus:
                 for dep in deployments(e, num_gpus, point.parallel.tp * point.parallel.pp, e.decision_reuse > 0):
                     # a deployment that never touches the link: one sweep, its rows under every link
-                    found: dict[int, tuple[float, float]] = {}
+                    found: dict[int, Search] = {}
                     for link in (links if dep.uses_link else links[:1]):
                         row_links = [link] if dep.uses_link else links
                         new, found = _sweep(prober, e, replace_run(point, link=link), dep, num_gpus, row_links,
@@ -98,30 +98,30 @@ def run_decision(cfg: RunConfig, out: Path, log=print) -> dict:
 
 
 def _sweep(prober: Prober, e, point: RunConfig, dep: Deployment, num_gpus: int, row_links: list,
-           smooths: list[Smoothness], log, found: dict[int, tuple[float, float]]
-           ) -> tuple[list[dict], dict[int, tuple[float, float]]]:
+           smooths: list[Smoothness], log, found: dict[int, Search]) -> tuple[list[dict], dict[int, Search]]:
     """One deployment's capacity at every L, TBT target and smoothness
-    definition, and the bracket (capacity, first failing rate; req/s) of the
-    first search per L. A search probes `found[L]` first (this deployment's
-    bracket at that L on the previous link: the link rarely moves it, and
-    then the rows are those of the previous link in two probes), else starts
-    from the previous L's first capacity, doubling. Searches whose verdicts
-    agree probe the same rates and share the runs."""
+    definition, and the first search per L that found a bracket. A search
+    probes `found[L]`'s bracket first (this deployment's at that L on the
+    previous link, its first probe sized from the service time measured
+    there: the link rarely moves it, and then the rows are those of the
+    previous link in two probes), else starts from the previous L's first
+    capacity, doubling. Searches whose verdicts agree probe the same rates
+    and share the runs."""
     from testbed.sim.cost_model import CostModel
     worker = CostModel(point.model, point.hardware, point.parallel)
     gpus = dep.num_gpus(point)
-    rows, prev, brackets = [], None, {}
+    rows, prev, seeds = [], None, {}
     lengths = sorted(e.context_lens)
     for L in lengths:
         service_s = isolated_s(worker, L, e.decision_output_len)
         start = (prev * 0.6 if prev else e.capacity_rate_start * gpus if L == lengths[0] else gpus / (2 * service_s))
         new, first = length_rows(prober, e, point, dep, num_gpus, row_links, smooths, L, start, log,
-                                 bracket=found.get(L))
+                                 seed=found.get(L))
         rows += new
         prev = first.capacity if first else None
         if first and first.capacity and first.first_failing and first.first_failing <= 2 * first.capacity:
-            brackets[L] = (first.capacity, first.first_failing)
-    return rows, brackets
+            seeds[L] = first
+    return rows, seeds
 
 
 def _summary(cfg: RunConfig, rows: list[dict], rule: SteadyRule) -> dict:

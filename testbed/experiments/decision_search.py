@@ -157,6 +157,7 @@ class Search:
     steady: bool
     probes: int
     first_failing: float | None = None   # the lowest probed rate above capacity (it failed); None: none did
+    service_s: float | None = None       # the longest service time its passing probes measured last (sizes probes)
 
 
 def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targets: SLOTargets, start: float,
@@ -197,9 +198,10 @@ def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targe
     fail = min(failing, default=None)
     bound = "none" if cap is None else "lower" if fail is None else "bracketed"
     steady = never_fits or all(verdicts[r][1] for r in (cap, fail) if r is not None)
+    service = prober.service_s.get(key)
     if out_of_time:
-        return Search(cap, bound, "budget", False, len(verdicts), fail)
-    return Search(cap, bound, verdicts[fail][0] if fail is not None else "", steady, len(verdicts), fail)
+        return Search(cap, bound, "budget", False, len(verdicts), fail, service)
+    return Search(cap, bound, verdicts[fail][0] if fail is not None else "", steady, len(verdicts), fail, service)
 
 
 def point_cfg(cfg: RunConfig, model_name: str, hardware_name: str) -> RunConfig:
@@ -237,14 +239,15 @@ def isolated_s(cost, L: int, output_len: int) -> float:
 def length_rows(prober: Prober, e, point: RunConfig, dep: Deployment, num_gpus: int, row_links: list,
                 smooths: list[Smoothness], L: int, start: float, log, rel_tol: float | None = None,
                 max_probes: int | None = None, skip: str | None = None,
-                bracket: tuple[float, float] | None = None) -> tuple[list[dict], Search | None]:
+                seed: Search | None = None) -> tuple[list[dict], Search | None]:
     """One deployment's rows at one L: a search from `start` (req/s of the
     deployment) per TBT target and smoothness definition, each row repeated
     under every link of row_links; and the first search that found a
     capacity (else the first search).
     With `skip` nothing is probed: the rows are flagged (no capacity,
-    steady=false, limited_by=skip). `bracket` (req/s of the deployment): a
-    bracket found on another link, each search's first two probes."""
+    steady=false, limited_by=skip). `seed`: this deployment's first search
+    at L on another link: each search probes its bracket first (req/s of the
+    deployment), the first probe sized from the service time it measured."""
     from testbed.sim.cost_model import CostModel
     one_gpu = CostModel(point.model, point.hardware, ParallelConfig())
     worker = CostModel(point.model, point.hardware, point.parallel)
@@ -252,6 +255,9 @@ def length_rows(prober: Prober, e, point: RunConfig, dep: Deployment, num_gpus: 
     validate(base)
     gpus = dep.num_gpus(base)
     service_s = isolated_s(worker, L, e.decision_output_len)
+    bracket = None
+    if seed is not None:
+        bracket, service_s = (seed.capacity, seed.first_failing), seed.service_s or service_s
     rows, first = [], None
     for tbt in e.decision_tbt_slos_ms:
         targets = SLOTargets(e.decision_ttft_k * one_gpu.iteration_time_s([(L, L)]) * 1e3, float(tbt),
