@@ -96,6 +96,8 @@ def test_the_study_finds_the_crossover_the_arithmetic_gives(tmp_path):        # 
               for p in read_rows(tmp_path / "decision_probes.csv")}
     assert {p["judged_by"] for p in probes.values()} == {"p99_tbt"}         # fluidity reused every run
     assert {p["verdict"] for p in probes.values()} >= {"pass", "ttft"}
+    # a row per probe; a probe re-run longer counts each run (and its wall time) in its row
+    assert sum(int(p["runs"]) for p in probes.values()) == summary["num_probe_runs"] > len(probes)
     for r in (r for r in rows if r["slo"] == "p99_tbt"):
         at = lambda per_gpu: probes[(r["deployment"], int(r["context_len"]), round(float(per_gpu), 9))]
         if r["capacity_per_gpu"]:

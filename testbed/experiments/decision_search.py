@@ -87,6 +87,7 @@ class Prober:
         service = self.service_s.get(key, first_service_s)
         n = self._size(rate, service)
         run = self._run(cfg, rate, n)
+        runs, wall_s = 1, run.wall_s          # a lengthened probe's row counts every run it took
         missed = limit(run)
         passed = not missed
         for _ in range(self.max_lengthenings):
@@ -98,6 +99,7 @@ class Prober:
                     or not (passed or unjudged or needed <= 3 * run.num_requests):
                 break
             run = self._run(cfg, rate, needed)
+            runs, wall_s = runs + 1, wall_s + run.wall_s
             missed = limit(run)
             passed = not missed
         if passed and run.window.service_s > 0:
@@ -107,7 +109,8 @@ class Prober:
                           "num_finished": run.num_finished, "judged": len(run.window.judged),
                           "span_s": run.window.span_s, "service_s": run.window.service_s,
                           "steady": run.window.steady, "steady_reason": run.window.reason,
-                          "verdict": missed or "pass", "judged_by": asker, "source": self.runner.source, "wall_s": round(run.wall_s, 2), "load_1m": run.load_1m})
+                          "verdict": missed or "pass", "judged_by": asker, "source": self.runner.source, "runs": runs,
+                          "wall_s": round(wall_s, 2), "load_1m": run.load_1m})
         return run
 
     def _size(self, rate: float, service_s: float) -> int:
