@@ -204,6 +204,26 @@ def test_an_unsteady_row_does_not_count_for_the_winner_or_l_star():
     assert crossovers(rows)[0]["l_star"] is None
 
 
+def test_a_winner_inside_a_rivals_bracket_is_a_tie():
+    """A capacity is bracketed to [capacity, first failing rate): where the
+    other family's bracket reaches above the winner's capacity the order is
+    not resolved, and the summary lists that L under `ties`."""
+    def row(L, fam, cap, fail, steady=True):
+        return {"model": "m", "hardware": "h", "link": "l", "link_gbps": 1.0, "num_gpus": 2, "slo": "p99_tbt",
+                "tbt_slo_ms": 100, "context_len": L, "deployment": fam[:6], "family": fam, "capacity_per_gpu": cap,
+                "steady": steady, "first_failing_per_gpu": fail}
+    rows = [row(1024, "colocated", 10.0, 11.0), row(1024, "disaggregated", 9.5, 10.45),    # 10.45 > 10: a tie
+            row(2048, "colocated", 4.0, 4.4), row(2048, "disaggregated", 5.0, 5.5),        # 4.4 < 5: disagg wins
+            row(4096, "colocated", 3.0, 3.3), row(4096, "disaggregated", 2.0, 3.5, steady=False),  # not counted
+            row(8192, "colocated", 2.5, 2.75), row(8192, "disaggregated", 2.0, "")]        # never failed: a tie
+    (c,) = crossovers(rows)
+    assert c["ties"] == [1024, 8192]
+    assert c["l_star"] is None                                  # the L* rule itself is unchanged
+    for r in rows:
+        del r["first_failing_per_gpu"]                          # a decision.csv from before the column
+    assert crossovers(rows)[0]["ties"] == []
+
+
 def test_l_star_must_hold_at_every_larger_length():
     assert l_star([1, 2, 4, 8], {1: 5, 2: 1, 4: 5, 8: 1}, {1: 1, 2: 5, 4: 1, 8: 5}) == 8
     assert l_star([1, 2, 4], {1: 5, 2: 5, 4: 5}, {1: 1, 2: 1, 4: 1}) is None

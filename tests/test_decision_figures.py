@@ -3,6 +3,8 @@ of each (L, link) cell, and what the two figures draw (asserted on the
 artists, not on pixels)."""
 from __future__ import annotations
 
+import csv
+import json
 import math
 
 import matplotlib
@@ -24,7 +26,8 @@ FLIP = {25.0: None, 400.0: 8192, 7200.0: 2048}
 def row(n, link, deployment, family, cap, steady=True, source="sim") -> dict:
     return {"model": "llama3-8b", "hardware": "h100-sxm", "link": link, "link_gbps": LINKS[link], "num_gpus": 2,
             "slo": "p99_tbt", "tbt_slo_ms": 100, "ttft_slo_ms": 1000.0, "context_len": n, "deployment": deployment,
-            "family": family, "capacity_per_gpu": cap, "bound": "bracketed" if cap else "none",
+            "family": family, "capacity_per_gpu": cap, "first_failing_per_gpu": float(cap) * 1.1 if cap else "",
+            "bound": "bracketed" if cap else "none",
             "limited_by": "tbt", "steady": steady, "probes": 6, "source": source}
 
 
@@ -101,6 +104,24 @@ def test_phase_diagram_colors_each_cell_by_its_winner_and_draws_l_star(tmp_path,
     plt.close("all")
 
 
+def test_phase_diagram_hatches_a_winner_inside_another_familys_bracket(tmp_path, monkeypatch):
+    figs = capture_figures(monkeypatch)
+    rows = synthetic_rows()
+    assert not F.tied_cells(rows)                   # 0.8x and 1.5x: every bracket clear of the winner
+    close = next(r for r in rows if (r["context_len"], r["link"], r["deployment"]) == (2048, "tcp-25", "disagg-1P1D"))
+    colo = 64.0 * 1024 / 2048
+    close.update(capacity_per_gpu=0.95 * colo, first_failing_per_gpu=1.045 * colo)    # reaches above colo
+    assert F.tied_cells(rows) == {(2048, 25.0)}
+    F.plot_phase_diagram(rows, tmp_path / "phase.png", "tie", FLIP)
+    ax = figs[0].axes[0]
+    (hatch,) = [p for p in ax.patches if p.get_hatch()]
+    x0, y0 = hatch.get_xy()
+    assert (x0, x0 + hatch.get_width()) == pytest.approx((2048 / math.sqrt(2), 2048 * math.sqrt(2)))
+    assert (y0, hatch.get_height()) == (-0.5, 1.0)                                     # the tcp-25 row
+    assert any(t.get_text().startswith("a tie") for t in ax.get_legend().get_texts())
+    plt.close("all")
+
+
 def test_capacity_vs_length_draws_one_line_per_deployment(tmp_path, monkeypatch):
     figs = capture_figures(monkeypatch)
     rows = [r for r in synthetic_rows() if r["link"] == "rdma-400"]
@@ -155,3 +176,25 @@ def test_all_figures_and_series_from_decision_rows_and_summary(tmp_path):
     assert tcp["ys"][1] == [64.0 * 1024 / n for n in LENGTHS]
     assert tcp["ys"][3] == [None] * 5                       # its one row is not steady: not counted
     assert tcp["ys"][4] == [None] * 5                       # nothing passed
+
+
+def test_redraw_from_a_studys_files_adds_ties_and_refuses_another_studys_summary(tmp_path, capsys):
+    from testbed.experiments.decision_redraw import main
+    from testbed.experiments.decision_summary import crossovers
+    rows = synthetic_rows()
+    with open(tmp_path / "x_decision.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    summary = {"crossovers": [{k: v for k, v in c.items() if k != "ties"} for c in crossovers(rows)]}
+    (tmp_path / "x_decision_summary.json").write_text(json.dumps(summary))
+    assert main([str(tmp_path / "x_decision.csv"), "--out", str(tmp_path / "figs")]) == 0
+    again = json.loads((tmp_path / "x_decision_summary.json").read_text())
+    assert [c["ties"] for c in again["crossovers"]] == [[], [], []]
+    assert {p.name for p in (tmp_path / "figs").glob("phase_*.png")} == {"phase_llama3-8b_h100-sxm_2gpu_p99_tbt_100ms.png"}
+    again["crossovers"][1]["l_star"] = 1024                         # not what its rows give (8192)
+    (tmp_path / "x_decision_summary.json").write_text(json.dumps(again))
+    capsys.readouterr()
+    assert main([str(tmp_path / "x_decision.csv"), "--out", str(tmp_path / "figs")]) == 2
+    assert "L* = 1024" in capsys.readouterr().err
+    plt.close("all")

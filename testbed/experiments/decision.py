@@ -147,6 +147,8 @@ def _summary(cfg: RunConfig, rows: list[dict], rule: SteadyRule) -> dict:
             "transfer_layerwise": cfg.transfer.layerwise, "disagg_scheduler": e.disagg_scheduler,
             "l_star": "smallest L from which on the best steady disaggregated capacity per GPU exceeds the best "
                       "colocated one at every larger L; a family without a steady capacity at an L counts 0 there",
+            "ties": "the L's where the other family's search bracket [capacity, first failing rate) reaches above "
+                    "the winner's capacity: the winner there is within the search's resolution",
         },
         "crossovers": crossovers(sim),
         "definition_changes": changes,

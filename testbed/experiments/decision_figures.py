@@ -110,10 +110,23 @@ def plot_capacity_vs_length(rows: list[dict], path: Path, title: str,
     return save_figure(fig, path)
 
 
+def tied_cells(rows: list[dict]) -> set[tuple[int, float]]:
+    """The cells of `winners` whose winner a deployment of another family may
+    beat: that one's search bracket reaches above the winner's capacity
+    (decision_summary.within_bracket). The phase diagram hatches them."""
+    from testbed.experiments.decision_summary import within_bracket
+    by_cell: dict[tuple[int, float], list[dict]] = {}
+    for r in rows:
+        by_cell.setdefault((int(r["context_len"]), float(r["link_gbps"])), []).append(r)
+    return {cell for cell, r in winners(rows).items()
+            if within_bracket(r, [o for o in by_cell[cell] if o["family"] != r["family"]])}
+
+
 def plot_phase_diagram(rows: list[dict], path: Path, title: str,
                        l_star_by_link: dict[float, int | None]) -> Path:
     """Cells (L, link bandwidth) colored by the winning family (`winners`;
-    grey: no steady capacity), each labeled by the winning deployment, and
+    grey: no steady capacity; hatched: a tie within the searches' brackets,
+    `tied_cells`), each labeled by the winning deployment, and
     the L* boundary: in each link's row, a line at the left edge of the L*
     cell (disaggregation wins from there on); a row whose L* is None (not in
     range) gets no boundary segment."""
@@ -122,7 +135,7 @@ def plot_phase_diagram(rows: list[dict], path: Path, title: str,
     import matplotlib.pyplot as plt
     import numpy as np
     from matplotlib.colors import ListedColormap
-    from matplotlib.patches import Patch
+    from matplotlib.patches import Patch, Rectangle
 
     from testbed.experiments import save_figure
     lengths = sorted({int(r["context_len"]) for r in rows})
@@ -139,6 +152,11 @@ def plot_phase_diagram(rows: list[dict], path: Path, title: str,
     cmap = ListedColormap([FAMILY_COLORS[f] for f in FAMILIES]).with_extremes(bad=NO_WINNER_COLOR)
     ax.pcolormesh(x_edges, y_edges, np.ma.masked_invalid(codes), cmap=cmap, vmin=-0.5, vmax=len(FAMILIES) - 0.5,
                   edgecolors="white", linewidth=0.5)
+    tied = tied_cells(rows)
+    for n, gbps in tied:
+        i, j = links.index(gbps), lengths.index(n)
+        ax.add_patch(Rectangle((x_edges[j], y_edges[i]), x_edges[j + 1] - x_edges[j], 1.0, fill=False,
+                               hatch="///", edgecolor="white", linewidth=0, label="_tie"))
     for (n, gbps), r in best.items():
         ax.text(n, links.index(gbps), str(r["deployment"]).replace("-", "-\n", 1), ha="center", va="center",
                 fontsize=5.5, color="black")
@@ -153,6 +171,8 @@ def plot_phase_diagram(rows: list[dict], path: Path, title: str,
     handles = [Patch(color=FAMILY_COLORS[f], label=f"{f} wins") for f in FAMILIES
                if any(r["family"] == f for r in best.values())]
     handles += [Patch(color=NO_WINNER_COLOR, label="no steady capacity")] if np.isnan(codes).any() else []
+    handles += [Patch(facecolor="0.6", hatch="///", edgecolor="white",
+                      label="a tie: another family's bracket reaches above")] if tied else []
     handles += ax.get_legend_handles_labels()[0]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
     return save_figure(fig, path)

@@ -6,9 +6,12 @@ colocated one at every larger L (null when it never does).
 
 Only steady rows count (steady_state.py). A family with no steady capacity at
 an L counts as 0 there; an L where neither family has one has no winner and
-neither starts nor breaks the run of L's that makes L*."""
+neither starts nor breaks the run of L's that makes L*. `ties` lists the L's
+where the two families' best capacities are within the search's brackets of
+each other (`within_bracket`): the winner there is not resolved."""
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Iterable
 
@@ -34,6 +37,42 @@ def best_by_family(rows: Iterable[dict], family: str) -> dict[int, tuple[str, fl
             if L not in best or cap > best[L][1]:
                 best[L] = (r["deployment"], cap)
     return best
+
+
+def bracket_top(row: dict) -> float | None:
+    """The first failing rate per GPU of a row's search: its capacity lies in
+    [capacity_per_gpu, this). Infinite where the search never failed above it;
+    None for a row from before the column (it cannot say)."""
+    if "first_failing_per_gpu" not in row:
+        return None
+    fail = row["first_failing_per_gpu"]
+    return float(fail) if fail not in (None, "") else math.inf
+
+
+def within_bracket(winner: dict, rivals: Iterable[dict]) -> bool:
+    """Whether a rival's steady capacity may exceed the winner's: a search
+    brackets a capacity to [capacity, first failing rate), and the verdict at a
+    rate near capacity moves with the probe's length (~one 10% step), so a
+    rival whose bracket reaches above the winner's capacity is a tie, not a
+    loss."""
+    cap = _capacity(winner)
+    return cap is not None and any(_capacity(r) is not None and (bracket_top(r) or 0.0) > cap for r in rivals)
+
+
+def ties(rows: Iterable[dict]) -> list[int]:
+    """The L's where the best colocated and the best disaggregated deployment
+    are within each other's bracket (`within_bracket`): there the winner, and
+    an L* starting there, is inside the search's resolution."""
+    by_length: dict[int, list[dict]] = defaultdict(list)
+    for r in rows:
+        if r["family"] in ("colocated", "disaggregated") and _capacity(r) is not None:
+            by_length[int(r["context_len"])].append(r)
+    out = []
+    for L, rs in sorted(by_length.items()):
+        best = max(rs, key=_capacity)
+        if within_bracket(best, [r for r in rs if r["family"] != best["family"]]):
+            out.append(L)
+    return out
 
 
 def l_star(lengths: list[int], colocated: dict[int, float], disaggregated: dict[int, float]) -> int | None:
@@ -73,6 +112,7 @@ def crossovers(rows: list[dict]) -> list[dict]:
             l_star=l_star(lengths, {L: c for L, (_, c) in col.items()}, {L: c for L, (_, c) in dis.items()}),
             best_colocated={str(L): col[L][0] for L in lengths if L in col},
             best_disaggregated={str(L): dis[L][0] for L in lengths if L in dis},
+            ties=ties(grows),
             best_colocated_capacity={str(L): col[L][1] for L in lengths if L in col},
             best_disaggregated_capacity={str(L): dis[L][1] for L in lengths if L in dis})
         out.append(entry)
