@@ -215,7 +215,10 @@ def test_a_winner_inside_a_rivals_bracket_is_a_tie():
     rows = [row(1024, "colocated", 10.0, 11.0), row(1024, "disaggregated", 9.5, 10.45),    # 10.45 > 10: a tie
             row(2048, "colocated", 4.0, 4.4), row(2048, "disaggregated", 5.0, 5.5),        # 4.4 < 5: disagg wins
             row(4096, "colocated", 3.0, 3.3), row(4096, "disaggregated", 2.0, 3.5, steady=False),  # not counted
-            row(8192, "colocated", 2.5, 2.75), row(8192, "disaggregated", 2.0, "")]        # never failed: a tie
+            row(8192, "colocated", 2.5, 2.75), row(8192, "disaggregated", 2.0, ""),        # never failed: a tie
+            # the rival failed at the rate the winner passed (its bracket top is the winner's capacity, as
+            # the searches' shared grid of rates gives it, rounding included): beaten, not tied
+            row(16384, "colocated", 1.9014899999999998, 2.07), row(16384, "disaggregated", 1.74, 1.90149)]
     (c,) = crossovers(rows)
     assert c["ties"] == [1024, 8192]
     assert c["l_star"] is None                                  # the L* rule itself is unchanged

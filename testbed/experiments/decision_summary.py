@@ -56,7 +56,10 @@ def within_bracket(winner: dict, rivals: Iterable[dict]) -> bool:
     rival whose bracket reaches above the winner's capacity is a tie, not a
     loss."""
     cap = _capacity(winner)
-    return cap is not None and any(_capacity(r) is not None and (bracket_top(r) or 0.0) > cap for r in rivals)
+    # a rival that failed at the very rate the winner passed (the searches share their grid of rates, up to
+    # rounding) is beaten there, not tied
+    return cap is not None and any(_capacity(r) is not None and (bracket_top(r) or 0.0) > cap * (1 + 1e-9)
+                                   for r in rivals)
 
 
 def ties(rows: Iterable[dict]) -> list[int]:
