@@ -47,6 +47,10 @@ CASES = {
     # KV landing while both seats of the one decode worker are taken: it waits for a seat
     "disagg_seats": ["mode=disagg", "prefill_workers=1", "decode_workers=1", "link=rdma-400", "max_num_seqs=2"],
     "kvstore_1p2d": ["mode=kvstore", "prefill_workers=1", "decode_workers=2", "link=rdma-400"],
+    # whole prefills, as the decision and capacity studies run disagg: vllm_v0's steady decodes
+    "colocated_vllm_v0": ["mode=colocated", "replicas=2", "scheduler=vllm_v0"],
+    "disagg_vllm_v0": ["mode=disagg", "prefill_workers=1", "decode_workers=2", "link=rdma-400",
+                       "scheduler=vllm_v0"],
 }
 
 
@@ -83,6 +87,12 @@ def test_the_fast_path_writes_the_same_run(case, tmp_path):
         assert on.num_in_runs > on.num_steady / 4      # steady stretches ran as DecodeRuns (Engine.step_decode_run)
     if CASES[case][0] != "mode=colocated":
         assert on.num_in_runs == 0      # a controller that may react with commands sees every iteration
+        # but its decode workers step their steady decode batches on the short path, run ahead or not
+        # (not while KV waits for a seat, as it mostly does in disagg_seats: step() seats it)
+        decode_iterations = sum(1 for line in open(tmp_path / "on" / "iterations.jsonl")
+                                if json.loads(line)["worker"].startswith("decode"))
+        if case != "disagg_seats":
+            assert on.num_steady > decode_iterations / 2 > on.num_run_ahead
     if case == "colocated_preempting":
         assert on_summary["num_preemptions"] > 0    # the fallback when an allocation could fail is exercised
     # the order IterationOrder restores: by the instant each iteration ended

@@ -167,7 +167,8 @@ class SimRuntime:
         # let a worker's later events overtake its earlier ones
         self.fast_forward = cfg.runtime.sim_fast_forward and not (self.hop_s or self.message_s)
         self.next_arrival_s = float("inf")
-        # iterations run ahead, those of them on the short path, and those of them in a DecodeRun
+        # iterations run ahead, iterations on the steady-decode short path (run ahead or not), and
+        # iterations in a DecodeRun
         self.num_run_ahead = self.num_steady = self.num_in_runs = 0
         # workers whose block manager hashes prompt blocks: they get the prompt as an array
         self.hashing = {w for w, svc in self.services.items() if svc.engine.bm.enable_prefix_caching}
@@ -226,7 +227,14 @@ class SimRuntime:
 
     def _step(self, worker_id: str) -> None:
         self.step_scheduled.discard(worker_id)
-        out = self.services[worker_id].step()
+        svc = self.services[worker_id]
+        # with fast-forward, a steady decode batch takes its short path here too (a disagg decode
+        # worker, whose run-ahead the other workers' events keep short, steps most of its iterations here)
+        out = self.fast_forward and svc.step(steady_decodes_only=True)
+        if out:
+            self.num_steady += 1
+        else:
+            out = svc.step()
         if out is None:
             self._flush(worker_id)
             return

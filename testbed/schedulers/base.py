@@ -166,6 +166,33 @@ class Scheduler(ABC):
         asks again only then."""
         return None
 
+    def _steady_running(self, budget: int | None) -> tuple[list[Request], int | None] | None:
+        """steady_decodes() for a policy whose schedule(), with nothing waiting,
+        gives each running request its one missing token in running order
+        (sarathi's decodes first, vllm_v0's continue-running), within `budget`
+        tokens (None: no budget): nothing waits, every running request is one
+        token behind and each one that starts a block gets one, so nothing is
+        preempted."""
+        running, bm = self.running, self.bm
+        if self.waiting or not running or (budget is not None and len(running) > budget):
+            return None
+        bs = bm.block_size
+        starting = 0
+        for req in running:
+            computed = req.num_computed_tokens
+            if computed < req.prompt_len or req.prompt_len + len(req.output_token_ids) - computed != 1:
+                return None
+            if not computed % bs:
+                starting += 1
+        if starting:
+            if starting > bm.num_free_blocks:
+                return None
+            batch = Batch()           # no preemption can reach it
+            for req in running:
+                if not req.num_computed_tokens % bs:
+                    self._grow(req, 1, batch)
+        return list(running), budget
+
     # -- hooks ---------------------------------------------------------------
     def iteration_budget(self) -> int:
         """Tokens the next iteration may schedule (a budgeted policy's input)."""

@@ -63,29 +63,7 @@ class SarathiScheduler(Scheduler):
             budget -= n
 
     def steady_decodes(self) -> tuple[list[Request], int] | None:
-        # nothing waits, every running request is one token behind and each
-        # request that starts a block gets one (so nothing is preempted):
-        # schedule() would give each a 1-token slice, in running order
-        running, bm = self.running, self.bm
-        budget = self.iteration_budget()
-        if self.waiting or not running or len(running) > budget:
-            return None
-        bs = bm.block_size
-        starting = 0
-        for req in running:
-            computed = req.num_computed_tokens
-            if computed < req.prompt_len or req.prompt_len + len(req.output_token_ids) - computed != 1:
-                return None
-            if not computed % bs:
-                starting += 1
-        if starting:
-            if starting > bm.num_free_blocks:
-                return None
-            batch = Batch()           # no preemption can reach it
-            for req in running:
-                if not req.num_computed_tokens % bs:
-                    self._grow(req, 1, batch)
-        return list(running), budget
+        return self._steady_running(self.iteration_budget())
 
     def _add_slice(self, req: Request, budget: int, batch: Batch) -> int:
         """Schedule up to `budget` of a running request's missing tokens; returns how many."""

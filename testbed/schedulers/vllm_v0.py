@@ -5,6 +5,7 @@ that Sarathi-Serve removes."""
 from __future__ import annotations
 
 from testbed.batch import Batch
+from testbed.request import Request
 from testbed.schedulers.base import Scheduler
 
 
@@ -17,3 +18,7 @@ class VllmV0Scheduler(Scheduler):
         if not batch.slices:
             self._continue_running(batch)
         return self._check(batch, None)
+
+    def steady_decodes(self) -> tuple[list[Request], None] | None:
+        # with nothing waiting, schedule() continues every running request: one decode each
+        return self._steady_running(None)
