@@ -97,6 +97,16 @@ class ModeController(ABC):
         else:
             self.on_mode_event(ev, now)
 
+    def apart_from(self, worker_id: str) -> frozenset[str] | None:
+        """The workers whose events, from now until the next arrival, can
+        neither reach `worker_id` (a command, KV), nor make this controller
+        read its state, nor give work to a worker outside them that has none
+        (possibly none: then only the others' events can). The simulator runs
+        `worker_id`'s steady decodes past their events as one DecodeRun
+        (runtime/sim.py, _horizon). None, the default: not known (a controller
+        with commands_on_events is then asked at every event)."""
+        return None
+
     def on_decode_run(self, run: DecodeRun) -> None:
         """The tokens of a worker's DecodeRun (the simulator's fast-forward):
         on_event of each iteration's Tokens at its end, less the per-token calls.

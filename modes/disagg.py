@@ -42,6 +42,7 @@ class DisaggController(ModeController):
         if not self.prefill or not self.decode:
             raise ValueError("mode=disagg needs prefill_workers >= 1 and decode_workers >= 1")
         self.decode_set = set(self.decode)
+        self._decode_peers = {w: frozenset(self.decode_set - {w}) for w in self.decode}
         self.prefill_router, self.decode_router = prefill_router, decode_router
         self.queue: deque[str] = deque()
         # decode worker -> the request it was asked to reserve for: one in flight per decode worker,
@@ -88,6 +89,15 @@ class DisaggController(ModeController):
             ho.decode = best
             self.location[rid] = {best}
             self.send(best, Reserve(self.request_msg(ho.request)))
+
+    def apart_from(self, worker_id: str) -> frozenset[str] | None:
+        # with nothing queued or being reserved, a Reserve (the only command that gives a decode
+        # worker work, and the only reading of its free blocks) goes out on an arrival alone;
+        # another decode worker's events then deliver tokens, end requests and release blocks
+        # (a prefill worker's too: that gives it no work)
+        if worker_id not in self.decode_set or self.queue or self.reserving:
+            return None
+        return self._decode_peers[worker_id]
 
     def on_free_blocks(self, worker_id: str, free_blocks: int, now: float) -> None:
         if worker_id in self.decode_set:

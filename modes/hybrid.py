@@ -32,6 +32,9 @@ class HybridController(ReplicaRouting, DisaggController):
         self.replica_set = set(self.replicas)
         self.hybrid_router, self.router = hybrid_router, router
 
+    def apart_from(self, worker_id: str) -> frozenset[str] | None:
+        return None          # its colocated replicas beside the P/D pools: not shown apart
+
     def route(self, req: Request, now: float) -> None:
         # with every colocated replica dead, the P/D pools serve short prompts too
         if self.hybrid_router.disaggregates(req, self.pool) or not self.alive(self.replicas):

@@ -40,12 +40,14 @@ class DecodeRun:
     same requests each got one token per iteration and none finished.
     `first_index[i]`: the index of request i's first token here; `tokens[j]`:
     iteration j's tokens in request order; `ends_s[j]`: its end (each
-    iteration's StepOutput.end_s, where the next one starts)."""
+    iteration's StepOutput.end_s, where the next one starts); `free_blocks`:
+    the KV blocks free after the last of them (its IterationDone's figure)."""
     requests: list[Request]
     first_index: list[int]
     tokens: list[list[int]] = field(default_factory=list)
     ends_s: list[float] = field(default_factory=list)
     iterations: list[IterationRecord] = field(default_factory=list)
+    free_blocks: int = 0
 
 
 class Engine:
@@ -156,6 +158,7 @@ class Engine:
             # are updated once per stretch, not once per iteration (~0.3 µs a token)
             stretch = min(bs - r.num_computed_tokens % bs for r in requests)
             tokens_of, ends = [], []
+            free = self.bm.num_free_blocks      # after the stretch's allocations; its last iteration commits
             for _ in range(stretch):
                 start = clock.t
                 tokens, duration, kv_bytes_read = next(steps)
@@ -175,9 +178,11 @@ class Engine:
                 run.ends_s.append(ends_s)
                 run.iterations.append(IterationRecord(start, end - start, 0, len(requests), kv_bytes_read, None,
                                                       token_budget, None))
+                run.free_blocks = free
                 clock.t = ends_s
                 left -= 1
             self._advance(requests, tokens_of, ends)
+            run.free_blocks = self.bm.num_free_blocks
 
     def _advance(self, requests: list[Request], tokens_of: list[list[int]], ends: list[float]) -> None:
         """The decode run's updates of len(ends) iterations at once: iteration j

@@ -30,7 +30,7 @@ from testbed.request import Request
 from testbed.runtime.build import build_engine, build_worker, pool_config, pool_parallel
 from testbed.runtime.deployment import RunResult, build_mode, record_log
 from testbed.runtime.kv_port import KVArrival, KVPort
-from testbed.runtime.messages import Command, Event, RequestMsg
+from testbed.runtime.messages import Command, Event, IterationDone, RequestMsg, Tokens
 from testbed.sim.cost_executor import CostModelExecutor
 from testbed.sim.cost_model import CostModel
 from testbed.sim.jitter import StepJitter
@@ -256,39 +256,46 @@ class SimRuntime:
 
     def _run_ahead(self, worker_id: str, out: StepOutput) -> StepOutput | None:
         """Fast-forward: while nothing can reach the worker before its iteration
-        ends, what the heap would do next is this: the frontend receives the
-        iteration's events at its end, and the worker starts its next iteration
-        then (the same code, or its steady-decode short path). So do it now,
-        iteration after iteration. Where the controller sends commands on
-        arrivals alone (colocated), the steady decode iterations before the
-        last go as one DecodeRun (Engine.step_decode_run): the controller
-        and IterationOrder take them at their own instants all at once. What can reach a worker: a command, sent
-        on an arrival, or on another worker's event where the controller's
-        reactions send commands (then the heap's next event bounds the run),
-        and a KV or store arrival (in the heap). The clock runs ahead meanwhile;
-        IterationOrder puts the iteration records back in time order. Returns
-        the last iteration, whose events go through the heap as usual, or None
-        where the worker went back to the heap's order (as _deliver and _step do)."""
+        ends (`_horizon`), what the heap would do next is this: the frontend
+        receives the iteration's events at its end, and the worker starts its
+        next iteration then (the same code, or its steady-decode short path).
+        So do it now, iteration after iteration. Where nothing but an arrival
+        can reach it (colocated), or its controller shows which workers' events
+        cannot (disagg's decode workers, controller.apart_from), the steady
+        decode iterations before the last go as one DecodeRun
+        (Engine.step_decode_run): the controller and IterationOrder take them
+        at their own instants all at once, and the controller hears the free
+        blocks after the last. The clock runs ahead meanwhile; IterationOrder
+        puts the iteration records back in time order. Returns the last
+        iteration, whose events go through the heap as usual, or None where
+        the worker went back to the heap's order (as _deliver and _step do)."""
         svc, box, clock, heap = self.services[worker_id], self.outbox[worker_id], self.clock, self._heap
         bounded_by_heap = self.controller.commands_on_events
         while svc.has_work():
             end = out.end_s
-            if end >= self.next_arrival_s or (bounded_by_heap and heap and end >= heap[0][0]):
+            until, runs = self._horizon(worker_id)
+            if end >= until:
+                break
+            if bounded_by_heap and heap and end >= heap[0][0] and not _only_progress(box):
+                # events of workers apart from it come first: its own go now only where they
+                # commute with theirs (tokens and free blocks; a request's end or KV landing
+                # releases a prefill worker's blocks, in time order with theirs: the heap's)
                 break
             events = list(box)
             box.clear()
             clock.t = self.busy_until[worker_id] = end
             self._to_controller(events)
-            if worker_id in self.step_scheduled or (bounded_by_heap and heap and heap[0][0] <= end):
+            until, runs = self._horizon(worker_id)
+            if worker_id in self.step_scheduled or until <= end:
                 # the controller's reaction sent it a command, or made something
                 # happen at this instant: the heap decides what goes first
                 self._free(worker_id)
                 return None
             self.num_run_ahead += 1
             out = None
-            if not bounded_by_heap:
+            if runs:
                 # the controller only records what the iterations before it emit: run them as one
-                run, out = svc.step_decode_run(self.next_arrival_s)
+                run, out = svc.step_decode_run(until)
                 if run is not None:
                     ends = run.ends_s
                     self.num_run_ahead += len(ends)
@@ -297,6 +304,8 @@ class SimRuntime:
                     clock.t = self.busy_until[worker_id] = ends[-1]
                     self.controller.on_decode_run(run)
                     self.order.iterations(run.iterations, ends)
+                    if bounded_by_heap:
+                        self.controller.on_free_blocks(worker_id, run.free_blocks, ends[-1])
             else:
                 out = svc.step(steady_decodes_only=True)
             if out is not None:
@@ -307,6 +316,41 @@ class SimRuntime:
                     self._flush(worker_id)
                     return None
         return out
+
+    def _horizon(self, worker_id: str) -> tuple[float, bool]:
+        """The instant before which nothing can reach the worker, and whether
+        its steady decodes may run as one DecodeRun up to it. Colocated: the
+        next arrival. A controller that may answer any event with a command:
+        also the heap's next event, except the events of the workers its
+        controller shows apart from this one (apart_from; then runs are
+        allowed), unless a worker outside them has work and nothing in the
+        heap (waiting for memory: any event might start it)."""
+        arrival = self.next_arrival_s
+        if not self.controller.commands_on_events:
+            return arrival, True
+        heap = self._heap
+        apart = self.controller.apart_from(worker_id)
+        if apart is None:
+            return (min(arrival, heap[0][0]) if heap else arrival), False
+        until, owners = arrival, set()
+        for when, _, action, arg in heap:
+            owner = self._owner(action, arg)
+            owners.add(owner)
+            if owner not in apart and when < until:
+                until = when
+        for w, svc in self.services.items():
+            if w != worker_id and w not in apart and w not in owners and svc.has_work():
+                return (min(arrival, heap[0][0]) if heap else arrival), False
+        return until, True
+
+    def _owner(self, action: Callable[[Any], None], arg: Any) -> str | None:
+        """The worker a heap event is about (None: the frontend's or the store's)."""
+        func = getattr(action, "__func__", None)
+        if func is SimRuntime._step or func is SimRuntime._free:
+            return arg
+        if func is SimRuntime._deliver or func is SimRuntime.deliver_kv or func is SimRuntime._handle:
+            return arg[0]
+        return None
 
     def _deliver(self, arg: tuple[str, list[Event]]) -> None:
         """The iteration's events reach the frontend as the worker frees up."""
@@ -370,6 +414,11 @@ class SimRuntime:
         self.records.close()
         return RunResult(self.records, stats, self.clock.now(),
                          store_stats=self.store.stats() if self.store is not None else None)
+
+
+def _only_progress(events: list[Event]) -> bool:
+    """An iteration's events that only deliver tokens and report free blocks."""
+    return all(type(ev) is Tokens or type(ev) is IterationDone for ev in events)
 
 
 def _in_arrival_order(requests: Iterable[Request]) -> Iterator[Request]:
