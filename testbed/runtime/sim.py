@@ -228,9 +228,11 @@ class SimRuntime:
     def _step(self, worker_id: str) -> None:
         self.step_scheduled.discard(worker_id)
         svc = self.services[worker_id]
-        # with fast-forward, a steady decode batch takes its short path here too (a disagg decode
-        # worker, whose run-ahead the other workers' events keep short, steps most of its iterations here)
-        out = self.fast_forward and svc.step(steady_decodes_only=True)
+        # with fast-forward, a steady decode batch takes its short path here too where the controller
+        # may answer events (a disagg decode worker, whose run-ahead the other workers' events keep
+        # short, steps most of its iterations here; a colocated one runs ahead at once, and asking
+        # first would cost its prefill iterations a scan of the running requests)
+        out = self.fast_forward and self.controller.commands_on_events and svc.step(steady_decodes_only=True)
         if out:
             self.num_steady += 1
         else:
@@ -271,9 +273,11 @@ class SimRuntime:
         the worker went back to the heap's order (as _deliver and _step do)."""
         svc, box, clock, heap = self.services[worker_id], self.outbox[worker_id], self.clock, self._heap
         bounded_by_heap = self.controller.commands_on_events
+        until, runs = self.next_arrival_s, True        # colocated: only an arrival reaches it
         while svc.has_work():
             end = out.end_s
-            until, runs = self._horizon(worker_id)
+            if bounded_by_heap:
+                until, runs = self._horizon(worker_id)
             if end >= until:
                 break
             if bounded_by_heap and heap and end >= heap[0][0] and not _only_progress(box):
@@ -285,7 +289,8 @@ class SimRuntime:
             box.clear()
             clock.t = self.busy_until[worker_id] = end
             self._to_controller(events)
-            until, runs = self._horizon(worker_id)
+            if bounded_by_heap:
+                until, runs = self._horizon(worker_id)
             if worker_id in self.step_scheduled or until <= end:
                 # the controller's reaction sent it a command, or made something
                 # happen at this instant: the heap decides what goes first
