@@ -110,15 +110,16 @@ def plot_capacity_vs_length(rows: list[dict], path: Path, title: str,
     return save_figure(fig, path)
 
 
-def tied_cells(rows: list[dict]) -> set[tuple[int, float]]:
-    """The cells of `winners` whose winner a deployment of another family may
-    beat: that one's search bracket reaches above the winner's capacity
-    (decision_summary.within_bracket). The phase diagram hatches them."""
+def tied_cells(rows: list[dict], best: dict[tuple[int, float], dict] | None = None) -> set[tuple[int, float]]:
+    """The cells of `winners` (`best`, when the caller has it) whose winner a
+    deployment of another family may beat: that one's search bracket reaches
+    above the winner's capacity (decision_summary.within_bracket). The phase
+    diagram hatches them."""
     from testbed.experiments.decision_summary import within_bracket
     by_cell: dict[tuple[int, float], list[dict]] = {}
     for r in rows:
         by_cell.setdefault((int(r["context_len"]), float(r["link_gbps"])), []).append(r)
-    return {cell for cell, r in winners(rows).items()
+    return {cell for cell, r in (winners(rows) if best is None else best).items()
             if within_bracket(r, [o for o in by_cell[cell] if o["family"] != r["family"]])}
 
 
@@ -152,7 +153,7 @@ def plot_phase_diagram(rows: list[dict], path: Path, title: str,
     cmap = ListedColormap([FAMILY_COLORS[f] for f in FAMILIES]).with_extremes(bad=NO_WINNER_COLOR)
     ax.pcolormesh(x_edges, y_edges, np.ma.masked_invalid(codes), cmap=cmap, vmin=-0.5, vmax=len(FAMILIES) - 0.5,
                   edgecolors="white", linewidth=0.5)
-    tied = tied_cells(rows)
+    tied = tied_cells(rows, best)
     for n, gbps in tied:
         i, j = links.index(gbps), lengths.index(n)
         ax.add_patch(Rectangle((x_edges[j], y_edges[i]), x_edges[j + 1] - x_edges[j], 1.0, fill=False,

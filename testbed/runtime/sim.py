@@ -29,7 +29,8 @@ from testbed.modes.registry import get_role
 from testbed.request import Request
 from testbed.runtime.build import build_engine, build_worker, pool_config, pool_parallel
 from testbed.runtime.deployment import RunResult, build_mode, record_log
-from testbed.runtime.kv_port import KVArrival, KVPort
+from testbed.runtime.kv_port import KVArrival
+from testbed.runtime.sim_kv_port import SimKVPort
 from testbed.runtime.messages import Command, Event, IterationDone, RequestMsg, Tokens
 from testbed.sim.cost_executor import CostModelExecutor
 from testbed.sim.cost_model import CostModel
@@ -54,49 +55,6 @@ def materialize_prompt(request_msg: RequestMsg) -> RequestMsg:
     all anyway; a decode worker, which does not hash, gets it lazy."""
     numpy = getattr(request_msg.prompt, "numpy", None)
     return request_msg if numpy is None else dataclasses.replace(request_msg, prompt=numpy())
-
-
-class SimKVPort(KVPort):
-    """KV over a modeled link. A prefill worker's egress is one LinkModel, so
-    concurrent hand-offs queue behind each other. With tensor or pipeline
-    parallelism the KV is sharded over GPUs that each send over their own NIC
-    (one per GPU, as in a DGX) at the same time: `shards` links carry it in
-    parallel, each 1/shards of the bytes (sim/kv_sharding.py says how many
-    when the pools differ); the bytes reported are the whole request's. With
-    layer-wise streaming all but the last layer were sent while the final
-    chunk computed: only what the link could not hide arrives after the
-    first token."""
-
-    def __init__(self, runtime: "SimRuntime", worker_id: str, link: LinkModel, kv_bytes_per_token: int,
-                 num_layers: int, shards: int = 1):
-        self.runtime, self.worker_id, self.link = runtime, worker_id, link
-        self.kv_bytes_per_token, self.num_layers, self.shards = kv_bytes_per_token, num_layers, shards
-        self.inbox: list[KVArrival] = []
-
-    def send(self, request_id, peer, src_block_ids, dst_block_ids, num_tokens, layers, last, meta) -> int:
-        now = self.runtime.clock.now()
-        per_layer = num_tokens * self.kv_bytes_per_token // self.num_layers
-        num_bytes = per_layer * (layers[1] - layers[0])
-        per_nic = per_layer / self.shards
-        if layers[0] > 0:
-            # layer-wise: layers 0..L-2 left during the final iteration, layer i at (i+1)/L of it
-            iter_s = meta.get("last_iteration_s", 0.0)
-            start = now - iter_s
-            for i in range(self.num_layers - 1):
-                self.link.reserve(start + (i + 1) * iter_s / self.num_layers, per_nic)
-            _, arrive = self.link.reserve(now, per_nic * (layers[1] - layers[0]))
-            total = per_layer * self.num_layers
-        else:
-            _, arrive = self.link.reserve(now, per_nic * (layers[1] - layers[0]))
-            total = num_bytes
-        if last:
-            self.runtime.at(arrive, self.runtime.deliver_kv, (peer, KVArrival(request_id, True, num_bytes=total,
-                                                                               meta=meta)))
-        return total
-
-    def poll(self) -> list[KVArrival]:
-        out, self.inbox = self.inbox, []
-        return out
 
 
 class SimRuntime:
@@ -166,6 +124,11 @@ class SimRuntime:
         # fast-forward (_run_ahead): only without frontend hops, whose delivery times would
         # let a worker's later events overtake its earlier ones
         self.fast_forward = cfg.runtime.sim_fast_forward and not (self.hop_s or self.message_s)
+        # with fast-forward, a steady decode batch takes its short path in _step too where the controller
+        # may answer events (a disagg decode worker, whose run-ahead the other workers' events keep short,
+        # steps most of its iterations there; a colocated one runs ahead at once, and asking first would
+        # cost its prefill iterations a scan of the running requests)
+        self.steady_in_step = self.fast_forward and self.controller.commands_on_events
         self.next_arrival_s = float("inf")
         # iterations run ahead, iterations on the steady-decode short path (run ahead or not), and
         # iterations in a DecodeRun
@@ -228,12 +191,8 @@ class SimRuntime:
     def _step(self, worker_id: str) -> None:
         self.step_scheduled.discard(worker_id)
         svc = self.services[worker_id]
-        # with fast-forward, a steady decode batch takes its short path here too where the controller
-        # may answer events (a disagg decode worker, whose run-ahead the other workers' events keep
-        # short, steps most of its iterations here; a colocated one runs ahead at once, and asking
-        # first would cost its prefill iterations a scan of the running requests)
-        out = self.fast_forward and self.controller.commands_on_events and svc.step(steady_decodes_only=True)
-        if out:
+        out = svc.step(steady_decodes_only=True) if self.steady_in_step else None
+        if out is not None:
             self.num_steady += 1
         else:
             out = svc.step()
