@@ -3,13 +3,19 @@ hand-off crosses a modeled link (sim/link_model.py) and lands in the decode
 worker's inbox as a heap event of the simulated runtime (runtime/sim.py)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Callable, Protocol
 
 from testbed.runtime.kv_port import KVArrival, KVPort
 from testbed.sim.link_model import LinkModel
 
-if TYPE_CHECKING:
-    from testbed.runtime.sim import SimRuntime
+
+class EventLoop(Protocol):
+    """What a port needs of the simulated runtime: its clock and its heap."""
+    clock: Any
+
+    def at(self, t: float, action: Callable[[Any], None], arg: Any = None) -> None: ...
+
+    def deliver_kv(self, arg: tuple[str, KVArrival]) -> None: ...
 
 
 class SimKVPort(KVPort):
@@ -23,7 +29,7 @@ class SimKVPort(KVPort):
     chunk computed: only what the link could not hide arrives after the
     first token."""
 
-    def __init__(self, runtime: "SimRuntime", worker_id: str, link: LinkModel, kv_bytes_per_token: int,
+    def __init__(self, runtime: EventLoop, worker_id: str, link: LinkModel, kv_bytes_per_token: int,
                  num_layers: int, shards: int = 1):
         self.runtime, self.worker_id, self.link = runtime, worker_id, link
         self.kv_bytes_per_token, self.num_layers, self.shards = kv_bytes_per_token, num_layers, shards
