@@ -3,19 +3,9 @@ hand-off crosses a modeled link (sim/link_model.py) and lands in the decode
 worker's inbox as a heap event of the simulated runtime (runtime/sim.py)."""
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
-
 from testbed.runtime.kv_port import KVArrival, KVPort
+from testbed.runtime.sim_loop import EventLoop
 from testbed.sim.link_model import LinkModel
-
-
-class EventLoop(Protocol):
-    """What a port needs of the simulated runtime: its clock and its heap."""
-    clock: Any
-
-    def at(self, t: float, action: Callable[[Any], None], arg: Any = None) -> None: ...
-
-    def deliver_kv(self, arg: tuple[str, KVArrival]) -> None: ...
 
 
 class SimKVPort(KVPort):

@@ -11,20 +11,11 @@ arrived, and the worker hears of them then (the runtime wakes it). Blocks
 only the disk tier holds are read from it first, at kvstore.disk_gb_per_s."""
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
-
 from testbed.kv_transfer.store_index import StoreIndex
+from testbed.runtime.sim_loop import EventLoop
 from testbed.runtime.store_port import Fetched, StorePort
 from testbed.sim.config import LinkConfig
 from testbed.sim.link_model import LinkModel
-
-class EventLoop(Protocol):
-    """What a modeled store needs of the simulator (testbed/runtime/sim.py)."""
-    clock: Any
-
-    def at(self, t: float, action: Callable[[Any], None], arg: Any = None) -> None: ...
-
-    def wake(self, worker_id: str) -> None: ...
 
 
 class SimStoreNode:
