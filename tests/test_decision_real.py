@@ -77,6 +77,18 @@ def test_real_rows_are_measured_on_worker_processes_beside_their_sim_twins(tmp_p
     probes = [p for p in read_rows(tmp_path / "decision_probes.csv") if p["source"] == "real"]
     assert probes and all(int(p["num_finished"]) > 0 and float(p["wall_s"]) > 0 for p in probes)
     assert all(float(p["load_1m"]) >= 0 for p in probes)
+    # each probe row names its kept records: the requests it judged and the iterations that served them
+    assert not any(p["records"] for p in read_rows(tmp_path / "decision_probes.csv") if p["source"] == "sim")
+    for p in probes:
+        kept = tmp_path / "real_probes" / p["records"]
+        point = json.loads((kept / "probe.json").read_text())
+        assert point["rate"] == pytest.approx(float(p["rate"])) and point["num_requests"] == int(p["num_requests"])
+        assert point["mode"] == ("disagg" if p["key"].split("/")[3].startswith("disagg") else "colocated")
+        requests = [json.loads(line) for line in (kept / "requests.jsonl").read_text().splitlines()]
+        assert len(requests) == int(p["num_requests"])
+        assert sum(r["status"] == "finished" for r in requests) == int(p["num_finished"])
+        iterations = [json.loads(line) for line in (kept / "iterations.jsonl").read_text().splitlines()]
+        assert iterations and all(it["duration_s"] > 0 for it in iterations)
     # the figure holds them, as squares on a dashed line of their own
     path = tmp_path / "capacity_tiny_cpu_2gpu_p99_tbt_500ms_tcp-25.png"
     assert path.read_bytes()[:8] == PNG_MAGIC
@@ -140,6 +152,7 @@ def test_real_rows_without_sim_twins_are_refused_before_any_probe(tmp_path, chan
 class _NothingFinishes:
     """A runner whose every request failed (as when a real probe's drain bound cuts them all)."""
     source = "real"
+    last_dir = ""
 
     def __init__(self, none_finished_is_memory: bool):
         self.none_finished_is_memory = none_finished_is_memory

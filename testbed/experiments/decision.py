@@ -69,7 +69,8 @@ def run_decision(cfg: RunConfig, out: Path, log=print) -> dict:
     real_summary = None
     if e.real:
         from testbed.experiments.decision_real import real_rows
-        measured, real_prober, real_summary = real_rows(cfg, rows, prober.service_s, smooths, links, rule, log)
+        measured, real_prober, real_summary = real_rows(cfg, rows, prober.service_s, smooths, links, rule, log,
+                                                        out / "real_probes")
         rows += measured
         probe_rows, num_runs = probe_rows + real_prober.rows, num_runs + real_prober.num_runs
     summary = _summary(cfg, rows, rule)

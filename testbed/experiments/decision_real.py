@@ -25,11 +25,18 @@ steady probe at that start rate would need arrivals over more than
 decision_real_probe_s (the rule's size at the twin's longest service time on
 the simulator); and once decision_real_budget_s of wall time is spent, no
 probe starts (a search it cuts keeps what it measured, flagged; later ones
-are not probed; both limited_by=budget)."""
+are not probed; both limited_by=budget). Every real probe run keeps its
+records (requests.jsonl, iterations.jsonl with each iteration's budget and
+predicted duration, probe.json naming the point) under the study's
+real_probes/NNN, named in decision_probes.csv's `records` column: why a
+deployment missed an SLO is read there."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import time
+from pathlib import Path
 
 from testbed.config import RunConfig
 from testbed.experiments.decision_search import Prober, isolated_s, length_rows, point_cfg
@@ -45,12 +52,35 @@ class RealProbes:
     source = "real"
     none_finished_is_memory = False
 
+    def __init__(self, record_root: Path | None = None):
+        self.record_root = record_root          # None: records kept in memory only
+        self.last_dir = ""                      # the last run's directory under record_root
+        self._num_runs = 0
+
     def records(self, cfg: RunConfig, requests: list) -> list[RequestRecord]:
         from testbed.runtime.real import RealRuntime
-        result = RealRuntime(cfg).run(requests)
+        record_dir = None
+        if self.record_root is not None:
+            self._num_runs += 1
+            self.last_dir = f"{self._num_runs:03d}"
+            record_dir = self.record_root / self.last_dir
+            record_dir.mkdir(parents=True, exist_ok=True)
+            (record_dir / "probe.json").write_text(json.dumps(probe_point(cfg, len(requests)), indent=2))
+        result = RealRuntime(cfg, record_dir=record_dir).run(requests)
         if result.interrupted:
             raise KeyboardInterrupt
         return result.records
+
+
+def probe_point(cfg: RunConfig, num_requests: int) -> dict:
+    """What a kept probe's records came from: the deployment, the workload and the link."""
+    return {"mode": cfg.mode, "scheduler": cfg.scheduler, "token_budget": cfg.token_budget,
+            "replicas": cfg.replicas, "prefill_workers": cfg.prefill_workers, "decode_workers": cfg.decode_workers,
+            "prefill": dataclasses.asdict(cfg.prefill), "decode": dataclasses.asdict(cfg.decode),
+            "model": cfg.model.name, "hardware": cfg.hardware.name, "link": cfg.link.name,
+            "rate": cfg.workload.rate, "num_requests": num_requests, "workload": dataclasses.asdict(cfg.workload),
+            "slo": dataclasses.asdict(cfg.slo), "adaptive": dataclasses.asdict(cfg.adaptive),
+            "timeout_s": cfg.timeout_s, "torch_threads": cfg.torch_threads}
 
 
 def check_real(e) -> None:
@@ -84,7 +114,7 @@ def real_point(point: RunConfig, link, drain_s: float) -> RunConfig:
 
 
 def real_rows(cfg: RunConfig, sim_rows: list[dict], sim_service_s: dict, smooths: list, links: list,
-              rule: SteadyRule, log) -> tuple[list[dict], Prober, dict]:
+              rule: SteadyRule, log, record_root: Path | None = None) -> tuple[list[dict], Prober, dict]:
     """(the real rows, their Prober, the assumptions they ran under). The
     first probe of each search is sized from its twin's last longest service
     time on the simulator (`sim_service_s`, the simulator's Prober's), and a
@@ -98,7 +128,7 @@ def real_rows(cfg: RunConfig, sim_rows: list[dict], sim_service_s: dict, smooths
     if profile_note:
         log(f"decision real: {profile_note}")
     started, load_start = time.monotonic(), os.getloadavg()[0]
-    prober = Prober(rule, log, RealProbes(), max_span_s=e.decision_real_probe_s, max_lengthenings=1,
+    prober = Prober(rule, log, RealProbes(record_root), max_span_s=e.decision_real_probe_s, max_lengthenings=1,
                     deadline=started + e.decision_real_budget_s)
     prober.service_s.update(sim_service_s)          # the same keys: (model, hardware, N, deployment, link, L, tbt)
     twin = {(r["model"], r["link"], r["deployment"], r["context_len"]): r["capacity_per_gpu"] for r in sim_rows

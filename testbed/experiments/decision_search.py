@@ -12,7 +12,7 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 from testbed.capacity import search_rate
 from testbed.config import RunConfig, validate
@@ -36,6 +36,16 @@ class ProbeRun:
     num_finished: int
     wall_s: float = 0.0
     load_1m: float | None = None      # the 1-minute load average when it ended
+    records: str = ""                 # where the runner kept its records ("": not kept)
+
+
+class ProbeRunner(Protocol):
+    """What runs a probe's requests: SimProbes, or decision_real.py's RealProbes."""
+    source: str                        # decision_probes.csv's `source`: sim | real
+    none_finished_is_memory: bool      # no request finishing means the prompt never fits
+    last_dir: str                      # where the last run's records were kept ("": not kept)
+
+    def records(self, cfg: RunConfig, requests: list) -> list[RequestRecord]: ...
 
 
 class SimProbes:
@@ -43,6 +53,7 @@ class SimProbes:
     no request finishes is a verdict on memory (the prompt does not fit)."""
     source = "sim"
     none_finished_is_memory = True
+    last_dir = ""                     # a simulated probe's records are not kept
 
     def records(self, cfg: RunConfig, requests: list) -> list[RequestRecord]:
         from testbed.runtime.sim import SimRuntime
@@ -69,7 +80,7 @@ class Prober:
     long and stays flagged; `max_lengthenings` bounds the re-runs. Past
     `deadline` (time.monotonic()) no probe starts: OutOfTime."""
 
-    def __init__(self, rule: SteadyRule, log, runner=None, max_span_s: float | None = None,
+    def __init__(self, rule: SteadyRule, log, runner: ProbeRunner | None = None, max_span_s: float | None = None,
                  max_lengthenings: int = 2,    # a service time still growing after two is the rate's
                  deadline: float | None = None):
         self.rule, self.log = rule, log
@@ -110,7 +121,7 @@ class Prober:
                           "span_s": run.window.span_s, "service_s": run.window.service_s,
                           "steady": run.window.steady, "steady_reason": run.window.reason,
                           "verdict": missed or "pass", "judged_by": asker, "source": self.runner.source, "runs": runs,
-                          "wall_s": round(wall_s, 2), "load_1m": run.load_1m})
+                          "wall_s": round(wall_s, 2), "load_1m": run.load_1m, "records": run.records})
         return run
 
     def _size(self, rate: float, service_s: float) -> int:
@@ -133,7 +144,7 @@ class Prober:
         finished = sum(r.finished for r in records)
         # the load the probe ran under: a real probe's capacity is the machine's share it got
         return ProbeRun(self.rule.window(records), len(records), finished, time.monotonic() - t0,
-                        round(os.getloadavg()[0], 2))
+                        round(os.getloadavg()[0], 2), self.runner.last_dir)
 
 
 def verdict(run: ProbeRun, smooth: Smoothness, targets: SLOTargets) -> str:
