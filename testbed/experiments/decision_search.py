@@ -250,6 +250,16 @@ def isolated_s(cost, L: int, output_len: int) -> float:
     return cost.iteration_time_s([(L, L)]) + output_len * cost.iteration_time_s([(1, L)])
 
 
+def length_point(e, base: RunConfig, one_gpu, L: int, tbt: float) -> tuple[RunConfig, SLOTargets]:
+    """A deployment's probe config at L (rate and size still to set) and the
+    SLO targets it is judged by: TTFT k x one GPU's (`one_gpu`, a CostModel)
+    whole prefill of L, the TBT target `tbt` ms."""
+    targets = SLOTargets(e.decision_ttft_k * one_gpu.iteration_time_s([(L, L)]) * 1e3, float(tbt),
+                         e.decision_fluidity_min)
+    return replace_run(base, workload=_workload(e, L), slo=dataclasses.replace(
+        base.slo, ttft_ms=targets.ttft_ms, tpot_ms=float(tbt))), targets
+
+
 def length_rows(prober: Prober, e, point: RunConfig, dep: Deployment, num_gpus: int, row_links: list,
                 smooths: list[Smoothness], L: int, start: float, log, rel_tol: float | None = None,
                 max_probes: int | None = None, skip: str | None = None,
@@ -274,10 +284,7 @@ def length_rows(prober: Prober, e, point: RunConfig, dep: Deployment, num_gpus: 
         bracket, service_s = (seed.capacity, seed.first_failing), seed.service_s or service_s
     rows, first = [], None
     for tbt in e.decision_tbt_slos_ms:
-        targets = SLOTargets(e.decision_ttft_k * one_gpu.iteration_time_s([(L, L)]) * 1e3, float(tbt),
-                             e.decision_fluidity_min)
-        run_cfg = replace_run(base, workload=_workload(e, L), slo=dataclasses.replace(
-            base.slo, ttft_ms=targets.ttft_ms, tpot_ms=float(tbt)))
+        run_cfg, targets = length_point(e, base, one_gpu, L, tbt)
         key = (point.model.name, point.hardware.name, num_gpus, dep.label,
                point.link.name if dep.uses_link else "-", L, tbt if dep.reads_slo else "-")
         for smooth in smooths:
