@@ -351,3 +351,36 @@ def test_a_probe_too_short_to_judge_anyone_is_lengthened_not_counted_as_a_failur
     assert run.num_requests > 3 * 30 and run.num_finished == run.num_requests
     assert run.window.judged and run.window.steady and 3.9 < run.window.service_s < 4.5
     assert verdict(run, smooth, targets) == ""
+
+
+def test_decision_deployments_keeps_the_named_rows_and_names_an_unknown_one():
+    from testbed.experiments.deployments import deployments
+    e = ExperimentConfig(name="decision", token_budgets=[512], decision_deployments=["adaptive", "disagg-1P1D"])
+    assert [d.label for d in deployments(e, 2, 1, reuse=False)] == ["adaptive", "disagg-1P1D"]
+    e = dataclasses.replace(e, decision_deployments=["disagg-3P1D"])
+    with pytest.raises(ValueError, match=r"experiment.decision_deployments: \['disagg-3P1D'\] .*disagg-1P1D"):
+        deployments(e, 2, 1, reuse=False)
+
+
+def test_adaptive_spends_banked_slack_only_under_the_definition_that_credits_it(tmp_path):
+    from testbed.experiments.decision_search import judged_run
+    from testbed.experiments.decision_slo import get_smoothness
+    p99, fluid = get_smoothness("p99_tbt"), get_smoothness("fluidity")
+    adaptive = dataclasses.replace(constructed().experiment, name=None)
+    cfg = dataclasses.replace(constructed(), scheduler="adaptive", experiment=adaptive)
+    assert cfg.adaptive.max_slack_tbt > 0
+    assert judged_run(cfg, fluid) is cfg
+    assert judged_run(cfg, p99).adaptive.max_slack_tbt == 0.0
+    assert judged_run(cfg, p99).adaptive.min_budget == cfg.adaptive.min_budget
+    sarathi = dataclasses.replace(cfg, scheduler="sarathi")
+    assert judged_run(sarathi, p99) is sarathi
+    # in the study: adaptive's runs differ per definition (p99_tbt's keyed no-slack), sarathi's are shared
+    run_decision(constructed(decision_colocated=["sarathi", "adaptive"], context_lens=[512],
+                             decision_deployments=["sarathi-1100", "adaptive"]), tmp_path, lambda *_: None)
+    probes = read_rows(tmp_path / "decision_probes.csv")
+    judged = {(p["key"].split("/")[3], p["key"].endswith("/no-slack"), p["judged_by"]) for p in probes}
+    assert judged == {("sarathi-1100", False, "p99_tbt"), ("adaptive", True, "p99_tbt"),
+                      ("adaptive", False, "fluidity")}
+    rows = read_rows(tmp_path / "decision.csv")
+    assert {(r["deployment"], r["slo"]) for r in rows} == {(d, s) for d in ("sarathi-1100", "adaptive")
+                                                          for s in ("p99_tbt", "fluidity")}

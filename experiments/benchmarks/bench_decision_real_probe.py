@@ -10,7 +10,8 @@ came from (experiments/late_gaps.py on the kept records).
 
 The study's own probes keep the same records (real_probes/NNN of its run
 directory); this re-runs one point alone, e.g. with another `--set`
-(`--set adaptive.tbt_quantile=0.999`). Needs a quiet machine: the probe runs
+(`--set adaptive.tbt_quantile=0.999`). Judged by p99 TBT, adaptive spends no
+banked slack, as in the study (decision_search.judged_run). Needs a quiet machine: the probe runs
 on the wall clock."""
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from omegaconf import OmegaConf
 
 from testbed.config import register_configs
 from testbed.experiments.decision_real import RealProbes, real_point
-from testbed.experiments.decision_search import isolated_s, point_cfg, length_point
+from testbed.experiments.decision_search import isolated_s, judged_run, length_point, point_cfg
 from testbed.experiments.decision_slo import get_smoothness
 from testbed.experiments.deployments import deployments, replace_run
 from testbed.model.config import CONF_DIR
@@ -70,7 +71,8 @@ def main() -> int:
     base = deps[args.deployment].apply(run_point)
     run_cfg, targets = length_point(e, base, CostModel(point.model, point.hardware, ParallelConfig()),
                                    args.context_len, args.tbt_ms)
-    run_cfg = replace_run(run_cfg, workload=dataclasses.replace(run_cfg.workload, rate=args.rate,
+    smooth = get_smoothness("p99_tbt")
+    run_cfg = replace_run(judged_run(run_cfg, smooth), workload=dataclasses.replace(run_cfg.workload, rate=args.rate,
                                                                 num_requests=args.requests))
     requests = build_workload(run_cfg.workload, run_cfg.model.vocab_size, run_cfg.seed)
     apply_sampling(run_cfg, requests)
@@ -80,7 +82,7 @@ def main() -> int:
     window = SteadyRule(e.decision_span_factor, e.decision_min_judged, e.decision_max_requests).window(records)
     finished = sum(r.finished for r in records)
     verdict = ("unfinished" if finished < len(records) else "unjudged" if not window.judged
-               else get_smoothness("p99_tbt").judge(window.judged, targets) or "pass")
+               else smooth.judge(window.judged, targets) or "pass")
     result = {"deployment": args.deployment, "context_len": args.context_len, "rate": args.rate,
               "num_requests": len(records), "num_finished": finished, "judged": len(window.judged),
               "steady": window.steady, "steady_reason": window.reason, "verdict": verdict,

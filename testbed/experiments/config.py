@@ -64,6 +64,9 @@ class ExperimentConfig:
     decision_reuse: float = 0.0              # > 0: multi-turn prompts reusing this share; adds kvstore
     decision_turns: int = 2                  # turns per conversation when decision_reuse > 0
     decision_colocated: list[str] = field(default_factory=lambda: ["sarathi", "adaptive"])
+    # deployment labels to study (sarathi-512, adaptive, disagg-1P1D, ...); empty: every one.
+    # Re-runs one row (e.g. [adaptive]) without the others' probes
+    decision_deployments: list[str] = field(default_factory=list)
     decision_tp: dict[str, int] = field(default_factory=dict)   # model name -> tp (default: the run's parallel.tp)
     decision_pool_tp: list[int] = field(default_factory=lambda: [1, 2, 4, 8])   # disagg: each pool's tp searched
     decision_span_factor: float = 10.0       # steady state: arrivals span this many longest service times

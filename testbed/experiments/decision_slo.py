@@ -29,6 +29,9 @@ class SLOTargets:
 
 class Smoothness:
     name = ""
+    # whether a gap over the TBT target is forgiven while the request is ahead of its
+    # per-token deadlines: only then may a scheduler spend banked slack on a longer iteration
+    credits_slack = False
 
     def judge(self, judged: Sequence[RequestRecord], t: SLOTargets) -> str:
         """The failed limit of LIMITS[2:] on the judged requests, or ""."""
@@ -53,6 +56,7 @@ class P99TBT(Smoothness):
 
 class Fluidity(Smoothness):
     name = "fluidity"
+    credits_slack = True
 
     def smooth(self, judged, t):
         counts = [fluidity_deadlines(r, t.ttft_ms / 1e3, t.tbt_ms / 1e3) for r in judged]

@@ -64,7 +64,8 @@ def deployments(e: ExperimentConfig, num_gpus: int, tp: int, reuse: bool) -> lis
     disagg (e.disagg_scheduler in both pools) at every xPyD split and tensor
     parallelism per pool from e.decision_pool_tp (at least `tp`) with
     x * prefill tp + y * decode tp = num_gpus; the same with the KV store when
-    the workload reuses prefixes."""
+    the workload reuses prefixes. e.decision_deployments, when given, keeps
+    only those labels (each must name one of them)."""
     out = []
     if num_gpus % tp == 0:
         replicas = num_gpus // tp
@@ -84,4 +85,11 @@ def deployments(e: ExperimentConfig, num_gpus: int, tp: int, reuse: bool) -> lis
             out.append(Deployment(f"{mode}-{x}P{y}D{suffix}", "disaggregated", mode, e.disagg_scheduler,
                                   prefill_workers=x, decode_workers=y, prefill_tp=tp_p, decode_tp=tp_d,
                                   reads_slo=reads_slo))
-    return out
+    if not e.decision_deployments:
+        return out
+    labels = [d.label for d in out]
+    unknown = [k for k in e.decision_deployments if k not in labels]
+    if unknown:
+        raise ValueError(f"experiment.decision_deployments: {unknown} not among the deployments on {num_gpus} "
+                         f"GPUs: choose from {', '.join(labels)}")
+    return [d for d in out if d.label in e.decision_deployments]
