@@ -11,7 +11,8 @@ came from (experiments/late_gaps.py on the kept records).
 The study's own probes keep the same records (real_probes/NNN of its run
 directory); this re-runs one point alone, e.g. with another `--set`
 (`--set adaptive.tbt_quantile=0.999`). Judged by p99 TBT, adaptive spends no
-banked slack, as in the study (decision_search.judged_run). Needs a quiet machine: the probe runs
+banked slack, as in the study (decision_search.judged_run; --keep-slack: it
+does). Needs a quiet machine: the probe runs
 on the wall clock."""
 from __future__ import annotations
 
@@ -48,6 +49,8 @@ def main() -> int:
     p.add_argument("--requests", type=int, required=True)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--tbt-ms", type=float, default=100.0)
+    p.add_argument("--keep-slack", action="store_true",
+                   help="adaptive spends banked slack even though p99 TBT judges it (the study before s35)")
     p.add_argument("--set", action="append", default=[], help="a Hydra override of the run config (repeatable)")
     p.add_argument("--out", type=Path, required=True, help="where the records are kept")
     args = p.parse_args()
@@ -72,7 +75,7 @@ def main() -> int:
     run_cfg, targets = length_point(e, base, CostModel(point.model, point.hardware, ParallelConfig()),
                                    args.context_len, args.tbt_ms)
     smooth = get_smoothness("p99_tbt")
-    run_cfg = replace_run(judged_run(run_cfg, smooth), workload=dataclasses.replace(run_cfg.workload, rate=args.rate,
+    run_cfg = replace_run(run_cfg if args.keep_slack else judged_run(run_cfg, smooth), workload=dataclasses.replace(run_cfg.workload, rate=args.rate,
                                                                 num_requests=args.requests))
     requests = build_workload(run_cfg.workload, run_cfg.model.vocab_size, run_cfg.seed)
     apply_sampling(run_cfg, requests)
