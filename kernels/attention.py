@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 
@@ -34,13 +35,19 @@ class AttentionMetadata:
     def query_len(self, b: int) -> int:
         return self.query_start_loc[b + 1] - self.query_start_loc[b]
 
+    def padded_block_table_array(self) -> np.ndarray:
+        """[B, max_blocks] int32 on the host, padded with 0 (never read past seq_len). Row by row
+        through numpy: a 64K-token chunk beside 128 decodes pads to 0.5M entries, which a Python
+        list of ints took ~40 ms to build every step."""
+        width = max(len(t) for t in self.block_tables)
+        out = np.zeros((len(self.block_tables), width), dtype=np.int32)
+        for b, t in enumerate(self.block_tables):
+            out[b, : len(t)] = t
+        return out
+
     def padded_block_tables(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """[B, max_blocks] int32, padded with 0 (never read past seq_len)."""
-        width = max(len(t) for t in self.block_tables)
-        out = torch.zeros(len(self.block_tables), width, dtype=torch.int32)
-        for b, t in enumerate(self.block_tables):
-            out[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        return out.to(device)
+        return torch.from_numpy(self.padded_block_table_array()).to(device)
 
 
 class AttentionBackend(ABC):

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from testbed.kernels.attention import AttentionMetadata
@@ -292,11 +293,11 @@ def plan_attention(meta: AttentionMetadata, num_heads: int, num_kv_heads: int,
     items = [(seq_lens[b] - q_lens[b] + min(first + block_q, q_lens[b]), b, first)
              for b in range(num_seqs) for first in range(0, q_lens[b], block_q)]
     items.sort(key=lambda it: -it[0])      # longest programs first: they set the makespan
-    width = max(len(t) for t in tables)
-    padded = [x for t in tables for x in (list(t) + [0] * (width - len(t)))]
+    padded = meta.padded_block_table_array()
+    width = padded.shape[1]
     # One host-to-device copy for all of it, then views.
-    flat = torch.tensor(list(qsl) + list(seq_lens) + [it[1] for it in items] + [it[2] for it in items] + padded,
-                        dtype=torch.int32).to(device)
+    head = np.array(list(qsl) + list(seq_lens) + [it[1] for it in items] + [it[2] for it in items], dtype=np.int32)
+    flat = torch.from_numpy(np.concatenate([head, padded.ravel()])).to(device)
     n = len(items)
     cuts = [num_seqs + 1, num_seqs, n, n, num_seqs * width]
     qsl_t, seq_t, ws_t, wq_t, bt_t = torch.split(flat, cuts)

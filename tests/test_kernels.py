@@ -151,6 +151,17 @@ def test_plan_rejects_bad_metadata():
         TileConfig(block_m=24, block_n=16)
 
 
+def test_plan_pads_ragged_block_tables_with_block_zero():
+    # a long chunk beside short decodes: the rows keep their blocks in order, the rest is 0
+    tables = [[7, 3, 9, 11, 5], [2], [4, 8]]
+    meta = AttentionMetadata([0, 2, 3, 4], [20, 3, 6], tables, torch.zeros(4, dtype=torch.long), 4)
+    plan = plan_attention(meta, 4, 1, "cpu")
+    assert plan.block_tables.tolist() == [[7, 3, 9, 11, 5], [2, 0, 0, 0, 0], [4, 8, 0, 0, 0]]
+    assert plan.block_tables.dtype == torch.int32
+    assert plan.seq_lens.tolist() == [20, 3, 6] and plan.query_start_loc.tolist() == [0, 2, 3, 4]
+    assert meta.padded_block_tables().tolist() == plan.block_tables.tolist()
+
+
 def test_kernel_rejects_mismatched_tensors():
     q, k, v, meta = make_case([2], [9], 4, 1, 64, 4, torch.float32, "cpu")
     plan = plan_attention(meta, 4, 1, "cpu")

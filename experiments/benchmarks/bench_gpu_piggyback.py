@@ -4,11 +4,15 @@ same chunks riding in iterations of B running decodes (the piggyback tax,
 testbed/sim/crossover.py: piggyback_tax_s), for llama3-8b-shaped layers.
 
 For each prompt length L and chunk size C:
-- whole: one step of the L-token prompt alone;
+- whole: one step of the L-token prompt alone (timed once per L);
 - chunked: ceil(L/C) steps of C tokens alone, each attending over the KV the
   previous ones wrote;
 - piggyback_bB: the sum over chunks of [t(B decodes + chunk) - t(B decodes)]
-  minus whole, for B in --decodes, every decode at context --decode-context.
+  minus whole, for B in --decodes, every decode at context --decode-context;
+  `base_ms` is t(B decodes) and `added_mean_ms` the mean bracket per chunk.
+Times are the engine's wall clock per step (host work included, as a server
+sees it): where the host sets the pace of a small decode batch, a chunk's GPU
+work hides in the GPU's idle time and the tax can come out negative.
 Long prompts have many chunks; at most --max-chunk-samples evenly spaced chunk
 positions are timed and the rest interpolated linearly between them (a
 chunk's time is smooth in its offset: weights plus a prefix read growing
@@ -42,7 +46,7 @@ from testbed.sim.cost_model import CostModel
 from testbed.sim.crossover import chunk_slices, piggyback_tax_s
 
 FIELDS = ["model", "layers", "device", "hardware", "prompt_len", "chunk", "decodes", "decode_context",
-          "chunks_timed", "whole_ms", "tax_ms", "sim_whole_ms", "sim_tax_ms", "sim_over_measured", "status"]
+          "chunks_timed", "whole_ms", "base_ms", "added_mean_ms", "tax_ms", "sim_whole_ms", "sim_tax_ms", "sim_over_measured", "status"]
 
 
 def sampled_positions(num_chunks: int, max_samples: int) -> list[int]:
@@ -74,13 +78,22 @@ class Timer:
         return statistics.median(times)
 
 
-def measure(bench: RealBench, timer: Timer, prompt_len: int, chunk: int, running: list[ScheduledSlice],
-            max_samples: int) -> tuple[float, float, int]:
-    """(whole s, tax s, chunks timed) of one prompt riding on `running` decodes."""
+def time_whole(bench: RealBench, timer: Timer, prompt_len: int) -> float:
+    """Seconds of one step prefilling the whole prompt alone (the same for every chunk size and B)."""
     req = bench.request(prompt_len, 0)
     try:
         req.num_computed_tokens = 0
-        whole = timer([ScheduledSlice(req, prompt_len)])
+        return timer([ScheduledSlice(req, prompt_len)])
+    finally:
+        bench.bm.free(req.request_id)
+
+
+def measure(bench: RealBench, timer: Timer, prompt_len: int, chunk: int, running: list[ScheduledSlice],
+            max_samples: int, whole: float) -> tuple[float, int, float, float]:
+    """(tax s, chunks timed, t(decodes alone) s, mean added s per chunk) of one prompt riding on
+    `running` decodes, against its whole prefill's `whole` s."""
+    req = bench.request(prompt_len, 0)
+    try:
         base = timer(running)
         chunks = chunk_slices(prompt_len, chunk)
         positions = sampled_positions(len(chunks), max_samples)
@@ -89,7 +102,8 @@ def measure(bench: RealBench, timer: Timer, prompt_len: int, chunk: int, running
             n, end = chunks[j]
             req.num_computed_tokens = end - n
             added.append(timer(running + [ScheduledSlice(req, n)]) - base)
-        return whole, interpolated_sum(positions, added) - whole, len(positions)
+        total = interpolated_sum(positions, added)
+        return total - whole, len(positions), base, total / len(chunks)
     finally:
         bench.bm.free(req.request_id)
 
@@ -129,7 +143,8 @@ def main() -> None:
     cost = CostModel(bench.model_cfg, load_hardware_preset(args.hardware))
     running = bench.decodes(max(max(decodes), 1), args.decode_context)
     timer = Timer(bench, args.repeats)
-    measure(bench, Timer(bench, 1), min(prompts), min(chunks), running, 2)            # warm-up off the clock
+    warm = Timer(bench, 1)                                                            # warm-up off the clock
+    measure(bench, warm, min(prompts), min(chunks), running, 2, time_whole(bench, warm, min(prompts)))
     print(f"{bench.model_cfg.name} x{bench.model_cfg.num_layers} layers on {args.device} ({dtype}, {args.backend}): "
           f"built and warmed in {time.perf_counter() - t0:.1f}s", flush=True)
 
@@ -142,7 +157,7 @@ def main() -> None:
             w.writeheader()
             w.writerows(rows)
 
-    start, last = time.perf_counter(), {}
+    start, last, wholes = time.perf_counter(), {}, {}
     for L in prompts:
         for c in chunks:
             for b in decodes:
@@ -158,14 +173,18 @@ def main() -> None:
                 else:
                     t = time.perf_counter()
                     try:
-                        whole, tax, timed = measure(bench, timer, L, c, running[:b], args.max_chunk_samples)
+                        if L not in wholes:
+                            wholes[L] = time_whole(bench, timer, L)
+                        whole = wholes[L]
+                        tax, timed, base, added = measure(bench, timer, L, c, running[:b], args.max_chunk_samples, whole)
                     except torch.cuda.OutOfMemoryError as e:
                         row["status"] = f"out of memory: {str(e)[:100]}"
                     else:
                         last[(c, b)] = (L, time.perf_counter() - t)
                         sim_whole = cost.iteration_time_s([(L, L)], num_sampled=1)
                         sim_tax = piggyback_tax_s(cost, L, c, b, args.decode_context)
-                        row.update(chunks_timed=timed, whole_ms=round(whole * 1e3, 3), tax_ms=round(tax * 1e3, 3),
+                        row.update(chunks_timed=timed, whole_ms=round(whole * 1e3, 3), base_ms=round(base * 1e3, 3),
+                                   added_mean_ms=round(added * 1e3, 3), tax_ms=round(tax * 1e3, 3),
                                    sim_whole_ms=round(sim_whole * 1e3, 3), sim_tax_ms=round(sim_tax * 1e3, 3),
                                    sim_over_measured=round(sim_tax / tax, 3) if tax else "", status="ok")
                 rows.append(row)
