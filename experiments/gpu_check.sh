@@ -4,7 +4,7 @@
 #
 #   experiments/gpu_check.sh OUT_DIR
 #
-# Writes into OUT_DIR (six files, so that a file-count-limited copy-back keeps them all):
+# Writes into OUT_DIR (seven files, so that a file-count-limited copy-back keeps them all):
 #   gpu_check.log   environment, set-up, and every step's output
 #   tests.log       pytest -m "gpu or not slow" over tests/test_kernels*.py on CUDA
 #   kernels.csv     Triton paged attention vs SDPA / flash-attn, KV gather/scatter, measured peaks
@@ -12,6 +12,8 @@
 #   prefill.csv     whole vs chunked prefill, llama3-8b bf16 random weights, 4K-128K prompts
 #   piggyback.csv   llama3-8b-shaped layers, 4K-128K prompts in chunks of 2048/512 alone and riding on
 #                   0/8/32/128 decodes at 1K context: measured tax beside the sim's h200 price, point by point
+#   step_host.csv   one step's wall clock against its GPU busy time (decodes alone, a chunk alone, both):
+#                   whether the eager engine's host or the GPU sets a step's pace (bench_gpu_step_host)
 #
 # Needs a CUDA build of torch and triton. Sets the repo up with `pip install -e . --no-deps`
 # (falling back to a symlinked package tree); packages the image lacks (omegaconf and
@@ -72,6 +74,10 @@ step "bench_gpu_piggyback -> piggyback.csv"
 timeout 110 "$PY" experiments/benchmarks/bench_gpu_piggyback.py --out "$OUT" --layers 8 --hardware h200 --backend triton \
   --budget-s 80 >>"$LOG" 2>&1
 echo "bench_gpu_piggyback exit $?" | tee -a "$LOG"
+
+step "bench_gpu_step_host -> step_host.csv"
+timeout 40 "$PY" experiments/benchmarks/bench_gpu_step_host.py --out "$OUT" --layers 8 >>"$LOG" 2>&1
+echo "bench_gpu_step_host exit $?" | tee -a "$LOG"
 
 step "done"
 ls -l "$OUT" >>"$LOG"
