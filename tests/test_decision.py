@@ -245,11 +245,26 @@ def test_l_star_must_hold_at_every_larger_length():
     ("decision_colocated", ["orca"], "experiment.decision_colocated"),
     ("decision_max_requests", 5, "experiment.decision_max_requests"),
     ("decision_tp", {"llama2-70b": 0}, "experiment.decision_tp"),
+    ("decision_kv_blocks", {"h100-sxm": 0}, "experiment.decision_kv_blocks"),
+    ("decision_kv_blocks", {"h100": 4096}, r"experiment.decision_kv_blocks.*\['h100'\] is no hardware"),
     ("decision_turns", 1, "experiment.decision_turns"),
 ])
 def test_bad_decision_fields_name_the_field(field, value, message):
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(ExperimentConfig(name="decision"), **{field: value}).validate()
+
+
+def test_decision_kv_blocks_sizes_each_hardwares_workers_and_leaves_the_rest_auto():
+    from testbed.experiments.decision_search import point_cfg
+    cfg = from_dict({"runtime": {"name": "sim"}, "model": {"name": "tiny"}, "wandb": {"mode": "disabled"}})
+    cfg = dataclasses.replace(cfg, experiment=dataclasses.replace(
+        ExperimentConfig(name="decision", hardware=["cpu-2w", "h100-sxm"]), decision_kv_blocks={"cpu-2w": 8192}))
+    cfg.experiment.validate()
+    assert point_cfg(cfg, "tiny", "cpu-2w").num_kv_blocks == 8192
+    # the other hardware keeps auto: the memory left after weights (far more than cpu-2w's 2,048 default)
+    assert point_cfg(cfg, "llama3-8b", "h100-sxm").num_kv_blocks_from_memory
+    plain = dataclasses.replace(cfg, experiment=dataclasses.replace(cfg.experiment, decision_kv_blocks={}))
+    assert point_cfg(plain, "tiny", "cpu-2w").num_kv_blocks == 2048
 
 
 def test_the_default_decision_config_validates():

@@ -68,6 +68,9 @@ class ExperimentConfig:
     # Re-runs one row (e.g. [adaptive]) without the others' probes
     decision_deployments: list[str] = field(default_factory=list)
     decision_tp: dict[str, int] = field(default_factory=dict)   # model name -> tp (default: the run's parallel.tp)
+    # hardware name -> KV blocks per worker (default: num_kv_blocks=auto, the hardware's). On cpu-2w
+    # auto is 2,048 blocks, 32K tokens: past L = 32K half the prompts never fit and every probe fails
+    decision_kv_blocks: dict[str, int] = field(default_factory=dict)
     decision_pool_tp: list[int] = field(default_factory=lambda: [1, 2, 4, 8])   # disagg: each pool's tp searched
     decision_span_factor: float = 10.0       # steady state: arrivals span this many longest service times
     decision_min_judged: int = 20            # steady state: requests judged per probe at least
@@ -158,6 +161,14 @@ class ExperimentConfig:
         bad_tp = {m: tp for m, tp in self.decision_tp.items() if not isinstance(tp, int) or tp < 1}
         if bad_tp:
             raise bad("decision_tp", f"model name -> tp >= 1, got {bad_tp}")
+        bad_kv = {h: n for h, n in self.decision_kv_blocks.items() if not isinstance(n, int) or n < 1}
+        if bad_kv:
+            raise bad("decision_kv_blocks", f"hardware name -> KV blocks per worker >= 1, got {bad_kv}")
+        studied = set(self.hardware) | {self.decision_real_hardware}
+        unknown = sorted(set(self.decision_kv_blocks) - studied)
+        if unknown:
+            raise bad("decision_kv_blocks", f"{unknown} is no hardware of this study (experiment.hardware "
+                      f"{list(self.hardware)}, decision_real_hardware {self.decision_real_hardware})")
 
 
 def parse_split(split: str) -> tuple[int, int]:

@@ -220,16 +220,17 @@ def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targe
 
 def point_cfg(cfg: RunConfig, model_name: str, hardware_name: str) -> RunConfig:
     """The run on the simulator with this model and hardware, its tp from
-    decision_tp, num_kv_blocks=auto (the KV memory one GPU of each pool's split
-    has after weights and activations), and prefix caching only where the
-    workload reuses prefixes."""
+    decision_tp, num_kv_blocks from decision_kv_blocks or else auto (the KV
+    memory one GPU of each pool's split has after weights and activations),
+    and prefix caching only where the workload reuses prefixes."""
     e = cfg.experiment
     model, hardware = load_model_preset(model_name), load_hardware_preset(hardware_name)
     parallel = dataclasses.replace(cfg.parallel, tp=e.decision_tp.get(model_name, cfg.parallel.tp))
     # without shared prefixes the prefix cache never hits, and its block hashing was ~2/3 of a
     # long-context probe's time (131K tokens, sarathi-512: 3.96 s -> 1.34 s, the same service times)
     return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, name="sim"), model=model,
-                               hardware=hardware, parallel=parallel, num_kv_blocks="auto",
+                               hardware=hardware, parallel=parallel,
+                               num_kv_blocks=e.decision_kv_blocks.get(hardware_name, "auto"),
                                token_budget=hardware.token_budget_default, progress=False,
                                enable_prefix_caching=e.decision_reuse > 0)
 
