@@ -69,7 +69,8 @@ class ExperimentConfig:
     decision_deployments: list[str] = field(default_factory=list)
     decision_tp: dict[str, int] = field(default_factory=dict)   # model name -> tp (default: the run's parallel.tp)
     # hardware name -> KV blocks per worker (default: num_kv_blocks=auto, the hardware's). On cpu-2w
-    # auto is 2,048 blocks, 32K tokens: past L = 32K half the prompts never fit and every probe fails
+    # auto is 2,048 blocks, 32K tokens: past L = 32K half the prompts never fit and every probe fails.
+    # A new key takes Hydra's '+': +experiment.decision_kv_blocks.cpu-2w=8192
     decision_kv_blocks: dict[str, int] = field(default_factory=dict)
     decision_pool_tp: list[int] = field(default_factory=lambda: [1, 2, 4, 8])   # disagg: each pool's tp searched
     decision_span_factor: float = 10.0       # steady state: arrivals span this many longest service times
