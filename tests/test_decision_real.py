@@ -195,3 +195,17 @@ def test_a_search_past_the_real_budget_starts_no_probe_and_is_flagged():
     runner = _NothingFinishes(none_finished_is_memory=False)
     res = _search(runner, deadline=-1.0)
     assert (res.capacity, res.limited_by, res.steady, res.probes, runner.runs) == (None, "budget", False, 0, 0)
+
+
+def test_a_real_point_lets_a_worker_stay_silent_as_long_as_a_request_may_drain():
+    # a whole prefill of a long prompt is one step with no message: at L = 32K on this CPU ~100 s,
+    # which the default 60 s hang timeout took for a hung worker (1P1D's prefill worker killed)
+    from testbed.experiments.decision_real import real_point
+    from testbed.sim.config import load_link_preset
+    cfg = from_dict({"runtime": {"name": "sim"}, "model": {"name": "tiny"}, "wandb": {"mode": "disabled"}})
+    link = load_link_preset("tcp-25")
+    long = real_point(cfg, link, 178.0)
+    assert long.runtime.name == "real" and long.timeout_s == 178.0
+    assert long.runtime.hang_timeout_s == 178.0
+    short = real_point(cfg, link, 20.0)
+    assert short.runtime.hang_timeout_s == cfg.runtime.hang_timeout_s == 60.0

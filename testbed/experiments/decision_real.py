@@ -105,12 +105,16 @@ def check_real(e) -> None:
 
 def real_point(point: RunConfig, link, drain_s: float) -> RunConfig:
     """The simulator's point run on the real engine: the KV shaped to the link;
-    a request unfinished drain_s after the last arrival fails (timeout_s)."""
+    a request unfinished drain_s after the last arrival fails (timeout_s). A
+    worker may be silent for drain_s too (runtime.hang_timeout_s, at least its
+    own): one whole prefill of a 44K prompt on this CPU is a ~100 s step, and
+    the default 60 s killed 1P1D's prefill worker at L = 32K as hung."""
     import dataclasses
     transfer = dataclasses.replace(point.transfer, transport="shaped", shaped_inner="zmq",
                                    rate_gbps=link.bandwidth_gbps, latency_ms=link.latency_us / 1e3)
-    return replace_run(point, runtime=dataclasses.replace(point.runtime, name="real"), link=link,
-                       transfer=transfer, timeout_s=drain_s, launcher="local")
+    runtime = dataclasses.replace(point.runtime, name="real",
+                                  hang_timeout_s=max(point.runtime.hang_timeout_s, drain_s))
+    return replace_run(point, runtime=runtime, link=link, transfer=transfer, timeout_s=drain_s, launcher="local")
 
 
 def real_rows(cfg: RunConfig, sim_rows: list[dict], sim_service_s: dict, smooths: list, links: list,
