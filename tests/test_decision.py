@@ -24,6 +24,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -265,6 +266,19 @@ def test_decision_kv_blocks_sizes_each_hardwares_workers_and_leaves_the_rest_aut
     assert point_cfg(cfg, "llama3-8b", "h100-sxm").num_kv_blocks_from_memory
     plain = dataclasses.replace(cfg, experiment=dataclasses.replace(cfg.experiment, decision_kv_blocks={}))
     assert point_cfg(plain, "tiny", "cpu-2w").num_kv_blocks == 2048
+
+
+def test_never_fit_share_is_the_lognormal_tail_past_one_workers_kv():
+    from testbed.experiments.decision_search import never_fit_share
+    e = dataclasses.replace(ExperimentConfig(name="decision"), decision_output_len=32, decision_prompt_sigma=0.1)
+    # cpu-2w's 2,048 blocks of 16 at L = 32K: the pool ends just under the median prompt
+    assert never_fit_share(e, 32768, 2048, 16) == pytest.approx(0.5, abs=0.01)
+    assert never_fit_share(e, 32768, 8192, 16) == 0.0          # 128K tokens: past the 2L clip
+    assert never_fit_share(e, 16384, 2048, 16) < 1e-9          # 32K tokens: 7 sigma above a 16K median
+    assert never_fit_share(e, 65536, 2048, 16) == 1.0          # below the L/2 clip: nothing fits
+    # one sigma above the median: the normal tail, 15.9%
+    longest = round(32768 * math.exp(0.1))
+    assert never_fit_share(e, 32768, (longest + 31) // 16, 16) == pytest.approx(0.1587, abs=0.003)
 
 
 def test_the_default_decision_config_validates():

@@ -9,6 +9,7 @@ them so that every SLO definition judging the same run shares it."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -251,6 +252,19 @@ def isolated_s(cost, L: int, output_len: int) -> float:
     return cost.iteration_time_s([(L, L)]) + output_len * cost.iteration_time_s([(1, L)])
 
 
+def never_fit_share(e, L: int, num_kv_blocks: int, block_size: int) -> float:
+    """The share of the decision workload's requests at L (prompts lognormal with median L, clipped
+    to [L/2, 2L]) whose KV, prompt and answer, needs more blocks than one worker holds: they can
+    never be scheduled, and a probe of them fails `unfinished` at any rate (tiny on cpu-2w at
+    L = 32K: 2,048 blocks, half the prompts)."""
+    longest = num_kv_blocks * block_size - e.decision_output_len + 1      # the last token's KV is never written
+    if longest >= 2 * L:
+        return 0.0
+    if longest < max(1, L // 2) or e.decision_prompt_sigma == 0:
+        return 1.0 if longest < L else 0.0
+    return 0.5 * math.erfc(math.log(longest / L) / e.decision_prompt_sigma / math.sqrt(2))
+
+
 def length_point(e, base: RunConfig, one_gpu, L: int, tbt: float) -> tuple[RunConfig, SLOTargets]:
     """A deployment's probe config at L (rate and size still to set) and the
     SLO targets it is judged by: TTFT k x one GPU's (`one_gpu`, a CostModel)
@@ -295,6 +309,12 @@ def length_rows(prober: Prober, e, point: RunConfig, dep: Deployment, num_gpus: 
     if seed is not None:
         bracket, service_s = (seed.capacity, seed.first_failing), seed.service_s or service_s
     rows, first = [], None
+    if not skip and isinstance(base.num_kv_blocks, int):
+        share = never_fit_share(e, L, base.num_kv_blocks, base.block_size)
+        if share > 0.01:
+            log(f"decision: {dep.label} at L={L}: {share:.0%} of the requests need more KV than a worker's "
+                f"{base.num_kv_blocks} blocks ({base.num_kv_blocks * base.block_size} tokens) and never finish; "
+                f"raise it with +experiment.decision_kv_blocks.{point.hardware.name}=N")
     for tbt in e.decision_tbt_slos_ms:
         slo_cfg, targets = length_point(e, base, one_gpu, L, tbt)
         for smooth in smooths:
