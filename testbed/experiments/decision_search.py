@@ -260,8 +260,10 @@ def never_fit_share(e, L: int, num_kv_blocks: int, block_size: int) -> float:
     longest = num_kv_blocks * block_size - e.decision_output_len + 1      # the last token's KV is never written
     if longest >= 2 * L:
         return 0.0
-    if longest < max(1, L // 2) or e.decision_prompt_sigma == 0:
-        return 1.0 if longest < L else 0.0
+    if longest < max(1, L // 2):
+        return 1.0
+    if e.decision_prompt_sigma == 0:
+        return float(longest < L)
     return 0.5 * math.erfc(math.log(longest / L) / e.decision_prompt_sigma / math.sqrt(2))
 
 
