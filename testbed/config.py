@@ -36,9 +36,11 @@ class RuntimeConfig:
     # required (a bind is refused without them) when runtime.host or transfer.host is not loopback
     curve: bool = False
     # liveness, both ways (runtime=real): the frontend pings every worker each heartbeat_s and
-    # each answers; a worker silent for hang_timeout_s (alive but not stepping; longer than
-    # the longest step) is killed and its requests fail; a worker that hears nothing from
-    # the frontend for frontend_timeout_s (the frontend was killed) exits by itself
+    # each answers between steps; inside a step that computes it says Busy each heartbeat_s
+    # instead (runtime/step_watch.py), so a step may be longer than hang_timeout_s; a worker
+    # silent for hang_timeout_s (stopped, or blocked without computing) is killed and its
+    # requests fail; a worker that hears nothing from the frontend for frontend_timeout_s
+    # (the frontend was killed) exits by itself
     heartbeat_s: float = 1.0
     hang_timeout_s: float = 60.0
     frontend_timeout_s: float = 15.0

@@ -88,3 +88,26 @@ def test_workers_exit_by_themselves_when_the_frontend_is_killed(tmp_path):
         for p in in_process_group(proc.pid):
             os.kill(p, signal.SIGKILL)
         term.close()
+
+
+def test_a_step_longer_than_the_hang_timeout_is_not_a_hang():
+    """One replica whose budget prefills a 6,144-token prompt whole: one step
+    of ~2 s on tiny here (more on a busy machine), twice the 1 s hang timeout.
+    Inside it the worker reads no Ping; its step watch says it lives while the
+    step computes (Busy), so it is not killed, and every request finishes with
+    the reference tokens and every block free."""
+    cfg = config(mode="colocated", replicas=1, token_budget=8192, num_kv_blocks=512,
+                 runtime={**HEARTBEAT, "hang_timeout_s": 1.0},
+                 workload={"num_requests": 2, "inject_arrival_s": [0.0], "inject_prompt_len": [6144],
+                           "inject_output_len": [4]})
+    watch, steps = Watch(), []
+
+    def hook(rt: RealRuntime, ev: Event) -> None:
+        if ev.kind == "iteration":
+            steps.append(ev.record.duration_s)
+
+    result = run(cfg, watch, hook)
+    # silent that long, the worker would have been found hung (the first test's bound)
+    longest = max(steps, default=0.0)
+    assert longest > cfg.runtime.hang_timeout_s + cfg.runtime.heartbeat_s, f"no step outlasted it: {steps}"
+    check(result, cfg, {}, {"replica0"})

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from testbed.kv_transfer.store_index import StoreCounters
 from testbed.metrics import IterationRecord
 from testbed.request import Request, SamplingParams
-from testbed.runtime.messages import (MESSAGES, Abort, Add, Connect, ExpectSenders, Finished, FreeBlocks, HandOffMeta,
-                                      IterationDone, KVReceived, Ping, Pong, Preempted, Prefill, Prefilled, Ready,
+from testbed.runtime.messages import (MESSAGES, Abort, Add, Busy, Connect, ExpectSenders, Finished, FreeBlocks,
+                                      HandOffMeta, IterationDone, KVReceived, Ping, Pong, Preempted, Prefill, Prefilled, Ready,
                                       Rejected, Release, Reserve, Reserved, Stats, Stop, Tokens, WorkerError,
                                       PrefixFetched, StoreStats, request_to_msg)
 from testbed.runtime.wire import WireError, decode, encode, hand_off_meta
@@ -26,7 +26,7 @@ EXAMPLES = [
     IterationDone(IterationRecord(1.0, 0.01, 64, 3, 4096, "w"), 12), FreeBlocks("w", 3),
     Reserved("r1", "d", [1, 2], 30), Rejected("r1", "d", 0), Prefilled("r1", "p", 1.0, 2048, 0.9),
     KVReceived("r1", "d", 1.1), Stats("w", "decode", 10, 10, True, 0, 0, 1 << 20, 3, 1), WorkerError("w", "E: x", "tb"), Pong("w"),
-    PrefixFetched("r1", "p", 32, 64, 96, 0.002), StoreStats("store", StoreCounters(lookups=3, hits=2), 5, 4096, None),
+    PrefixFetched("r1", "p", 32, 64, 96, 0.002), Busy("w", 61.5), StoreStats("store", StoreCounters(lookups=3, hits=2), 5, 4096, None),
 ]
 
 

@@ -12,7 +12,8 @@ worker -> frontend: Ready; Tokens (items (id, token, engine_s, index): a disagg
     requests); Preempted; IterationDone (one per engine step, with the worker's
     free KV blocks); FreeBlocks (a decode worker freed blocks outside a step);
     Reserved / Rejected; Prefilled; KVReceived; Stats (at stop); WorkerError;
-    Pong (the answer to a Ping, the frontend's heartbeat)
+    Pong (the answer to a Ping, the frontend's heartbeat); Busy (alive inside
+    a long step, runtime/step_watch.py)
 mode=kvstore adds: PrefixFetched (a prefill worker found a prompt's cached
     prefix, locally and in the store); StoreStats (the store process, at stop)
 """
@@ -306,6 +307,15 @@ class Pong(Event):
 
 
 @dataclass(slots=True)
+class Busy(Event):
+    """A worker inside a step that is still computing, `step_s` into it
+    (runtime/step_watch.py): alive, though it reads no Ping until the step ends."""
+    kind: ClassVar[str] = "busy"
+    worker: str
+    step_s: float
+
+
+@dataclass(slots=True)
 class WorkerError(Event):
     """A worker crashed (or failed to start)."""
     kind: ClassVar[str] = "error"
@@ -317,5 +327,5 @@ class WorkerError(Event):
 MESSAGES: dict[str, type[Message]] = {cls.kind: cls for cls in (
     Add, Prefill, Reserve, Release, Abort, Connect, ExpectSenders, Stop, Ping,
     Ready, Tokens, Finished, Preempted, IterationDone, FreeBlocks, Reserved, Rejected, Prefilled, KVReceived,
-    Stats, WorkerError, PrefixFetched, StoreStats, Pong)}
+    Stats, WorkerError, PrefixFetched, StoreStats, Pong, Busy)}
 

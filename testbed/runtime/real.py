@@ -31,7 +31,7 @@ from testbed.metrics import IterationRecord, RequestRecord
 from testbed.record_log import RecordLog
 from testbed.runtime.deployment import RunResult, build_mode, record_log
 from testbed.runtime.event_gate import EventGate
-from testbed.runtime.messages import (Command, Connect, Event, ExpectSenders, IterationDone, Ping, Pong, Ready,
+from testbed.runtime.messages import (Busy, Command, Connect, Event, ExpectSenders, IterationDone, Ping, Pong, Ready,
                                       Stats, Stop, StoreStats, WorkerError)
 from testbed.runtime.wire import MAX_MESSAGE_BYTES, WireError, decode, encode
 from testbed.wire_text import shown
@@ -341,8 +341,8 @@ class RealRuntime:
         return RunResult(self.records, self.stats, duration, interrupted, self.store_stats)
 
     def _dispatch(self, ev: Event) -> None:
-        if type(ev) is Pong:
-            return
+        if type(ev) is Pong or type(ev) is Busy:
+            return                     # proof of life only: _recv noted when it came
         if type(ev) is Stats:
             self.stats[ev.worker] = ev.to_dict()
             return

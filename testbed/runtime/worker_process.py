@@ -51,9 +51,11 @@ class WorkerProcess:
         self.dealer.setsockopt(zmq.LINGER, 0)
         self.dealer.setsockopt(zmq.IDENTITY, spec.worker_id.encode())
         self.kv_port = self.store = None
+        self._send_lock = threading.Lock()     # the step watch's thread sends on `push` too
         try:
             cfg = from_dict(spec.cfg)
             self.frontend_timeout_s = cfg.runtime.frontend_timeout_s
+            self.heartbeat_s = cfg.runtime.heartbeat_s
             self.lease_s = cfg.transfer.lease_s
             self.push.setsockopt(zmq.SNDTIMEO, int(self.frontend_timeout_s * 1000))
             from testbed.kv_transfer.curve import client_keys
@@ -88,7 +90,8 @@ class WorkerProcess:
     def emit(self, ev) -> None:
         from testbed.runtime.wire import encode
         try:
-            self.push.send(encode(ev))
+            with self._send_lock:
+                self.push.send(encode(ev))
         except zmq.Again:
             raise FrontendGone(f"an event waited {self.frontend_timeout_s:g} s for the frontend") from None
 
@@ -101,9 +104,13 @@ class WorkerProcess:
             pass
 
     def serve(self) -> None:
-        from testbed.runtime.messages import Command
+        from testbed.runtime.messages import Busy, Command
+        from testbed.runtime.step_watch import StepWatch
         from testbed.runtime.wire import WireError, decode
         service, dealer, kv_port = self.service, self.dealer, self.kv_port
+        worker_id = self.spec.worker_id
+        # inside a step the worker reads no Ping: while the step computes, this says it lives
+        watch = StepWatch(lambda step_s: self._send_quietly(Busy(worker_id, step_s)), self.heartbeat_s)
         last_heard = time.monotonic()       # the frontend pings every runtime.heartbeat_s
         next_lease_check = 0.0
         # a worker awaiting KV sleeps until a command or its KV comes (it had woken
@@ -143,7 +150,9 @@ class WorkerProcess:
                 if not service.stopping:
                     if kv_port is not None:
                         kv_port.pump(service)
-                    if service.step() is not None:
+                    with watch.step():
+                        out = service.step()
+                    if out is not None:
                         # let ZMQ's I/O thread send this step's events now: woken on
                         # this core, it otherwise waited for the next step to end its
                         # CFS slice (experiments/benchmarks/bench_event_latency.py)
@@ -157,7 +166,16 @@ class WorkerProcess:
             self._fail(e)
             raise
         finally:
+            watch.close()
             self.close()
+
+    def _send_quietly(self, ev) -> None:
+        """emit() from the step watch's thread: a frontend that cannot take it is
+        the main loop's to find (FrontendGone), not a reason to end the thread."""
+        try:
+            self.emit(ev)
+        except (FrontendGone, zmq.ZMQError):
+            pass
 
     def close(self) -> None:
         if self.ctx.closed:
