@@ -207,18 +207,23 @@ class ModeController(ABC):
         self.on_request_end(rid, ev, now)
         self._resolve(rid, ev.status, ev.error, now)
 
-    def _fail_if_never_fits(self, req: Request, pool: list[str], what: str, now: float) -> bool:
-        """A request whose prompt and outputs need more KV blocks than any worker
-        of `pool` has would wait (or preempt itself) forever and block the queue
-        behind it: fail it at once instead of at the run's timeout."""
+    def _fail_if_never_fits(self, req: Request, pool: list[str], what: str, now: float,
+                            outputs: bool = True) -> bool:
+        """A request whose KV needs more blocks than any worker of `pool` has
+        would wait (or preempt itself) forever and block the queue behind it:
+        fail it at once instead of at the run's timeout. `outputs`: the worker
+        holds the outputs' KV too (a replica, a decode worker); else the
+        prompt's alone (a prefill worker)."""
         most = max(self.workers[w].num_blocks for w in pool)
-        need = -(-(req.prompt_len + req.max_tokens - 1) // self.workers[pool[0]].block_size)
+        tokens = req.prompt_len + (req.max_tokens - 1 if outputs else 0)
+        need = -(-tokens // self.workers[pool[0]].block_size)
         if need <= most:
             return False
+        held = f"prompt of {req.prompt_len} tokens" + (f" plus {req.max_tokens} outputs" if outputs else "")
         self._resolve(req.request_id, "failed",
-                      f"prompt of {req.prompt_len} tokens plus {req.max_tokens} outputs needs {need} KV blocks, "
-                      f"more than a {what} has ({most}, num_kv_blocks); raise num_kv_blocks or clip "
-                      f"workload.max_prompt_len / workload.max_output_len", now)
+                      f"{held} needs {need} KV blocks, more than a {what} has ({most}, num_kv_blocks); raise "
+                      f"num_kv_blocks (with num_kv_blocks=auto: the pool's parallel.tp or gpu_memory_utilization) "
+                      f"or clip workload.max_prompt_len / workload.max_output_len", now)
         return True
 
     def _resolve(self, rid: str, status: str, error: str | None, now: float | None) -> None:

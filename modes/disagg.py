@@ -57,8 +57,10 @@ class DisaggController(ModeController):
         return -(-(req.prompt_len + 1) // self.workers[self.decode[0]].block_size)
 
     def route(self, req: Request, now: float) -> None:
-        # the decode worker ends up holding the prompt's and the outputs' KV
-        if self._fail_if_never_fits(req, self.decode, "decode worker", now):
+        # the decode worker ends up holding the prompt's and the outputs' KV, the prefill
+        # worker the prompt's (a pool of its own parallel split may hold fewer blocks)
+        if self._fail_if_never_fits(req, self.decode, "decode worker", now) or \
+                self._fail_if_never_fits(req, self.prefill, "prefill worker", now, outputs=False):
             return
         gone = self._dead_pool()
         if gone is not None:
