@@ -107,8 +107,9 @@ def real_point(point: RunConfig, link, drain_s: float) -> RunConfig:
     """The simulator's point run on the real engine: the KV shaped to the link;
     a request unfinished drain_s after the last arrival fails (timeout_s). A
     worker may be silent for drain_s too (runtime.hang_timeout_s, at least its
-    own): one whole prefill of a 44K prompt on this CPU is a ~100 s step, and
-    the default 60 s killed 1P1D's prefill worker at L = 32K as hung."""
+    own): a step that computes says so (runtime/step_watch.py), but a worker
+    waiting without computing (a prefill worker's KV held up by a slow link)
+    may wait as long as a request may drain."""
     import dataclasses
     transfer = dataclasses.replace(point.transfer, transport="shaped", shaped_inner="zmq",
                                    rate_gbps=link.bandwidth_gbps, latency_ms=link.latency_us / 1e3)

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 # CPU seconds per heartbeat below which a step counts as not computing: the
 # watch's own wake-ups and ZMQ's I/O thread stay well below it
@@ -41,17 +42,16 @@ class StepWatch:
         self._thread = threading.Thread(target=self._watch, name="step-watch", daemon=True)
         self._thread.start()
 
-    def step(self) -> _InStep:
-        return _InStep(self)
-
-    def _enter(self) -> None:
+    @contextmanager
+    def step(self) -> Iterator[None]:
         cpu = self._cpu_s()
         with self._lock:
             self._started_at, self._cpu_at = time.monotonic(), cpu
-
-    def _exit(self) -> None:
-        with self._lock:
-            self._started_at = None
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._started_at = None
 
     def _watch(self) -> None:
         min_cpu = MIN_CPU_SHARE * self._interval_s
@@ -68,15 +68,3 @@ class StepWatch:
         self._stop.set()
         self._thread.join()
 
-
-class _InStep:
-    __slots__ = ("_watch",)
-
-    def __init__(self, watch: StepWatch):
-        self._watch = watch
-
-    def __enter__(self) -> None:
-        self._watch._enter()
-
-    def __exit__(self, *exc) -> None:
-        self._watch._exit()
