@@ -151,6 +151,9 @@ class RunConfig:
             notes.append(f"token_budget={self.token_budget} ({self.hardware.name}'s default)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization: a fraction in (0, 1], got {self.gpu_memory_utilization}")
+        if not isinstance(self.block_size, int) or self.block_size < 1:     # num_kv_blocks=auto divides by it
+            raise ValueError(f"block_size: must be an integer >= 1 (tokens per KV block; 16 is the usual value), "
+                             f"got {self.block_size}")
         # not a field: a pool with its own parallel config re-derives its blocks (runtime/build.py)
         self.num_kv_blocks_from_memory = self.num_kv_blocks == AUTO and not self.hardware.kv_blocks_default
         if self.num_kv_blocks == AUTO:

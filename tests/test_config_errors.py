@@ -122,6 +122,8 @@ CLI_CASES = {
     "trace": (["workload.trace_path=/nonexistent", "workload.trace_format=azure", "workload.arrival=trace"],
               "workload.trace_path"),
     "model_preset": (["model=nope"], "model='nope'"),
+    # num_kv_blocks=auto on a GPU preset divides by the block size: checked before that
+    "block_size_gpu": (["runtime=sim", "hardware=h100-sxm", "model=llama3-8b", "block_size=0"], "block_size"),
 }
 
 
