@@ -6,6 +6,7 @@ one clear error that names the field and the fix."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -68,6 +69,11 @@ class RuntimeConfig:
 class SLOConfig:
     ttft_ms: float = 2000.0
     tpot_ms: float = 100.0
+
+    def validate(self) -> None:
+        for f in ("ttft_ms", "tpot_ms"):
+            if not getattr(self, f) > 0:
+                raise ValueError(f"slo.{f}: must be > 0 (ms), got {getattr(self, f)}")
 
 
 @dataclass
@@ -181,6 +187,18 @@ def _one_of(field_name: str, value: str, choices) -> None:
         raise ValueError(f"{field_name}='{value}' is not known; choose one of: {', '.join(sorted(choices))}")
 
 
+def _check_device(device: str, launcher: str) -> None:
+    """runtime=real's device: cpu or cuda[:N], and a CUDA GPU where the workers
+    start on this machine (launcher=local)."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise ValueError(f"device: '{device}' is not one the engine runs on; use cpu or cuda (cuda:N for one GPU)")
+    if device != "cpu" and launcher == "local":
+        import torch
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: '{device}', but torch {torch.__version__} sees no CUDA GPU on this machine; "
+                             "use device=cpu")
+
+
 def validate(cfg: RunConfig) -> None:
     from testbed.launchers import LAUNCHERS
     from testbed.modes.registry import MODES
@@ -200,6 +218,7 @@ def validate(cfg: RunConfig) -> None:
     if cfg.runtime.name == "real":      # (the registry imports torch; the simulator never needs it)
         from testbed.kernels.attention import attention_backend_names
         _one_of("attention_backend", cfg.attention_backend, attention_backend_names())
+        _check_device(cfg.device, cfg.launcher)
     _one_of("wandb.mode", cfg.wandb.mode, ("offline", "online", "disabled"))
     from testbed.schedulers.budget import check_token_budget
     check_token_budget(cfg.token_budget)
@@ -209,10 +228,12 @@ def validate(cfg: RunConfig) -> None:
             raise ValueError(f"{f}: must be >= 1, got {getattr(cfg, f)}")
     if cfg.timeout_s <= 0:
         raise ValueError(f"timeout_s: must be > 0, got {cfg.timeout_s}")
+    if not cfg.temperature >= 0.0:
+        raise ValueError(f"temperature: must be >= 0 (0: greedy), got {cfg.temperature}")
     if not 0.0 < cfg.top_p <= 1.0:
         raise ValueError(f"top_p: must be in (0, 1], got {cfg.top_p}")
     for sub in (cfg.runtime, cfg.model, cfg.workload, cfg.transfer, cfg.kvstore, cfg.hardware, cfg.link,
-                cfg.parallel, cfg.experiment, cfg.adaptive, cfg.ray, cfg.hybrid):
+                cfg.parallel, cfg.experiment, cfg.adaptive, cfg.ray, cfg.hybrid, cfg.slo):
         sub.validate()
     if cfg.transfer.lease_s <= 2 * cfg.runtime.heartbeat_s:
         # the heartbeat renews the leases of what the frontend still counts on

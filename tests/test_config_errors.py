@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 
 from testbed.block_manager import BlockManager
-from testbed.config import RunConfig, validate
+from testbed.config import RunConfig, SLOConfig, validate
 from testbed.model.config import ModelConfig, load_model_preset
 from testbed.model.loader import load_model
 from testbed.model_executor import ModelExecutor
 from testbed.schedulers import SchedulerConfig, make_scheduler
+from testbed.sim.config import ParallelConfig, load_hardware_preset
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -97,6 +98,29 @@ def test_runtime_refuses_cost_model_only_architectures():
 def test_run_config_validation(field, value, fragments):
     with pytest.raises(ValueError) as e:
         validate(RunConfig(**{field: value}))
+    one_line_error(e, *fragments)
+
+
+@pytest.mark.parametrize("make,fragments", [
+    (lambda: RunConfig(temperature=-1.0), ["temperature", "got -1.0"]),
+    (lambda: RunConfig(device="gpu0"), ["device: 'gpu0'", "cpu or cuda"]),
+    (lambda: RunConfig(device="cuda"), ["device: 'cuda'", "no CUDA GPU", "device=cpu"]),
+    (lambda: RunConfig(slo=SLOConfig(tpot_ms=0.0)), ["slo.tpot_ms", "> 0"]),
+    (lambda: RunConfig(parallel=ParallelConfig(intra_node="nvlnk")), ["parallel.intra_node: 'nvlnk'", "nvlink"]),
+    (lambda: RunConfig(parallel=ParallelConfig(pp_link="rdma-4")), ["parallel.pp_link: 'rdma-4'", "rdma-400"]),
+    (lambda: RunConfig(model=ModelConfig(rope_theta=-1.0)), ["model.rope_theta", "> 0"]),
+    (lambda: RunConfig(model=ModelConfig(head_dim=-8)), ["model.head_dim", ">= 0"]),
+    (lambda: RunConfig(hardware=load_hardware_preset("h100-sxm", attention_kernel="tritn")),
+     ["hardware.attention_kernel: 'tritn'", "triton"]),
+    (lambda: RunConfig(hardware=load_hardware_preset("h100-sxm", allreduce_table="dgx")),
+     ["hardware.allreduce_table: 'dgx'", "h100_dgx"]),
+])
+def test_run_config_fields_checked_at_start_up(make, fragments):
+    """Fields a run would otherwise ignore or crash on deep inside a worker."""
+    if "cuda" in fragments[0] and __import__("torch").cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU: device=cuda is valid here")
+    with pytest.raises(ValueError) as e:
+        validate(make())
     one_line_error(e, *fragments)
 
 

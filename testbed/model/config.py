@@ -70,6 +70,15 @@ class ModelConfig:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
             if getattr(self, f) < 1:
                 raise bad(f, f"must be >= 1, got {getattr(self, f)}")
+        for f in ("head_dim", "kv_lora_rank", "qk_rope_head_dim", "num_experts", "num_experts_per_tok",
+                  "moe_intermediate_size", "num_shared_experts", "first_dense_layers"):
+            if getattr(self, f) < 0:
+                raise bad(f, f"must be >= 0 (0: not used), got {getattr(self, f)}")
+        for f in ("rope_theta", "rms_norm_eps"):
+            if not getattr(self, f) > 0:
+                raise bad(f, f"must be > 0, got {getattr(self, f)}")
+        if self.max_position_embeddings < 1:
+            raise bad("max_position_embeddings", f"must be >= 1, got {self.max_position_embeddings}")
         if self.num_heads % self.num_kv_heads:
             raise bad("num_kv_heads", f"{self.num_kv_heads} must divide num_heads={self.num_heads} "
                       "(grouped-query attention shares each KV head among a whole group of query heads)")

@@ -136,6 +136,18 @@ class HardwareConfig:
         for f in ("token_budget_default", "cuda_graph_max_tokens"):
             if getattr(self, f) < 1:
                 raise ValueError(f"hardware.{f}: must be >= 1, got {getattr(self, f)}")
+        if self.attention_kernel:
+            from testbed.sim.attention_kernels import attention_kernel
+            attention_kernel(self.attention_kernel)     # names the field and the known kernels
+        if self.allreduce_table:
+            from testbed.sim.operator_table import network_table_names
+            if self.allreduce_table not in network_table_names():
+                raise ValueError(f"hardware.allreduce_table: '{self.allreduce_table}' is not a known topology; "
+                                 f"choose one of: {', '.join(network_table_names())} (or '' for the ring on "
+                                 "parallel.intra_node)")
+        for f in ("profiled_threads", "profiled_workers"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"hardware.{f}: must be >= 0 (0: not profiled), got {getattr(self, f)}")
         if self.kv_blocks_default < 0:
             raise ValueError(f"hardware.kv_blocks_default: must be >= 0 (0: from memory), got {self.kv_blocks_default}")
         for f in ("peak_tflops_fp8", "gemm_ramp_tokens", "overhead_ms", "overhead_per_seq_ms", "kernel_launch_us",
@@ -199,17 +211,28 @@ class ParallelConfig:
         for f in ("tp", "pp"):
             if getattr(self, f) < 1:
                 raise ValueError(f"parallel.{f}: must be >= 1, got {getattr(self, f)}")
+        for f in ("intra_node", "pp_link"):
+            name = getattr(self, f)
+            if name is not None and _preset_path("link", name) is None:
+                raise ValueError(f"parallel.{f}: '{name}' is not a link preset; choose one of: "
+                                 f"{', '.join(_preset_names('link'))} (or give the path of a .yaml file)")
 
 
 def _preset_names(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
-def _load(group: str, cls, name_or_path: str, overrides: dict):
+def _preset_path(group: str, name_or_path: str) -> Path | None:
+    """conf/GROUP/NAME.yaml, or the .yaml file given by its path; None where there is none."""
     path = Path(name_or_path)
     if path.suffix not in (".yaml", ".yml"):
         path = CONF_DIR / group / f"{name_or_path}.yaml"
-    if not path.exists():
+    return path if path.exists() else None
+
+
+def _load(group: str, cls, name_or_path: str, overrides: dict):
+    path = _preset_path(group, name_or_path)
+    if path is None:
         raise ValueError(f"{group}='{name_or_path}' is not a known preset; choose one of: "
                          f"{', '.join(_preset_names(group))} (or give the path of a .yaml file)")
     raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True) or {}
