@@ -12,6 +12,17 @@ TRANSPORTS = ("zmq", "torch_dist", "shaped")
 REAL_TRANSPORTS = ("zmq", "torch_dist")      # what `shaped` can wrap
 PROTOCOLS = ("tcp", "ipc")
 DIST_BACKENDS = ("gloo", "nccl")
+# zmq takes a timeout as a C int of milliseconds (setsockopt) or a long (poll): a longer one overflows there
+MAX_TIMEOUT_S = (2**31 - 1) / 1000     # ~24.8 days
+
+
+def timeout_problem(value: float) -> str | None:
+    """Why `value` cannot be a timeout in seconds that reaches zmq, or None."""
+    if not value > 0:
+        return f"must be > 0, got {value}"
+    if value > MAX_TIMEOUT_S:
+        return f"must be at most {MAX_TIMEOUT_S:g} s (zmq takes timeouts as 32-bit milliseconds), got {value:g}"
+    return None
 
 
 @dataclass
@@ -71,8 +82,8 @@ class TransferConfig:
             raise bad("socket_buffer_bytes", f"must be >= 0 (0: the kernel's autotuning), got {self.socket_buffer_bytes}")
         if self.max_message_bytes < self.frame_bytes:
             raise bad("max_message_bytes", f"{self.max_message_bytes} must be >= frame_bytes={self.frame_bytes}")
-        if not self.timeout_s > 0:
-            raise bad("timeout_s", f"must be > 0, got {self.timeout_s}")
+        if problem := timeout_problem(self.timeout_s):
+            raise bad("timeout_s", problem)
         if not self.lease_s > 0:
             raise bad("lease_s", f"must be > 0 seconds, got {self.lease_s}")
         if not self.max_inflight_mb > 0:

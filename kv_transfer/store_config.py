@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from testbed.kv_transfer.config import timeout_problem
+
 GiB = 1 << 30
 
 
@@ -38,8 +40,8 @@ class KVStoreConfig:
             raise bad("disk_path", "the disk tier (disk_capacity_bytes > 0) needs a directory for its files")
         if not self.disk_gb_per_s > 0:
             raise bad("disk_gb_per_s", f"must be > 0, got {self.disk_gb_per_s}")
-        if not self.timeout_s > 0:
-            raise bad("timeout_s", f"must be > 0, got {self.timeout_s}")
+        if problem := timeout_problem(self.timeout_s):
+            raise bad("timeout_s", problem)
         if not self.retry_s >= 0:
             raise bad("retry_s", f"must be >= 0, got {self.retry_s}")
         if self.fault_corrupt_nth_get < 0:

@@ -13,7 +13,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 
 from testbed.experiments.config import ExperimentConfig
-from testbed.kv_transfer.config import TransferConfig
+from testbed.kv_transfer.config import TransferConfig, timeout_problem
 from testbed.kv_transfer.store_config import KVStoreConfig
 from testbed.launchers.config import RayConfig
 from testbed.model.config import ModelConfig
@@ -63,6 +63,9 @@ class RuntimeConfig:
             if getattr(self, f) <= 2 * self.heartbeat_s:
                 raise ValueError(f"runtime.{f}: must exceed two heartbeats (runtime.heartbeat_s="
                                  f"{self.heartbeat_s}), got {getattr(self, f)}; raise it or lower the heartbeat")
+        # a worker's event socket gives up on the frontend after it (zmq's SNDTIMEO)
+        if problem := timeout_problem(self.frontend_timeout_s):
+            raise ValueError(f"runtime.frontend_timeout_s: {problem}")
 
 
 @dataclass
@@ -219,6 +222,11 @@ def validate(cfg: RunConfig) -> None:
         from testbed.kernels.attention import attention_backend_names
         _one_of("attention_backend", cfg.attention_backend, attention_backend_names())
         _check_device(cfg.device, cfg.launcher)
+        if cfg.model.path and cfg.launcher == "local":
+            # the checkpoint's config.json, read here rather than in each worker seconds after start-up
+            # (launcher=ray: the path is the worker nodes', which this one may not have)
+            from testbed.model.loader import config_from_checkpoint
+            config_from_checkpoint(cfg.model)
     _one_of("wandb.mode", cfg.wandb.mode, ("offline", "online", "disabled"))
     from testbed.schedulers.budget import check_token_budget
     check_token_budget(cfg.token_budget)

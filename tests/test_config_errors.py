@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from testbed.block_manager import BlockManager
-from testbed.config import RunConfig, SLOConfig, validate
+from testbed.config import RunConfig, RuntimeConfig, SLOConfig, validate
+from testbed.kv_transfer.config import TransferConfig
+from testbed.kv_transfer.store_config import KVStoreConfig
 from testbed.model.config import ModelConfig, load_model_preset
 from testbed.model.loader import load_model
 from testbed.model_executor import ModelExecutor
@@ -114,6 +116,13 @@ def test_run_config_validation(field, value, fragments):
      ["hardware.attention_kernel: 'tritn'", "triton"]),
     (lambda: RunConfig(hardware=load_hardware_preset("h100-sxm", allreduce_table="dgx")),
      ["hardware.allreduce_table: 'dgx'", "h100_dgx"]),
+    # timeouts reach zmq as 32-bit milliseconds: a longer one overflowed inside a worker (a crash
+    # mid-run, or a start-up that hung for 120 s)
+    (lambda: RunConfig(runtime=RuntimeConfig(frontend_timeout_s=1e30)), ["runtime.frontend_timeout_s", "at most"]),
+    (lambda: RunConfig(transfer=TransferConfig(timeout_s=1e30)), ["transfer.timeout_s", "at most"]),
+    (lambda: RunConfig(kvstore=KVStoreConfig(timeout_s=1e30)), ["kvstore.timeout_s", "at most"]),
+    # read by every worker after start-up: now by the frontend before it starts any
+    (lambda: RunConfig(model=ModelConfig(path="/nonexistent/ckpt")), ["model.path", "/nonexistent/ckpt", "does not exist"]),
 ])
 def test_run_config_fields_checked_at_start_up(make, fragments):
     """Fields a run would otherwise ignore or crash on deep inside a worker."""

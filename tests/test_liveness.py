@@ -111,3 +111,42 @@ def test_a_step_longer_than_the_hang_timeout_is_not_a_hang():
     longest = max(steps, default=0.0)
     assert longest > cfg.runtime.hang_timeout_s + cfg.runtime.heartbeat_s, f"no step outlasted it: {steps}"
     check(result, cfg, {}, {"replica0"})
+
+
+def test_a_worker_that_fails_to_start_reports_why_and_exits():
+    """A worker process whose config cannot be read (a field the schema does not
+    know) sends WorkerError, naming the field, over its event socket and exits
+    non-zero. Its sockets connect before anything that can fail: before, such a
+    failure came first and its report blocked for good on a socket with no peer,
+    so the worker never exited and the frontend heard nothing for 120 s."""
+    import multiprocessing
+
+    import zmq
+
+    from testbed.launchers.base import WorkerSpec
+    from testbed.launchers.local import run_entry
+    from testbed.runtime.messages import WorkerError
+    from testbed.runtime.wire import decode
+
+    ctx = zmq.Context()
+    events, commands = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
+    event_port = events.bind_to_random_port("tcp://127.0.0.1")
+    command_port = commands.bind_to_random_port("tcp://127.0.0.1")
+    spec = WorkerSpec(worker_id="replica0", role="replica", needs_kv_port=False, rank=0, world_size=1,
+                      cmd_addr=f"tcp://127.0.0.1:{command_port}", event_addr=f"tcp://127.0.0.1:{event_port}",
+                      t0=time.monotonic(), dist_addr=None, cfg={"no_such_field": 1})
+    proc = multiprocessing.get_context("spawn").Process(target=run_entry, args=(spec,))
+    proc.start()
+    try:
+        assert events.poll(60_000), "the worker sent nothing"
+        sender, raw = events.recv_multipart()
+        ev = decode(raw)
+        assert sender == b"replica0" and type(ev) is WorkerError and ev.worker == "replica0"
+        assert "no_such_field" in ev.error
+        proc.join(30)
+        assert proc.exitcode not in (None, 0), "the worker did not exit after failing"
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        ctx.destroy(0)

@@ -53,16 +53,17 @@ class WorkerProcess:
         self.kv_port = self.store = None
         self._send_lock = threading.Lock()     # the step watch's thread sends on `push` too
         try:
+            from testbed.kv_transfer.curve import client_keys
+            for sock in (self.push, self.dealer):
+                client_keys(sock, spec.curve)
+            # connected first, so that a start-up failure below reaches the frontend as a WorkerError
+            self.push.connect(spec.event_addr)
+            self.dealer.connect(spec.cmd_addr)
             cfg = from_dict(spec.cfg)
             self.frontend_timeout_s = cfg.runtime.frontend_timeout_s
             self.heartbeat_s = cfg.runtime.heartbeat_s
             self.lease_s = cfg.transfer.lease_s
             self.push.setsockopt(zmq.SNDTIMEO, int(self.frontend_timeout_s * 1000))
-            from testbed.kv_transfer.curve import client_keys
-            for sock in (self.push, self.dealer):
-                client_keys(sock, spec.curve)
-            self.push.connect(spec.event_addr)
-            self.dealer.connect(spec.cmd_addr)
             torch.set_num_threads(cfg.torch_threads)
             engine = build_engine(cfg, spec.role, WallClock(spec.t0))
             if spec.needs_kv_port:
@@ -96,11 +97,16 @@ class WorkerProcess:
             raise FrontendGone(f"an event waited {self.frontend_timeout_s:g} s for the frontend") from None
 
     def _fail(self, e: Exception) -> None:
-        """Report, then the caller exits non-zero: the frontend fails this worker's requests."""
+        """Report, then the caller exits non-zero: the frontend fails this worker's requests.
+        Never blocks: where the report cannot be queued at once (the sockets never connected,
+        or the frontend stopped reading) it is dropped, and the exit code speaks instead."""
         from testbed.runtime.messages import WorkerError
+        from testbed.runtime.wire import encode
         try:
-            self.emit(WorkerError(self.spec.worker_id, f"{type(e).__name__}: {e}", traceback.format_exc()))
-        except (zmq.ZMQError, FrontendGone):
+            with self._send_lock:
+                self.push.send(encode(WorkerError(self.spec.worker_id, f"{type(e).__name__}: {e}",
+                                                  traceback.format_exc())), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
             pass
 
     def serve(self) -> None:
