@@ -157,6 +157,9 @@ CLI_CASES = {
     "model_preset": (["model=nope"], "model='nope'"),
     # num_kv_blocks=auto on a GPU preset divides by the block size: checked before that
     "block_size_gpu": (["runtime=sim", "hardware=h100-sxm", "model=llama3-8b", "block_size=0"], "block_size"),
+    # Ray itself would retry an address where nothing listens for minutes
+    "ray_address_refused": (["launcher=ray", "mode=disagg", "ray.address=127.0.0.1:1"], "ray.address: nothing answers"),
+    "ray_address_malformed": (["launcher=ray", "mode=disagg", "ray.address=zzz"], "ray.address: 'zzz' is not HOST:PORT"),
 }
 
 

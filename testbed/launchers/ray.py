@@ -25,6 +25,7 @@ t0 is shifted by the offset of a round trip at start-up (the midpoint
 estimate, off by at most half the round trip)."""
 from __future__ import annotations
 
+import socket
 import time
 from dataclasses import replace
 
@@ -68,6 +69,23 @@ class _WorkerActor:
         return 0
 
 
+def _check_reachable(address: str, timeout_s: float) -> None:
+    """ray.address=HOST:PORT must answer: Ray itself retries an address where
+    nothing listens for minutes, printing GCS time-outs. `auto` and ray://
+    addresses are Ray's to resolve (it says at once when there is none)."""
+    if address == "auto" or "://" in address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"ray.address: '{address}' is not HOST:PORT, 'auto' or ray://HOST:PORT; "
+                         "leave it unset to start a local cluster")
+    try:
+        socket.create_connection((host, int(port)), timeout=min(timeout_s, 10.0)).close()
+    except OSError as e:
+        raise ValueError(f"ray.address: nothing answers at {address} ({e.strerror or e}); start a cluster there "
+                         f"(`ray start --head --port={port}`) or leave ray.address unset for a local one") from None
+
+
 class RayLauncher(Launcher):
     name = "ray"
 
@@ -98,7 +116,11 @@ class RayLauncher(Launcher):
                      _node_ip_address=self.local_ip, configure_logging=False, log_to_driver=True)
             self._started_cluster = True
         else:
-            ray.init(address=self.cfg.address, include_dashboard=False, configure_logging=False)
+            _check_reachable(self.cfg.address, self.cfg.start_timeout_s)
+            try:
+                ray.init(address=self.cfg.address, include_dashboard=False, configure_logging=False)
+            except (ConnectionError, ValueError) as e:       # no cluster at "auto", a malformed address
+                raise ValueError(f"ray.address: {e}") from None
 
     def prepare(self, specs: list[WorkerSpec]) -> None:
         import ray
