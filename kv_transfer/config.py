@@ -12,16 +12,17 @@ TRANSPORTS = ("zmq", "torch_dist", "shaped")
 REAL_TRANSPORTS = ("zmq", "torch_dist")      # what `shaped` can wrap
 PROTOCOLS = ("tcp", "ipc")
 DIST_BACKENDS = ("gloo", "nccl")
-# zmq takes a timeout as a C int of milliseconds (setsockopt) or a long (poll): a longer one overflows there
+# zmq takes a timeout as a C int of milliseconds (setsockopt) or a long (poll), and so does Ray
+# (placement, ray.get): a longer one overflows there
 MAX_TIMEOUT_S = (2**31 - 1) / 1000     # ~24.8 days
 
 
 def timeout_problem(value: float) -> str | None:
-    """Why `value` cannot be a timeout in seconds that reaches zmq, or None."""
+    """Why `value` cannot be a timeout in seconds that reaches zmq or Ray, or None."""
     if not value > 0:
         return f"must be > 0, got {value}"
     if value > MAX_TIMEOUT_S:
-        return f"must be at most {MAX_TIMEOUT_S:g} s (zmq takes timeouts as 32-bit milliseconds), got {value:g}"
+        return f"must be at most {MAX_TIMEOUT_S:,.0f} s (~24 days: zmq and Ray take it as 32-bit milliseconds), got {value:g}"
     return None
 
 

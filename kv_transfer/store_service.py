@@ -35,7 +35,11 @@ class DiskTier:
 
     def __init__(self, path: str):
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"kvstore.disk_path: cannot make '{path}' the disk tier's directory "
+                             f"({type(e).__name__}: {e.strerror}); name a directory the store may create") from None
 
     def _file(self, key: int) -> Path:
         return self.path / f"{key:016x}.kv"

@@ -6,6 +6,7 @@ one clear error that names the field and the fix."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -227,6 +228,11 @@ def validate(cfg: RunConfig) -> None:
             # (launcher=ray: the path is the worker nodes', which this one may not have)
             from testbed.model.loader import config_from_checkpoint
             config_from_checkpoint(cfg.model)
+        disk = cfg.kvstore.disk_path
+        if cfg.kvstore.disk_capacity_bytes and cfg.launcher == "local" and os.path.exists(disk) and not os.path.isdir(disk):
+            # what the store process would find making its disk tier (kv_transfer/store_service.py), said before it starts
+            raise ValueError(f"kvstore.disk_path: '{disk}' is a file, not a directory; name a directory for "
+                             "the disk tier's files (the store creates it if missing)")
     _one_of("wandb.mode", cfg.wandb.mode, ("offline", "online", "disabled"))
     from testbed.schedulers.budget import check_token_budget
     check_token_budget(cfg.token_budget)

@@ -160,6 +160,12 @@ CLI_CASES = {
     # Ray itself would retry an address where nothing listens for minutes
     "ray_address_refused": (["launcher=ray", "mode=disagg", "ray.address=127.0.0.1:1"], "ray.address: nothing answers"),
     "ray_address_malformed": (["launcher=ray", "mode=disagg", "ray.address=zzz"], "ray.address: 'zzz' is not HOST:PORT"),
+    # the local cluster has no custom resources: placement used to wait ray.start_timeout_s (120 s) and fail
+    "ray_resources_local": (["launcher=ray", "mode=disagg", "+ray.resources.prefill=node_a"], "ray.resources.prefill"),
+    "ray_start_timeout": (["launcher=ray", "mode=disagg", "ray.start_timeout_s=1e30"], "ray.start_timeout_s"),
+    # a file where the KV store's disk tier wants a directory: before, its process failed at start-up
+    "kvstore_disk_path": (["mode=kvstore", "kvstore.disk_path=README.md", "kvstore.disk_capacity_bytes=1000000"],
+                          "kvstore.disk_path: 'README.md' is a file"),
 }
 
 

@@ -128,3 +128,13 @@ def test_damaged_disk_blocks_are_never_used_and_recomputed(colocated, tmp_path, 
     # nothing left over: no process, and the directory put in a file's place is still ours alone
     assert multiprocessing.active_children() == []
     assert sum(p.is_dir() for p in disk.iterdir()) == 1
+
+
+def test_a_disk_tier_path_the_store_cannot_make_names_the_field(tmp_path):
+    """The store makes its disk tier's directory at start-up; where it cannot (a
+    file in the way), the error names kvstore.disk_path and why, not the OSError alone."""
+    from testbed.kv_transfer.store_service import DiskTier
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(ValueError, match=r"kvstore.disk_path: cannot make '.*a_file/tier'.*NotADirectoryError"):
+        DiskTier(str(tmp_path / "a_file" / "tier"))
+    assert DiskTier(str(tmp_path / "new" / "tier")).path.is_dir()

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
+from testbed.kv_transfer.config import timeout_problem
+
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
@@ -37,5 +39,5 @@ class RayConfig:
             raise ValueError(f"ray.actor_cpus: must be >= 0, got {self.actor_cpus}")
         if self.num_cpus is not None and self.num_cpus < 1:
             raise ValueError(f"ray.num_cpus: must be >= 1 or null, got {self.num_cpus}")
-        if not self.start_timeout_s > 0:
-            raise ValueError(f"ray.start_timeout_s: must be > 0, got {self.start_timeout_s}")
+        if problem := timeout_problem(self.start_timeout_s):
+            raise ValueError(f"ray.start_timeout_s: {problem}")

@@ -100,6 +100,12 @@ class RayLauncher(Launcher):
         self._serve: dict = {}
         self._exit: dict[str, int] = {}
         self._pgs: list = []
+        if self.cfg.resources and self.cfg.address is None:
+            # the cluster the run starts has no custom resources: placement would wait start_timeout_s and fail
+            role, name = next(iter(self.cfg.resources.items()))
+            raise ValueError(f"ray.resources.{role}: '{name}' pins a pool to nodes of a cluster started with "
+                             "`ray start --resources`; the local cluster (ray.address unset) has none: "
+                             "set ray.address to that cluster")
         if self.cfg.address is None and self.cfg.private_netns:
             from testbed.launchers.netns import enter_private_netns
             enter_private_netns()      # before the frontend binds anything (RealRuntime builds us first)
