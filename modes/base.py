@@ -33,6 +33,9 @@ class WorkerInfo:
     role: str               # colocated | prefill | decode
     num_blocks: int
     block_size: int
+    # positions the worker's model was trained for (the real engine's model.max_position_embeddings);
+    # None: no limit (the simulator extrapolates its cost model past a preset's context)
+    max_model_len: int | None = None
 
 
 class ModeController(ABC):
@@ -72,7 +75,8 @@ class ModeController(ABC):
         self.num_arrivals += 1
         self.unresolved.add(req.request_id)
         self.location[req.request_id] = set()
-        self.route(req, now)
+        if not self._fail_if_past_context(req, now):
+            self.route(req, now)
 
     def request_msg(self, req: Request) -> RequestMsg:
         return request_to_msg(req, self.copy_prompts)
@@ -206,6 +210,20 @@ class ModeController(ABC):
             rec.first_scheduled_s = ev.first_scheduled_s
         self.on_request_end(rid, ev, now)
         self._resolve(rid, ev.status, ev.error, now)
+
+    def _fail_if_past_context(self, req: Request, now: float) -> bool:
+        """As vLLM's max_model_len: a request whose prompt and outputs pass the
+        positions its model was trained for fails at arrival (a checkpoint's
+        RoPE past its context gives fluent garbage, not an error)."""
+        limits = [w.max_model_len for w in self.workers.values() if w.max_model_len is not None]
+        tokens = req.prompt_len + req.max_tokens
+        if not limits or tokens <= min(limits):
+            return False
+        self._resolve(req.request_id, "failed",
+                      f"prompt of {req.prompt_len} tokens plus {req.max_tokens} outputs passes the model's context of "
+                      f"{min(limits)} positions (model.max_position_embeddings); clip workload.max_prompt_len / "
+                      "workload.max_output_len", now)
+        return True
 
     def _fail_if_never_fits(self, req: Request, pool: list[str], what: str, now: float,
                             outputs: bool = True) -> bool:

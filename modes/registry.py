@@ -52,6 +52,7 @@ class ModeSettings:
     colocated_replicas: int = 1
     hybrid_router: str = "length_threshold"
     hybrid_threshold: Callable[[], int] | None = None
+    max_model_len: int | None = None     # WorkerInfo.max_model_len of every worker
 
 
 class Mode(ABC):
@@ -75,7 +76,8 @@ class Mode(ABC):
 
     def workers(self) -> list[WorkerInfo]:
         s = self.settings
-        return [WorkerInfo(w, role, s.pool_kv_blocks.get(get_role(role).pool, s.num_kv_blocks), s.block_size)
+        return [WorkerInfo(w, role, s.pool_kv_blocks.get(get_role(role).pool, s.num_kv_blocks), s.block_size,
+                           s.max_model_len)
                 for w, role in self.layout()]
 
 

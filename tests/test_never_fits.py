@@ -68,3 +68,43 @@ def test_a_prefill_pool_smaller_than_the_decode_pool_is_checked_on_its_own():
                          f"worker has ({prefill}, num_kv_blocks); raise num_kv_blocks (with num_kv_blocks=auto: "
                          "the pool's parallel.tp or gpu_memory_utilization) or clip workload.max_prompt_len / "
                          "workload.max_output_len")
+
+
+def test_the_real_engine_fails_a_request_past_its_models_context_at_arrival():
+    """As vLLM's max_model_len: a prompt and outputs past the positions the
+    model was trained for (model.max_position_embeddings, or a checkpoint's
+    config.json) fail at arrival on the real engine; the others are served with
+    the reference tokens by real processes (disagg 1P1D), every block free."""
+    from test_disagg_faults import Watch, check, long_request, run
+    from test_disagg_faults import config as real_config
+    cfg = real_config(model={"max_position_embeddings": 512})
+    long = long_request(cfg)          # 1,024 + 16 > 512; every other request is at most 160 + 12
+    result = run(cfg, Watch(), lambda rt, ev: None)
+    check(result, cfg, {long: ("failed", "prompt of 1024 tokens plus 16 outputs passes the model's context of 512 "
+                               "positions (model.max_position_embeddings); clip workload.max_prompt_len / "
+                               "workload.max_output_len")}, {"prefill0", "decode0"})
+
+
+def test_the_simulator_extrapolates_past_a_presets_context():
+    """The simulator's cost model prices any length (the studies go to 1M on
+    presets trained for less): no request fails for its length there."""
+    cfg = config(*GPU, "mode=colocated", "model.max_position_embeddings=512")
+    records = serve(cfg, [300, 1018, 500], outputs=8)
+    assert all(r.status == "finished" for r in records.values()), records
+
+
+def test_the_context_comes_from_the_checkpoint_where_model_path_names_one(tmp_path):
+    """The frontend reads the limit where the workers read the architecture:
+    the checkpoint's config.json, not the preset the run started from."""
+    import json
+
+    from testbed.config import RunConfig
+    from testbed.model.config import ModelConfig
+    from testbed.runtime.deployment import max_model_len
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "hidden_act": "silu",
+        "max_position_embeddings": 2048}))
+    assert max_model_len(RunConfig(model=ModelConfig(path=str(tmp_path)))) == 2048
+    assert max_model_len(RunConfig(model=ModelConfig(max_position_embeddings=4096))) == 4096
+    assert max_model_len(config(*GPU, "mode=colocated")) is None          # the simulator's: no limit

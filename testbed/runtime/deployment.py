@@ -4,6 +4,7 @@ and runtime/sim.py both import this module and never each other."""
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from dataclasses import dataclass, field
 
@@ -57,7 +58,21 @@ def mode_settings(cfg: RunConfig) -> ModeSettings:
                         router_context=lambda: router_context(cfg),
                         pool_kv_blocks={p: pool_config(cfg, p).num_kv_blocks for p in POOLS},
                         colocated_replicas=cfg.hybrid.colocated_replicas, hybrid_router=cfg.hybrid.router,
-                        hybrid_threshold=functools.cache(lambda: hybrid_threshold(cfg)))
+                        hybrid_threshold=functools.cache(lambda: hybrid_threshold(cfg)),
+                        max_model_len=max_model_len(cfg))
+
+
+def max_model_len(cfg: RunConfig) -> int | None:
+    """The positions the real engine's model was trained for: model.max_position_embeddings,
+    from the checkpoint's config.json where model.path names one here. None on the
+    simulator, whose cost model extrapolates past a preset's context (the studies go to 1M)."""
+    if cfg.runtime.name != "real":
+        return None
+    model = cfg.model
+    if model.path and os.path.isdir(model.path):
+        from testbed.model.loader import config_from_checkpoint
+        model = config_from_checkpoint(model)
+    return model.max_position_embeddings
 
 
 def router_context(cfg: RunConfig) -> RouterContext:
