@@ -77,7 +77,11 @@ def plot_tbt(run, path: Path) -> None:
     ax_tbt.scatter([r.token_times_s[0] - t0 for r in requests], [r.ttft_s * 1000 for r in requests],
                    s=16, marker="x", color="tab:red", label="TTFT (at first token)")
     ax_tbt.set_ylabel("ms")
-    ax_tbt.set_yscale("log")
+    if requests:
+        ax_tbt.set_yscale("log")
+    else:       # (a run interrupted before any token: a log axis of nothing cannot be drawn)
+        ax_tbt.text(0.5, 0.5, "no token reached the client in this run", transform=ax_tbt.transAxes,
+                    ha="center", va="center")
     fig.suptitle(wrap_title(run.label, 90), fontsize="medium")
     # legends sit above the axes: a stall's few points are often in a corner
     ax_tbt.legend(loc="lower left", bbox_to_anchor=(0, 1.0), ncol=2, fontsize="small", frameon=False)

@@ -104,6 +104,19 @@ def test_report_without_requests_still_prints_the_table(tmp_path, capsys):
     assert not (tmp_path / "r" / "tbt.png").exists()
 
 
+def test_report_of_a_run_interrupted_before_any_request(tmp_path, capsys):
+    """Ctrl-C during start-up leaves empty records: the table and a figure that
+    says so, not matplotlib's refusal to log-scale nothing."""
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    write_jsonl(run_dir / "requests.jsonl", [])
+    write_jsonl(run_dir / "iterations.jsonl", [])
+    (run_dir / "summary.json").write_text(json.dumps(summarize([], [], slo_ttft_ms=100, slo_tpot_ms=20)))
+    assert report_main([str(run_dir)]) == 0
+    assert "requests" in capsys.readouterr().out
+    assert (run_dir / "tbt.png").read_bytes().startswith(PNG_MAGIC)
+
+
 def test_the_per_run_figure_bins_10_5_iterations_and_wraps_a_long_title(tmp_path, monkeypatch):
     """10^5 iterations: no bar per iteration (they merge into black) but filled
     time buckets with no edges; the stall in the middle still shows as the
