@@ -63,6 +63,17 @@ def test_profile_cli_refuses_zero_workers(capsys):
     assert "--workers: must be >= 1, got 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("where", ["missing/x.yaml", "."])
+def test_profile_cli_refuses_an_output_it_cannot_write_before_measuring(where, tmp_path, capsys):
+    out = tmp_path / where
+    with pytest.raises(SystemExit) as e:
+        main(["profile", "--quick", "--out", str(out)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--out: cannot write {out}" in err and ("a directory" if where == "." else "no writable directory") in err
+    assert not out.exists() or out.is_dir()
+
+
 @pytest.mark.slow
 def test_a_profile_beside_a_busy_neighbour_records_two_workers(tmp_path):
     from testbed.profiling.profile import profile_cpu

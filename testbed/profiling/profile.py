@@ -247,6 +247,10 @@ def profile_main(argv: list[str]) -> int:
     if args.workers < 1:
         parser.error(f"--workers: must be >= 1, got {args.workers}")
     out = Path(args.out)
+    # said before minutes of measuring, not after
+    if out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
+        parser.error(f"--out: cannot write {out} (" + ("a directory" if out.is_dir() else
+                     f"no writable directory {out.parent}") + "); name a .yaml file in a directory that exists")
     t0 = time.perf_counter()
     try:
         hw = profile_cpu(out, args.model, args.quick, args.name or out.stem, args.threads, log=print,
