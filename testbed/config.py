@@ -178,12 +178,12 @@ class RunConfig:
             raise ValueError(f"num_kv_blocks: expected a number of blocks or 'auto', got '{self.num_kv_blocks}'")
         return "; ".join(notes)
 
-    def kv_blocks_from_memory(self, parallel: ParallelConfig) -> int:
-        """num_kv_blocks=auto for one GPU of a replica split as `parallel`."""
+    def kv_blocks_from_memory(self, parallel: ParallelConfig, field: str = "parallel") -> int:
+        """num_kv_blocks=auto for one GPU of a replica split as `parallel` (the config section `field`)."""
         from testbed.sim.defaults import kv_blocks_from_memory
         max_tokens = max(self.token_budget if isinstance(self.token_budget, int) else 0, self.max_num_batched_tokens)
         return kv_blocks_from_memory(self.model, self.hardware, parallel, self.block_size,
-                                     self.gpu_memory_utilization, max_tokens, self.max_num_seqs)
+                                     self.gpu_memory_utilization, max_tokens, self.max_num_seqs, field)
 
 
 def _one_of(field_name: str, value: str, choices) -> None:

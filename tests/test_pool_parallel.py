@@ -125,3 +125,32 @@ def test_the_hand_off_between_pools_of_different_tp_takes_min_slices_links(prefi
     link = cfg.link
     expected = link.latency_us * 1e-6 + link.per_message_us * 1e-6 + nbytes / links / link.bytes_per_s
     assert rec.transfer_end_s - rec.transfer_start_s == pytest.approx(expected, rel=1e-9)
+
+
+def test_pipeline_stages_split_the_weights_and_kv_that_num_kv_blocks_auto_counts():
+    """A pp stage holds ceil(layers / pp) layers' weights and KV: falcon-180b
+    (80 layers, 334 GiB) leaves no KV memory on an h100-sxm at tp=4 and fits at
+    tp=4 pp=2, where a token's KV on the fullest GPU is half of tp=4's; the
+    footprint line says the same. More stages than layers, or a pool's split
+    that leaves no memory, is refused naming that field."""
+    from testbed.sim.defaults import gpu_memory
+    from testbed.sim.layer_shapes import layer_shapes
+    from testbed.sim.memory import format_footprint, kv_footprint
+    falcon = ["runtime=sim", "model=falcon-180b", "hardware=h100-sxm", "mode=colocated"]
+    with pytest.raises(ValueError, match=r"falcon-180b at parallel tp=4 leaves no KV memory .* raise parallel\.tp "
+                                         r"or parallel\.pp"):
+        config(*falcon, "parallel.tp=4")
+    cfg = config(*falcon, "parallel.tp=4", "parallel.pp=2")
+    assert cfg.num_kv_blocks > 0
+    model, shapes = cfg.model, layer_shapes(cfg.model, 4)
+    weights, kv = gpu_memory(model, shapes, 2)
+    assert kv == shapes.kv_bytes_per_token / 2                         # 40 of 80 layers
+    lm_head = shapes.lm_head.n * shapes.lm_head.k * shapes.dtype_bytes
+    assert weights == pytest.approx((shapes.weight_bytes - 2 * lm_head) / 2 + lm_head)
+    assert gpu_memory(model, shapes, 3)[1] == shapes.kv_bytes_per_token * 27 / 80    # the fullest of 27/27/26
+    line = format_footprint(kv_footprint(CostModel(model, cfg.hardware, cfg.parallel), cfg.num_kv_blocks, 16))
+    assert line.startswith(f"KV footprint: {kv:,.0f} B/token (falcon-180b, tp=4 pp=2)") and "warning" not in line
+    with pytest.raises(ValueError, match=r"parallel\.pp: 81 stages for falcon-180b's 80 layers; at most 80"):
+        config(*falcon, "parallel.tp=8", "parallel.pp=81")
+    with pytest.raises(ValueError, match=r"at decode\.parallel tp=2 leaves no KV memory .* raise decode\.parallel\.tp"):
+        pool_config(config(*falcon[:3], "mode=disagg", "parallel.tp=8", "decode.parallel.tp=2"), "decode")

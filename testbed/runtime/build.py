@@ -43,7 +43,8 @@ def pool_config(cfg: RunConfig, pool: str | None) -> RunConfig:
     for k, v in changes.items():
         setattr(out, k, v)
     if getattr(cfg, "num_kv_blocks_from_memory", False):      # activations grow with the budget
-        out.num_kv_blocks = out.kv_blocks_from_memory(out.parallel)
+        own_parallel = own is not None and own.parallel is not None
+        out.num_kv_blocks = out.kv_blocks_from_memory(out.parallel, f"{pool}.parallel" if own_parallel else "parallel")
     return out
 
 

@@ -229,13 +229,16 @@ class CostModel:
     def kv_capacity_tokens(self, memory_fraction: float = 0.9) -> int:
         """Tokens of KV one GPU holds after the weights, using `memory_fraction`
         of its memory (activations ignored)."""
-        free = self.hardware.memory_gib * 2**30 * memory_fraction - self.shapes.weight_bytes
+        from testbed.sim.defaults import gpu_memory
+        weights, kv_per_token = gpu_memory(self.model, self.shapes, self.parallel.pp)
+        free = self.hardware.memory_gib * 2**30 * memory_fraction - weights
         if free <= 0:
             raise ValueError(
-                f"hardware.memory_gib: {self.model.name} needs {self.shapes.weight_bytes / 2**30:.1f} GiB of "
-                f"weights per GPU at tp={self.parallel.tp}, more than {memory_fraction:.0%} of "
-                f"{self.hardware.name}'s {self.hardware.memory_gib} GiB; raise parallel.tp or pick bigger hardware")
-        return int(free // self.shapes.kv_bytes_per_token)
+                f"hardware.memory_gib: {self.model.name} needs {weights / 2**30:.1f} GiB of weights per GPU at "
+                f"tp={self.parallel.tp} pp={self.parallel.pp}, more than {memory_fraction:.0%} of "
+                f"{self.hardware.name}'s {self.hardware.memory_gib} GiB; raise parallel.tp or parallel.pp, or pick "
+                "bigger hardware")
+        return int(free // kv_per_token)
 
 
 def _terms_of(counted: tuple, attention: float, scale: float) -> tuple[float, ...]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from testbed.sim.cost_model import CostModel
+from testbed.sim.defaults import gpu_memory
 
 
 @dataclass
@@ -15,7 +16,8 @@ class KVFootprint:
     model: str
     hardware: str
     tp: int
-    kv_bytes_per_token: int           # one token, all layers, on one GPU of the replica
+    pp: int
+    kv_bytes_per_token: float         # one token, its layers on the fullest GPU of the replica
     block_size: int
     num_kv_blocks: int
     capacity_tokens: int              # num_kv_blocks * block_size, per worker
@@ -39,14 +41,15 @@ def kv_footprint(cost: CostModel, num_kv_blocks: int, block_size: int, defaults:
     if gpu_tokens is not None and capacity > gpu_tokens:
         note = (f"num_kv_blocks={num_kv_blocks} holds {capacity} tokens, more than {cost.hardware.name} "
                 f"can ({gpu_tokens} after weights); the simulation assumes memory the GPU does not have")
-    return KVFootprint(cost.model.name, cost.hardware.name, cost.parallel.tp, cost.shapes.kv_bytes_per_token,
-                       block_size, num_kv_blocks, capacity, cost.shapes.weight_bytes / 2**30,
-                       gpu_tokens, note, defaults)
+    weights, kv_per_token = gpu_memory(cost.model, cost.shapes, cost.parallel.pp)
+    return KVFootprint(cost.model.name, cost.hardware.name, cost.parallel.tp, cost.parallel.pp, kv_per_token,
+                       block_size, num_kv_blocks, capacity, weights / 2**30, gpu_tokens, note, defaults)
 
 
 def format_footprint(f: KVFootprint) -> str:
     gpu = "n/a" if f.gpu_capacity_tokens is None else f"{f.gpu_capacity_tokens:,}"
-    line = (f"KV footprint: {f.kv_bytes_per_token:,} B/token ({f.model}, tp={f.tp}); num_kv_blocks="
+    split = f"tp={f.tp}" + (f" pp={f.pp}" if f.pp > 1 else "")
+    line = (f"KV footprint: {f.kv_bytes_per_token:,.0f} B/token ({f.model}, {split}); num_kv_blocks="
             f"{f.num_kv_blocks} x {f.block_size} = {f.capacity_tokens:,} tokens/worker ({f.kv_gib:.1f} GiB); "
             f"{f.hardware} holds {gpu} tokens after {f.weight_gib:.1f} GiB of weights")
     if f.defaults:
