@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -247,10 +248,14 @@ def profile_main(argv: list[str]) -> int:
     if args.workers < 1:
         parser.error(f"--workers: must be >= 1, got {args.workers}")
     out = Path(args.out)
-    # said before minutes of measuring, not after
-    if out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
-        parser.error(f"--out: cannot write {out} (" + ("a directory" if out.is_dir() else
-                     f"no writable directory {out.parent}") + "); name a .yaml file in a directory that exists")
+    # said before minutes of measuring, not after: the directory is made (as writing would) and tried
+    try:
+        if out.is_dir():
+            raise IsADirectoryError(21, "a directory")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out.parent).close()
+    except OSError as e:
+        parser.error(f"--out: cannot write {out} ({e.strerror or e}); name a .yaml file where you may write")
     t0 = time.perf_counter()
     try:
         hw = profile_cpu(out, args.model, args.quick, args.name or out.stem, args.threads, log=print,

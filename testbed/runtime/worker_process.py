@@ -52,6 +52,7 @@ class WorkerProcess:
         self.dealer.setsockopt(zmq.IDENTITY, spec.worker_id.encode())
         self.kv_port = self.store = None
         self._send_lock = threading.Lock()     # the step watch's thread sends on `push` too
+        self._send_bounded = False             # until SNDTIMEO is set, a send on `push` may wait for good
         try:
             from testbed.kv_transfer.curve import client_keys
             for sock in (self.push, self.dealer):
@@ -64,6 +65,7 @@ class WorkerProcess:
             self.heartbeat_s = cfg.runtime.heartbeat_s
             self.lease_s = cfg.transfer.lease_s
             self.push.setsockopt(zmq.SNDTIMEO, int(self.frontend_timeout_s * 1000))
+            self._send_bounded = True
             torch.set_num_threads(cfg.torch_threads)
             engine = build_engine(cfg, spec.role, WallClock(spec.t0))
             if spec.needs_kv_port:
@@ -98,14 +100,16 @@ class WorkerProcess:
 
     def _fail(self, e: Exception) -> None:
         """Report, then the caller exits non-zero: the frontend fails this worker's requests.
-        Never blocks: where the report cannot be queued at once (the sockets never connected,
-        or the frontend stopped reading) it is dropped, and the exit code speaks instead."""
+        Never waits for good: before the config gave the send its time-out, a report that
+        cannot be queued at once (the sockets never connected) is dropped, and the exit
+        code speaks instead."""
         from testbed.runtime.messages import WorkerError
         from testbed.runtime.wire import encode
         try:
             with self._send_lock:
                 self.push.send(encode(WorkerError(self.spec.worker_id, f"{type(e).__name__}: {e}",
-                                                  traceback.format_exc())), flags=zmq.NOBLOCK)
+                                                  traceback.format_exc())),
+                               flags=0 if self._send_bounded else zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
 
