@@ -22,7 +22,8 @@ def timeout_problem(value: float) -> str | None:
     if not value > 0:
         return f"must be > 0, got {value}"
     if value > MAX_TIMEOUT_S:
-        return f"must be at most {MAX_TIMEOUT_S:,.0f} s (~24 days: zmq and Ray take it as 32-bit milliseconds), got {value:g}"
+        return (f"must be at most {MAX_TIMEOUT_S:,.0f} s (~24 days: zmq and Ray take it as 32-bit milliseconds), "
+                f"got {value:g}")
     return None
 
 

@@ -203,6 +203,20 @@ def _check_device(device: str, launcher: str) -> None:
                              "use device=cpu")
 
 
+def _check_local_paths(cfg: RunConfig) -> None:
+    """What the worker and store processes will read or make on this machine
+    (launcher=local; under Ray the paths are the worker nodes'), checked before
+    any starts: the checkpoint's config.json, and the KV store's disk tier
+    directory (kv_transfer/store_service.py makes it if missing)."""
+    if cfg.model.path:
+        from testbed.model.loader import config_from_checkpoint
+        config_from_checkpoint(cfg.model)
+    disk = cfg.kvstore.disk_path
+    if cfg.kvstore.disk_capacity_bytes and os.path.exists(disk) and not os.path.isdir(disk):
+        raise ValueError(f"kvstore.disk_path: '{disk}' is a file, not a directory; name a directory for "
+                         "the disk tier's files (the store creates it if missing)")
+
+
 def validate(cfg: RunConfig) -> None:
     from testbed.launchers import LAUNCHERS
     from testbed.modes.registry import MODES
@@ -223,16 +237,8 @@ def validate(cfg: RunConfig) -> None:
         from testbed.kernels.attention import attention_backend_names
         _one_of("attention_backend", cfg.attention_backend, attention_backend_names())
         _check_device(cfg.device, cfg.launcher)
-        if cfg.model.path and cfg.launcher == "local":
-            # the checkpoint's config.json, read here rather than in each worker seconds after start-up
-            # (launcher=ray: the path is the worker nodes', which this one may not have)
-            from testbed.model.loader import config_from_checkpoint
-            config_from_checkpoint(cfg.model)
-        disk = cfg.kvstore.disk_path
-        if cfg.kvstore.disk_capacity_bytes and cfg.launcher == "local" and os.path.exists(disk) and not os.path.isdir(disk):
-            # what the store process would find making its disk tier (kv_transfer/store_service.py), said before it starts
-            raise ValueError(f"kvstore.disk_path: '{disk}' is a file, not a directory; name a directory for "
-                             "the disk tier's files (the store creates it if missing)")
+        if cfg.launcher == "local":
+            _check_local_paths(cfg)
     _one_of("wandb.mode", cfg.wandb.mode, ("offline", "online", "disabled"))
     from testbed.schedulers.budget import check_token_budget
     check_token_budget(cfg.token_budget)
