@@ -51,6 +51,8 @@ class ModeController(ABC):
         # share this process, passes the (possibly lazy, 1M-token) prompt without copying it
         self.copy_prompts = copy_prompts
         self.pool = PoolState({w.worker_id: w.num_blocks for w in workers})
+        # the tightest context any worker's model takes (None: no limit): each arrival is checked against it
+        self.max_model_len = min((w.max_model_len for w in workers if w.max_model_len is not None), default=None)
         # the runtime streams records to its RecordLog; a controller driven by hand keeps them in a list
         self.sink: RecordSink = RecordList()
         self.records: dict[str, RequestRecord] = {}      # requests in flight (and records a mode still completes)
@@ -215,13 +217,12 @@ class ModeController(ABC):
         """As vLLM's max_model_len: a request whose prompt and outputs pass the
         positions its model was trained for fails at arrival (a checkpoint's
         RoPE past its context gives fluent garbage, not an error)."""
-        limits = [w.max_model_len for w in self.workers.values() if w.max_model_len is not None]
-        tokens = req.prompt_len + req.max_tokens
-        if not limits or tokens <= min(limits):
+        limit = self.max_model_len
+        if limit is None or req.prompt_len + req.max_tokens <= limit:
             return False
         self._resolve(req.request_id, "failed",
                       f"prompt of {req.prompt_len} tokens plus {req.max_tokens} outputs passes the model's context of "
-                      f"{min(limits)} positions (model.max_position_embeddings); clip workload.max_prompt_len / "
+                      f"{limit} positions (model.max_position_embeddings); clip workload.max_prompt_len / "
                       "workload.max_output_len", now)
         return True
 

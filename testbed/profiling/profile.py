@@ -249,9 +249,9 @@ def profile_main(argv: list[str]) -> int:
         parser.error(f"--workers: must be >= 1, got {args.workers}")
     out = Path(args.out)
     # said before minutes of measuring, not after: the directory is made (as writing would) and tried
+    if out.is_dir():
+        parser.error(f"--out: cannot write {out} (a directory); name a .yaml file where you may write")
     try:
-        if out.is_dir():
-            raise IsADirectoryError(21, "a directory")
         out.parent.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=out.parent).close()
     except OSError as e:

@@ -52,7 +52,6 @@ class WorkerProcess:
         self.dealer.setsockopt(zmq.IDENTITY, spec.worker_id.encode())
         self.kv_port = self.store = None
         self._send_lock = threading.Lock()     # the step watch's thread sends on `push` too
-        self._send_bounded = False             # until SNDTIMEO is set, a send on `push` may wait for good
         try:
             from testbed.kv_transfer.curve import client_keys
             for sock in (self.push, self.dealer):
@@ -65,7 +64,6 @@ class WorkerProcess:
             self.heartbeat_s = cfg.runtime.heartbeat_s
             self.lease_s = cfg.transfer.lease_s
             self.push.setsockopt(zmq.SNDTIMEO, int(self.frontend_timeout_s * 1000))
-            self._send_bounded = True
             torch.set_num_threads(cfg.torch_threads)
             engine = build_engine(cfg, spec.role, WallClock(spec.t0))
             if spec.needs_kv_port:
@@ -109,7 +107,7 @@ class WorkerProcess:
             with self._send_lock:
                 self.push.send(encode(WorkerError(self.spec.worker_id, f"{type(e).__name__}: {e}",
                                                   traceback.format_exc())),
-                               flags=0 if self._send_bounded else zmq.NOBLOCK)
+                               flags=0 if self.push.getsockopt(zmq.SNDTIMEO) >= 0 else zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
 
