@@ -59,6 +59,8 @@ class Mode(ABC):
     name: ClassVar[str]
     needs_kv_port: ClassVar[bool] = False     # its workers move KV between them
     needs_store: ClassVar[bool] = False       # a KV store service runs beside its workers
+    # the pools its workers' roles come from (WorkerService.pool; None: the run's own `parallel`)
+    pools: ClassVar[tuple[str | None, ...]] = (None,)
 
     def __init__(self, settings: ModeSettings):
         self.settings = settings
@@ -94,6 +96,7 @@ class ColocatedMode(Mode):
 class DisaggMode(Mode):
     name = "disagg"
     needs_kv_port = True
+    pools = ("prefill", "decode")
 
     def layout(self):
         s = self.settings
@@ -132,6 +135,7 @@ class KVStoreMode(DisaggMode):
 class HybridMode(DisaggMode):
     """A colocated pool beside P/D pools (modes/hybrid.py)."""
     name = "hybrid"
+    pools = (None, "prefill", "decode")
 
     def layout(self):
         return [(f"replica{i}", "colocated") for i in range(self.settings.colocated_replicas)] + super().layout()

@@ -170,18 +170,38 @@ class RunConfig:
             if self.hardware.kv_blocks_default:
                 self.num_kv_blocks = self.hardware.kv_blocks_default
                 notes.append(f"num_kv_blocks=auto -> {self.num_kv_blocks} ({self.hardware.name}'s default)")
-            else:
+            elif self._run_parallel_sizes_a_worker():
                 self.num_kv_blocks = self.kv_blocks_from_memory(self.parallel)
                 notes.append(f"num_kv_blocks=auto -> {self.num_kv_blocks} (the KV memory left after weights and "
                              f"activations at gpu_memory_utilization={self.gpu_memory_utilization})")
+            else:
+                # every worker's pool splits the model its own way and sizes its own KV
+                # (runtime/build.py), so the run's `parallel` need not fit: a 70B model
+                # with both pools at tp=4 runs under the default parallel.tp=1. What stands
+                # here is the least that a worker holds (the decision study's never-fit share)
+                self.num_kv_blocks = min(self.kv_blocks_from_memory(getattr(self, p).parallel, f"{p}.parallel",
+                                                                    getattr(self, p).token_budget) for p in POOLS)
+                notes.append(f"num_kv_blocks=auto -> each pool's own, from its parallel config (the KV memory left "
+                             f"after weights and activations at gpu_memory_utilization={self.gpu_memory_utilization})")
         elif isinstance(self.num_kv_blocks, (str, bool)):
             raise ValueError(f"num_kv_blocks: expected a number of blocks or 'auto', got '{self.num_kv_blocks}'")
         return "; ".join(notes)
 
-    def kv_blocks_from_memory(self, parallel: ParallelConfig, field: str = "parallel") -> int:
-        """num_kv_blocks=auto for one GPU of a replica split as `parallel` (the config section `field`)."""
+    def _run_parallel_sizes_a_worker(self) -> bool:
+        """Whether some worker of this mode runs with the run's own `parallel`: a
+        role outside the P/D pools (colocated replicas), or a pool that sets no
+        parallel config of its own. An unknown mode counts as one (validate names it)."""
+        from testbed.modes.registry import MODES
+        pools = MODES[self.mode].pools if self.mode in MODES else (None,)
+        return any(p is None or getattr(self, p).parallel is None for p in pools)
+
+    def kv_blocks_from_memory(self, parallel: ParallelConfig, field: str = "parallel",
+                              token_budget: int | str | None = None) -> int:
+        """num_kv_blocks=auto for one GPU of a replica split as `parallel` (the config section `field`),
+        whose iterations take up to `token_budget` tokens (None: the run's)."""
         from testbed.sim.defaults import kv_blocks_from_memory
-        max_tokens = max(self.token_budget if isinstance(self.token_budget, int) else 0, self.max_num_batched_tokens)
+        budget = self.token_budget if token_budget is None else token_budget
+        max_tokens = max(budget if isinstance(budget, int) else 0, self.max_num_batched_tokens)
         return kv_blocks_from_memory(self.model, self.hardware, parallel, self.block_size,
                                      self.gpu_memory_utilization, max_tokens, self.max_num_seqs, field)
 

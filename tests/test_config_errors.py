@@ -166,6 +166,10 @@ CLI_CASES = {
     # a file where the KV store's disk tier wants a directory: before, its process failed at start-up
     "kvstore_disk_path": (["mode=kvstore", "kvstore.disk_path=README.md", "kvstore.disk_capacity_bytes=1000000"],
                           "kvstore.disk_path: 'README.md' is a file"),
+    # refused inside the store's own process (a directory under a file): its traceback was printed as well
+    "kvstore_disk_tier_unmakeable": (["mode=kvstore", "kvstore.disk_path=README.md/tier",
+                                      "kvstore.disk_capacity_bytes=1000000"],
+                                     "the KV store failed to start: ValueError: kvstore.disk_path"),
 }
 
 

@@ -150,3 +150,19 @@ def test_a_worker_that_fails_to_start_reports_why_and_exits():
             proc.kill()
             proc.join()
         ctx.destroy(0)
+
+
+def test_the_frontend_shows_a_crashed_childs_traceback_once_and_a_refused_setting_in_one_line(capsys):
+    """A child that fails reports its error and traceback (WorkerError) and exits
+    1 without printing them (launchers/local.py), so its traceback reaches stderr
+    once, through the frontend, and only for a crash: a ValueError is a setting it
+    refused, whose message names the field (the CLI's one line,
+    test_config_errors.py's kvstore_disk_tier_unmakeable)."""
+    from testbed.runtime.messages import WorkerError
+    from testbed.runtime.real import child_error
+    trace = 'Traceback (most recent call last):\n  File "x.py", line 1, in f\nKeyError: 7\n'
+    assert child_error(WorkerError("decode0", "KeyError: 7", trace)) == "KeyError: 7"
+    assert capsys.readouterr().err == f"decode0: {trace}"
+    refused = WorkerError("kvstore", "ValueError: kvstore.disk_path: cannot make it", trace.replace("KeyError", "ValueError"))
+    assert child_error(refused) == refused.error
+    assert capsys.readouterr().err == ""

@@ -228,6 +228,13 @@ def test_unexpected_tensor_is_named(llama_dir, tmp_path):
         load_model(ModelConfig(path=str(path)))
 
 
+def test_a_corrupt_safetensors_file_is_named(llama_dir, tmp_path):
+    (tmp_path / "config.json").write_text((llama_dir / "config.json").read_text())
+    (tmp_path / "model.safetensors").write_bytes((llama_dir / "model.safetensors").read_bytes()[:1000])
+    with pytest.raises(ValueError, match=r"model\.path: '.*model\.safetensors' is not a readable safetensors file"):
+        load_model(ModelConfig(path=str(tmp_path)))
+
+
 def test_missing_checkpoint_dir(tmp_path):
     with pytest.raises(ValueError, match=r"model\.path: checkpoint directory .*nope.* does not exist"):
         load_model(ModelConfig(path=str(tmp_path / "nope")))

@@ -154,3 +154,37 @@ def test_pipeline_stages_split_the_weights_and_kv_that_num_kv_blocks_auto_counts
         config(*falcon, "parallel.tp=8", "parallel.pp=81")
     with pytest.raises(ValueError, match=r"at decode\.parallel tp=2 leaves no KV memory .* raise decode\.parallel\.tp"):
         pool_config(config(*falcon[:3], "mode=disagg", "parallel.tp=8", "decode.parallel.tp=2"), "decode")
+
+
+def test_a_run_parallel_that_sizes_no_worker_need_not_fit():
+    """llama2-70b (128 GiB of weights at tp=1) with both P/D pools at tp=4: the
+    run's default `parallel` (tp=1) splits no worker, so num_kv_blocks=auto asks
+    only the pools (it refused the run before), and what it stands at is the
+    least a worker holds. Where some worker does run with the run's `parallel`
+    (a pool without its own, or hybrid's colocated replicas) it must still fit."""
+    big = ["runtime=sim", "model=llama2-70b", "hardware=h100-sxm"]
+    cfg = config(*big, "mode=disagg", "prefill.parallel.tp=4", "decode.parallel.tp=8")
+    pools = {p: pool_config(cfg, p).num_kv_blocks for p in ("prefill", "decode")}
+    assert 0 < pools["prefill"] < pools["decode"]
+    assert cfg.num_kv_blocks == pools["prefill"]
+    assert "each pool's own" in cfg.hardware_defaults_note
+    rt, result = _one_request(config(*big, "mode=disagg", "prefill.parallel.tp=4", "decode.parallel.tp=4"), 2048)
+    assert {it.worker for it in result.iterations} == {"prefill0", "decode0"}
+    refused = r"llama2-70b at parallel tp=1 leaves no KV memory"
+    with pytest.raises(ValueError, match=refused):
+        config(*big, "mode=disagg", "prefill.parallel.tp=4")             # decode runs at the run's tp=1
+    with pytest.raises(ValueError, match=refused):
+        config(*big, "mode=hybrid", "prefill.parallel.tp=4", "decode.parallel.tp=4")    # its colocated pool
+    with pytest.raises(ValueError, match=r"at decode\.parallel tp=1 leaves no KV memory"):
+        config(*big, "mode=kvstore", "prefill.parallel.tp=4", "decode.parallel.tp=1")
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disagg", "kvstore", "hybrid"])
+def test_a_modes_pools_are_those_its_workers_come_from(mode):
+    """Mode.pools decides whether the run's `parallel` must fit (above): it names
+    exactly the pools of the roles its layout starts."""
+    from testbed.modes.registry import MODES, get_role
+    from testbed.runtime.deployment import mode_settings
+    cfg = config(*GPU, f"mode={mode}", "replicas=2", "hybrid.threshold=1000")
+    roles = {role for _, role in MODES[mode](mode_settings(cfg)).layout()}
+    assert {get_role(r).pool for r in roles} == set(MODES[mode].pools)

@@ -8,6 +8,12 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 
+class ReportedError(Exception):
+    """An entry's failure that already reached the frontend as a WorkerError,
+    its traceback included: the frontend says what went wrong, so the process
+    ends with exit code 1 without printing it a second time."""
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     """Everything a worker process needs to start; plain values only."""

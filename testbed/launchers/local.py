@@ -6,7 +6,7 @@ import multiprocessing as mp
 import time
 
 from testbed.interrupts import deferred
-from testbed.launchers.base import Launcher, WorkerSpec
+from testbed.launchers.base import Launcher, ReportedError, WorkerSpec
 
 
 def run_entry(spec: WorkerSpec) -> None:
@@ -14,6 +14,16 @@ def run_entry(spec: WorkerSpec) -> None:
     import importlib
     module, function = spec.entry.split(":")
     getattr(importlib.import_module(module), function)(spec)
+
+
+def process_main(spec: WorkerSpec) -> None:
+    """A local process's body: its entry, and exit code 1 for a failure the
+    frontend already heard (multiprocessing would print its traceback again
+    beside the frontend's one-line error). Any other exception keeps its traceback."""
+    try:
+        run_entry(spec)
+    except ReportedError:
+        raise SystemExit(1) from None
 
 
 class LocalLauncher(Launcher):
@@ -24,7 +34,7 @@ class LocalLauncher(Launcher):
         self._procs: dict[str, mp.Process] = {}
 
     def start(self, spec: WorkerSpec) -> None:
-        p = self._mp.Process(target=run_entry, args=(spec,), name=spec.worker_id, daemon=True)
+        p = self._mp.Process(target=process_main, args=(spec,), name=spec.worker_id, daemon=True)
         with deferred():        # born ignoring SIGINT/SIGTERM: the frontend stops its workers itself
             p.start()
         self._procs[spec.worker_id] = p

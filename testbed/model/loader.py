@@ -56,13 +56,18 @@ def config_from_checkpoint(cfg: ModelConfig) -> ModelConfig:
 
 
 def _checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"model.path: '{path}' has no *.safetensors files")
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
-        tensors.update(load_file(str(f)))
+        try:
+            tensors.update(load_file(str(f)))
+        except SafetensorError as e:      # a truncated download, say: name the file, not safetensors' internals
+            raise ValueError(f"model.path: '{f}' is not a readable safetensors file ({e}); "
+                             f"copy the checkpoint again") from e
     return tensors
 
 

@@ -43,6 +43,16 @@ STORE_ENTRY = "testbed.runtime.store_process:store_main"
 MAX_CMD_REPLY_BYTES = 4096    # nothing is sent to the frontend's command socket: whatever comes is dropped
 
 
+def child_error(ev: WorkerError) -> str:
+    """A worker's (or the store's) reported failure as the frontend's one line.
+    A ValueError is a setting it refused, which names its field, and that line
+    says all; anything else is a crash, and its traceback (which the child no
+    longer prints itself: launchers/local.py) goes to stderr first."""
+    if ev.traceback and not ev.error.startswith("ValueError:"):
+        print(f"{ev.worker}: {ev.traceback.rstrip()}", file=sys.stderr)
+    return ev.error
+
+
 class _Retiring:
     """The controller's sink: each record to the run's RecordLog, and the
     event gate told that its request ended."""
@@ -234,7 +244,7 @@ class RealRuntime:
                 if type(ev) is Ready and ev.worker == STORE_ID:
                     return ev.kv_address
                 if type(ev) is WorkerError:
-                    raise RuntimeError(f"the KV store failed to start: {ev.error}")
+                    raise RuntimeError(f"the KV store failed to start: {child_error(ev)}")
             if not self.launcher.alive(STORE_ID):
                 raise RuntimeError(f"the KV store exited during start-up (exit code "
                                    f"{self.launcher.exit_code(STORE_ID)})")
@@ -250,7 +260,7 @@ class RealRuntime:
                 if type(ev) is Ready:
                     addresses[ev.worker] = self.launcher.kv_address(ev.worker, ev.kv_address)
                 elif type(ev) is WorkerError:
-                    raise RuntimeError(f"worker {ev.worker} failed to start: {ev.error}")
+                    raise RuntimeError(f"worker {ev.worker} failed to start: {child_error(ev)}")
             dead = [w.worker_id for w in self.workers
                     if w.worker_id not in addresses and not self.launcher.alive(w.worker_id)]
             if dead:
@@ -350,10 +360,10 @@ class RealRuntime:
             self.store_stats = ev.to_dict()
             return
         if type(ev) is WorkerError and ev.worker == STORE_ID:
-            print(f"frontend: the KV store crashed: {ev.error}", file=sys.stderr)
+            print(f"frontend: the KV store crashed: {child_error(ev)}", file=sys.stderr)
             return       # the workers fall back to recompute
         if type(ev) is WorkerError:
-            raise RuntimeError(f"worker {ev.worker} crashed: {ev.error}")
+            raise RuntimeError(f"worker {ev.worker} crashed: {child_error(ev)}")
         self.controller.on_event(ev, self.clock.now())
         if self.on_event is not None:
             self.on_event(self, ev)

@@ -12,6 +12,7 @@ import time
 import zmq
 
 from testbed.kv_transfer.store_service import StoreServer
+from testbed.launchers.base import ReportedError
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +79,12 @@ def store_main(spec) -> None:
                                         index.capacity_bytes)))
     except Exception as e:
         import traceback
-        push.send(encode_msg(WorkerError(spec.worker_id, f"{type(e).__name__}: {e}", traceback.format_exc())))
-        raise
+        try:
+            push.send(encode_msg(WorkerError(spec.worker_id, f"{type(e).__name__}: {e}", traceback.format_exc())),
+                      flags=0 if push.getsockopt(zmq.SNDTIMEO) >= 0 else zmq.NOBLOCK)
+        except zmq.ZMQError:
+            raise e from None          # unheard: the exit code and this traceback speak instead
+        raise ReportedError(f"{type(e).__name__}: {e}") from e
     finally:
         if server is not None:
             server.close()

@@ -17,6 +17,8 @@ import traceback
 
 import zmq
 
+from testbed.launchers.base import ReportedError
+
 POLL_IDLE_MS = 5
 
 
@@ -79,8 +81,10 @@ class WorkerProcess:
                                         cfg.transfer.layerwise, self.store)
             self.emit(Ready(spec.worker_id, self.address))
         except Exception as e:
-            self._fail(e)
+            reported = self._fail(e)
             self.close()
+            if reported:
+                raise ReportedError(f"{type(e).__name__}: {e}") from e
             raise
 
     @property
@@ -96,11 +100,11 @@ class WorkerProcess:
         except zmq.Again:
             raise FrontendGone(f"an event waited {self.frontend_timeout_s:g} s for the frontend") from None
 
-    def _fail(self, e: Exception) -> None:
+    def _fail(self, e: Exception) -> bool:
         """Report, then the caller exits non-zero: the frontend fails this worker's requests.
         Never waits for good: before the config gave the send its time-out, a report that
         cannot be queued at once (the sockets never connected) is dropped, and the exit
-        code speaks instead."""
+        code speaks instead. Returns whether the report went out."""
         from testbed.runtime.messages import WorkerError
         from testbed.runtime.wire import encode
         try:
@@ -108,8 +112,9 @@ class WorkerProcess:
                 self.push.send(encode(WorkerError(self.spec.worker_id, f"{type(e).__name__}: {e}",
                                                   traceback.format_exc())),
                                flags=0 if self.push.getsockopt(zmq.SNDTIMEO) >= 0 else zmq.NOBLOCK)
+            return True
         except zmq.ZMQError:
-            pass
+            return False
 
     def serve(self) -> None:
         from testbed.runtime.messages import Busy, Command
@@ -171,7 +176,8 @@ class WorkerProcess:
                   file=sys.stderr)
             self.push.setsockopt(zmq.LINGER, 0)      # nobody is left to read what is queued
         except Exception as e:
-            self._fail(e)
+            if self._fail(e):
+                raise ReportedError(f"{type(e).__name__}: {e}") from e
             raise
         finally:
             watch.close()
