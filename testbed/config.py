@@ -170,8 +170,15 @@ class RunConfig:
             if self.hardware.kv_blocks_default:
                 self.num_kv_blocks = self.hardware.kv_blocks_default
                 notes.append(f"num_kv_blocks=auto -> {self.num_kv_blocks} ({self.hardware.name}'s default)")
-            elif self._run_parallel_sizes_a_worker():
-                self.num_kv_blocks = self.kv_blocks_from_memory(self.parallel)
+            elif users := self._run_parallel_users():
+                try:
+                    self.num_kv_blocks = self.kv_blocks_from_memory(self.parallel)
+                except ValueError as e:
+                    if None in users:      # colocated replicas: the run's split is theirs
+                        raise
+                    pools = " and ".join(f"{p} pool" for p in users)
+                    raise ValueError(f"{e}; the {pools} runs with it (or give it a split of its own: "
+                                     f"{users[0]}.parallel.tp=N)") from None
                 notes.append(f"num_kv_blocks=auto -> {self.num_kv_blocks} (the KV memory left after weights and "
                              f"activations at gpu_memory_utilization={self.gpu_memory_utilization})")
             else:
@@ -187,13 +194,14 @@ class RunConfig:
             raise ValueError(f"num_kv_blocks: expected a number of blocks or 'auto', got '{self.num_kv_blocks}'")
         return "; ".join(notes)
 
-    def _run_parallel_sizes_a_worker(self) -> bool:
-        """Whether some worker of this mode runs with the run's own `parallel`: a
-        role outside the P/D pools (colocated replicas), or a pool that sets no
-        parallel config of its own. An unknown mode counts as one (validate names it)."""
+    def _run_parallel_users(self) -> list[str | None]:
+        """The pools of this mode whose workers run with the run's own `parallel`:
+        None for the roles outside the P/D pools (colocated replicas), and each
+        pool that sets no parallel config of its own. An unknown mode counts as
+        colocated (validate names it)."""
         from testbed.modes.registry import MODES
         pools = MODES[self.mode].pools if self.mode in MODES else (None,)
-        return any(p is None or getattr(self, p).parallel is None for p in pools)
+        return [p for p in pools if p is None or getattr(self, p).parallel is None]
 
     def kv_blocks_from_memory(self, parallel: ParallelConfig, field: str = "parallel",
                               token_budget: int | str | None = None) -> int:

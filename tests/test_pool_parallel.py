@@ -171,7 +171,7 @@ def test_a_run_parallel_that_sizes_no_worker_need_not_fit():
     rt, result = _one_request(config(*big, "mode=disagg", "prefill.parallel.tp=4", "decode.parallel.tp=4"), 2048)
     assert {it.worker for it in result.iterations} == {"prefill0", "decode0"}
     refused = r"llama2-70b at parallel tp=1 leaves no KV memory"
-    with pytest.raises(ValueError, match=refused):
+    with pytest.raises(ValueError, match=refused + r".*; the decode pool runs with it .*decode\.parallel\.tp=N"):
         config(*big, "mode=disagg", "prefill.parallel.tp=4")             # decode runs at the run's tp=1
     with pytest.raises(ValueError, match=refused):
         config(*big, "mode=hybrid", "prefill.parallel.tp=4", "decode.parallel.tp=4")    # its colocated pool
