@@ -74,6 +74,12 @@ def _progress_printer():
     return show
 
 
+def _clipped(text: str, limit: int = 240) -> str:
+    """One line of at most `limit` characters (requests.jsonl has the whole error)."""
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
 def print_summary(summary: dict, out: Path) -> None:
     rows = [("requests (finished/total)", f"{summary['num_finished']}/{summary['num_requests']}")]
     for key in ("ttft_ms", "tbt_ms", "tpot_ms", "e2e_ms"):
@@ -86,8 +92,12 @@ def print_summary(summary: dict, out: Path) -> None:
     if summary.get("fluidity_index") is not None:
         rows.append(("fluidity_index", f"{summary['fluidity_index']:.3f}"))
     rows.append(("preemptions", str(summary["num_preemptions"])))
-    if summary.get("num_rejected"):
-        rows.append(("rejected at arrival", str(summary["num_rejected"])))
+    first_error = summary.get("first_error") or {}
+    for status, label in (("failed", "failed"), ("aborted", "aborted"), ("rejected", "rejected at arrival")):
+        count = summary.get(f"num_{status}")
+        if count:
+            why = first_error.get(status)
+            rows.append((label, str(count) + (f"  first: {_clipped(why)}" if why else "")))
     if summary.get("prefix_cache"):
         pc = summary["prefix_cache"]
         rows.append(("prefix_cache_hit_rate", f"{pc['prefix_cache_hit_rate']:.3f}  (local {pc['local_hit_rate']:.3f}, "

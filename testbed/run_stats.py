@@ -51,6 +51,8 @@ class RunStats:
         self.ttft_s, self.tpot_s, self.e2e_s, self.queue_s = array("d"), array("d"), array("d"), array("d")
         self.transfer_s, self.exposed_s, self.fluidity = array("d"), array("d"), array("d")
         self.counts = dict.fromkeys(("failed", "aborted", "rejected"), 0)
+        # per status, the first such request's error (in arrival order): the summary says why, not only how many
+        self.first_errors: dict[str, str] = {}
         self.num_preemptions = self.num_single_token = self.num_good = 0
         self.output_tokens = self.prompt_tokens = 0
         self.missed = self.deadlines = 0
@@ -71,6 +73,8 @@ class RunStats:
         self.prefix.add(r)
         if r.status in self.counts:
             self.counts[r.status] += 1
+            if r.error and r.status not in self.first_errors:
+                self.first_errors[r.status] = r.error
         self.num_preemptions += r.num_preemptions
         self.first_start = min(self.first_start, r.arrival_s)
         for t in (r.finish_s, r.token_times_s[-1] if r.token_times_s else None):
@@ -179,6 +183,7 @@ class RunStats:
             "num_aborted": self.counts["aborted"],
             # refused at arrival (mode=kvstore's early rejection): never finished, so goodput misses them
             "num_rejected": self.counts["rejected"],
+            "first_error": dict(self.first_errors),     # per status (failed, aborted, rejected) that has one
             "num_preemptions": int(self.num_preemptions),
             "num_single_token": self.num_single_token,
             "duration_s": duration,

@@ -47,6 +47,7 @@ def test_percentiles_on_a_known_array():
 def test_summary_counts_only_finished_requests_in_latency():
     s = summarize([A, B, FAILED, ABORTED], [], slo_ttft_ms=300, slo_tpot_ms=200, duration_s=2.0)
     assert (s["num_requests"], s["num_finished"], s["num_failed"], s["num_aborted"]) == (4, 2, 1, 1)
+    assert s["first_error"] == {"failed": "worker died"}       # ABORTED carries no error
     assert s["num_preemptions"] == 2 and s["num_single_token"] == 1
     assert s["ttft_ms"]["mean"] == pytest.approx(350.0) and s["ttft_ms"]["max"] == pytest.approx(500.0)
     # TPOT: only A (B has one token and is excluded)
@@ -184,3 +185,20 @@ def test_jsonl_errors_name_file_and_line(tmp_path):
     path.write_text('{"start_s": 0,\n')
     with pytest.raises(ValueError, match=rf"{path}:1: not valid JSON"):
         read_iterations(path)
+
+
+def test_the_printed_summary_says_why_requests_failed(tmp_path, capsys):
+    """A run whose every request failed prints how many and the first one's
+    error, not only 0/N finished (a prompt larger than the whole KV pool)."""
+    from testbed.config import from_dict
+    from testbed.run import execute
+    cfg = from_dict({"runtime": {"name": "sim"}, "model": {"name": "tiny"}, "wandb": {"mode": "disabled"},
+                     "progress": False, "num_kv_blocks": 4,
+                     "workload": {"num_requests": 3, "prompt_min": 100, "prompt_max": 120, "output_min": 4,
+                                  "output_max": 8, "rate": 50.0}})
+    summary = execute(cfg, tmp_path / "run")
+    assert (summary["num_finished"], summary["num_failed"]) == (0, 3)
+    first = read_requests(tmp_path / "run" / "requests.jsonl")[0].error
+    assert "num_kv_blocks" in first and summary["first_error"] == {"failed": first}
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("failed")]
+    assert len(lines) == 1 and lines[0].split()[1] == "3" and "first: prompt of" in lines[0]
