@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -74,12 +75,6 @@ def _progress_printer():
     return show
 
 
-def _clipped(text: str, limit: int = 240) -> str:
-    """One line of at most `limit` characters (requests.jsonl has the whole error)."""
-    line = " ".join(text.split())
-    return line if len(line) <= limit else line[:limit - 3] + "..."
-
-
 def print_summary(summary: dict, out: Path) -> None:
     rows = [("requests (finished/total)", f"{summary['num_finished']}/{summary['num_requests']}")]
     for key in ("ttft_ms", "tbt_ms", "tpot_ms", "e2e_ms"):
@@ -97,7 +92,8 @@ def print_summary(summary: dict, out: Path) -> None:
         count = summary.get(f"num_{status}")
         if count:
             why = first_error.get(status)
-            rows.append((label, str(count) + (f"  first: {_clipped(why)}" if why else "")))
+            # one line (requests.jsonl has the whole error)
+            rows.append((label, str(count) + (f"  first: {textwrap.shorten(why, 240)}" if why else "")))
     if summary.get("prefix_cache"):
         pc = summary["prefix_cache"]
         rows.append(("prefix_cache_hit_rate", f"{pc['prefix_cache_hit_rate']:.3f}  (local {pc['local_hit_rate']:.3f}, "

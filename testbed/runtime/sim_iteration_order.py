@@ -70,17 +70,15 @@ class IterationOrder:
         records: list[IterationRecord] = []
         runs, earliest = 0, float("inf")
         for held in self.held.values():
-            if not held.times or held.times[0] >= t:
-                if held.times and held.times[0] < earliest:
-                    earliest = held.times[0]
-                continue
-            k = bisect_left(held.times, t)
-            times += held.times[:k]
-            records += held.records[:k]
-            del held.times[:k], held.records[:k]
-            if held.times and held.times[0] < earliest:
-                earliest = held.times[0]
-            runs += 1
+            held_times = held.times
+            if held_times and held_times[0] < t:
+                k = bisect_left(held_times, t)
+                times += held_times[:k]
+                records += held.records[:k]
+                del held_times[:k], held.records[:k]
+                runs += 1
+            if held_times and held_times[0] < earliest:
+                earliest = held_times[0]
         self.earliest = earliest
         if runs > 1:
             # a stable sort keeps ties in worker order, and one worker's records in their order
