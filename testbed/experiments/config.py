@@ -76,6 +76,8 @@ class ExperimentConfig:
     decision_span_factor: float = 10.0       # steady state: arrivals span this many longest service times
     decision_min_judged: int = 20            # steady state: requests judged per probe at least
     decision_max_requests: int = 4000        # a probe's requests at most
+    # a directory where simulated probes are kept, so that a grid cut short resumes (probe_cache.py); "": none
+    probe_cache: str = ""
     # decision's real-engine rows (real=true, decision_real.py): real_models x real_context_lens on this CPU
     decision_real_num_gpus: int = 2          # worker processes, one per GPU of the deployment
     # the `testbed profile` of this CPU pricing the real rows' simulated twins; measure it with

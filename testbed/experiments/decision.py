@@ -39,6 +39,7 @@ from testbed.experiments.decision_search import (COLUMNS, Prober, ProbeRun, Sear
 from testbed.experiments.decision_slo import get_smoothness
 from testbed.experiments.decision_summary import crossovers, definition_changes, sim_vs_real
 from testbed.experiments.deployments import Deployment, deployments, replace_run
+from testbed.experiments.probe_cache import ProbeCache
 from testbed.sim.config import load_link_preset
 from testbed.steady_state import SteadyRule
 
@@ -49,22 +50,15 @@ def run_decision(cfg: RunConfig, out: Path, log=print) -> dict:
         check_real(e)
     started = time.monotonic()
     rule = SteadyRule(e.decision_span_factor, e.decision_min_judged, e.decision_max_requests)
-    prober = Prober(rule, log)
+    cache = ProbeCache(e.probe_cache, log) if e.probe_cache else None
+    prober = Prober(rule, log, cache=cache)
     smooths = [get_smoothness(name) for name in e.decision_smoothness]
     links = [load_link_preset(name) for name in e.links]
-    rows = []
-    for model_name in e.models:
-        for hardware_name in e.hardware:
-            point = point_cfg(cfg, model_name, hardware_name)
-            for num_gpus in e.decision_num_gpus:
-                for dep in deployments(e, num_gpus, point.parallel.tp * point.parallel.pp, e.decision_reuse > 0):
-                    # a deployment that never touches the link: one sweep, its rows under every link
-                    found: dict[int, Search] = {}
-                    for link in (links if dep.uses_link else links[:1]):
-                        row_links = [link] if dep.uses_link else links
-                        new, found = _sweep(prober, e, replace_run(point, link=link), dep, num_gpus, row_links,
-                                            smooths, log, found)
-                        rows += new
+    try:
+        rows = _grid(prober, cfg, links, smooths, log)
+    finally:
+        if cache is not None:
+            cache.close()
     probe_rows, num_runs = prober.rows, prober.num_runs
     real_summary = None
     if e.real:
@@ -79,12 +73,14 @@ def run_decision(cfg: RunConfig, out: Path, log=print) -> dict:
     elapsed = time.monotonic() - started
     summary["elapsed_s"] = elapsed
     summary["num_probe_runs"] = num_runs
+    summary["num_replayed_probes"] = prober.num_replayed
     _write_csv(out / "decision.csv", rows, COLUMNS)
     if probe_rows:
         _write_csv(out / "decision_probes.csv", probe_rows, tuple(probe_rows[0]))
     (out / "decision_summary.json").write_text(json.dumps(summary, indent=2))
     figures = decision_figures(rows, summary["crossovers"], out)
-    log(f"decision: {len(rows)} rows from {num_runs} probe runs in {elapsed:.0f} s -> {out}/decision.csv")
+    replayed = f" (and {prober.num_replayed} replayed from the probe cache)" if prober.num_replayed else ""
+    log(f"decision: {len(rows)} rows from {num_runs} probe runs{replayed} in {elapsed:.0f} s -> {out}/decision.csv")
     for c in summary["crossovers"]:
         log(f"  L* {c['model']}/{c['hardware']}/{c['link']}/N{c['num_gpus']} {c['slo']}@{c['tbt_slo_ms']}ms: "
             f"{c['l_star']}")
@@ -96,6 +92,24 @@ def run_decision(cfg: RunConfig, out: Path, log=print) -> dict:
             "tables": {"lstar": [{k: c[k] for k in ("model", "hardware", "link", "link_gbps", "num_gpus", "slo",
                                                      "tbt_slo_ms", "l_star")} for c in summary["crossovers"]]},
             "rows": rows}
+
+
+def _grid(prober: Prober, cfg: RunConfig, links: list, smooths: list[Smoothness], log) -> list[dict]:
+    """The simulator's rows: every model, hardware, N and deployment of the grid."""
+    e, rows = cfg.experiment, []
+    for model_name in e.models:
+        for hardware_name in e.hardware:
+            point = point_cfg(cfg, model_name, hardware_name)
+            for num_gpus in e.decision_num_gpus:
+                for dep in deployments(e, num_gpus, point.parallel.tp * point.parallel.pp, e.decision_reuse > 0):
+                    # a deployment that never touches the link: one sweep, its rows under every link
+                    found: dict[int, Search] = {}
+                    for link in (links if dep.uses_link else links[:1]):
+                        row_links = [link] if dep.uses_link else links
+                        new, found = _sweep(prober, e, replace_run(point, link=link), dep, num_gpus, row_links,
+                                            smooths, log, found)
+                        rows += new
+    return rows
 
 
 def _sweep(prober: Prober, e, point: RunConfig, dep: Deployment, num_gpus: int, row_links: list,

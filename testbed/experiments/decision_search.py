@@ -12,13 +12,14 @@ import dataclasses
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from testbed.capacity import search_rate
 from testbed.config import RunConfig, validate
 from testbed.experiments.decision_slo import SLOTargets, Smoothness
 from testbed.experiments.deployments import Deployment, replace_run
+from testbed.experiments.probe_cache import ProbeCache, entry_of, same_counts
 from testbed.metrics import RequestRecord
 from testbed.model.config import load_model_preset
 from testbed.sim.config import ParallelConfig, load_hardware_preset
@@ -38,6 +39,27 @@ class ProbeRun:
     wall_s: float = 0.0
     load_1m: float | None = None      # the 1-minute load average when it ended
     records: str = ""                 # where the runner kept its records ("": not kept)
+    num_judged: int = -1              # len(window.judged); a replayed run's window comes without its records
+    cached: bool = False              # replayed from the probe cache (probe_cache.py)
+    verdicts: dict[str, str] = field(default_factory=dict)    # SLO definition and targets -> the limit missed
+    # a replayed run's records, by running it again (for a definition that never judged it)
+    rerun: Callable[[], ProbeRun] | None = field(default=None, repr=False, compare=False)
+    on_verdict: Callable[[ProbeRun], None] | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.num_judged < 0:
+            self.num_judged = len(self.window.judged)
+
+    def judge(self, smooth: Smoothness, targets: SLOTargets) -> str:
+        """smooth.judge of the judged window, once per definition and targets."""
+        key = f"{smooth.name} {targets.ttft_ms!r} {targets.tbt_ms!r} {targets.fluidity_min!r}"
+        if key not in self.verdicts:
+            if self.rerun is not None:
+                self.window, self.rerun = self.rerun().window, None
+            self.verdicts[key] = smooth.judge(self.window.judged, targets)
+            if self.on_verdict is not None:
+                self.on_verdict(self)
+        return self.verdicts[key]
 
 
 class ProbeRunner(Protocol):
@@ -79,18 +101,25 @@ class Prober:
     With `max_span_s` no probe's arrivals span longer than that (the real
     engine's probes run on the wall clock): one that needs more runs that
     long and stays flagged; `max_lengthenings` bounds the re-runs. Past
-    `deadline` (time.monotonic()) no probe starts: OutOfTime."""
+    `deadline` (time.monotonic()) no probe starts: OutOfTime. With `cache`
+    (simulated probes only: they are deterministic) a probe this code already
+    ran is replayed from it (probe_cache.py)."""
 
     def __init__(self, rule: SteadyRule, log, runner: ProbeRunner | None = None, max_span_s: float | None = None,
                  max_lengthenings: int = 2,    # a service time still growing after two is the rate's
-                 deadline: float | None = None):
+                 deadline: float | None = None, cache: ProbeCache | None = None):
         self.rule, self.log = rule, log
         self.runner, self.max_span_s, self.max_lengthenings = runner or SimProbes(), max_span_s, max_lengthenings
         self.deadline = deadline
+        if cache is not None and self.runner.source != "sim":
+            raise ValueError("experiment.probe_cache: only simulated probes can be replayed (a real run is "
+                             "not deterministic)")
+        self.cache = cache
         self.runs: dict[tuple, ProbeRun] = {}
         self.service_s: dict[tuple, float] = {}        # the latest measured longest service time
         self.rows: list[dict] = []                     # decision_probes.csv
-        self.num_runs = 0
+        self.num_runs = 0                              # runs made (not replayed)
+        self.num_replayed = 0
 
     def probe(self, key: tuple, cfg: RunConfig, rate: float, first_service_s: float,
               limit: Callable[[ProbeRun], str], asker: str = "") -> ProbeRun:
@@ -106,7 +135,7 @@ class Prober:
             needed = self._size(rate, run.window.service_s)
             # every request finished and none in the window: too short to say anything, not a failure
             # (failing such a probe sent dsv2's sarathi-2048 search at 2K below half its capacity)
-            unjudged = run.num_finished == run.num_requests and not run.window.judged
+            unjudged = run.num_finished == run.num_requests and not run.num_judged
             if run.window.steady or not run.num_finished or needed <= run.num_requests \
                     or not (passed or unjudged or needed <= 3 * run.num_requests):
                 break
@@ -118,11 +147,12 @@ class Prober:
             self.service_s[key] = run.window.service_s
         self.runs[(*key, rate)] = run
         self.rows.append({"key": "/".join(map(str, key)), "rate": rate, "num_requests": run.num_requests,
-                          "num_finished": run.num_finished, "judged": len(run.window.judged),
+                          "num_finished": run.num_finished, "judged": run.num_judged,
                           "span_s": run.window.span_s, "service_s": run.window.service_s,
                           "steady": run.window.steady, "steady_reason": run.window.reason,
                           "verdict": missed or "pass", "judged_by": asker, "source": self.runner.source, "runs": runs,
-                          "wall_s": round(wall_s, 2), "load_1m": run.load_1m, "records": run.records})
+                          "wall_s": round(wall_s, 2), "load_1m": run.load_1m, "records": run.records,
+                          "cached": run.cached})
         return run
 
     def _size(self, rate: float, service_s: float) -> int:
@@ -130,14 +160,39 @@ class Prober:
         return n if self.max_span_s is None else min(n, max(2, int(rate * self.max_span_s) + 1))
 
     def _run(self, cfg: RunConfig, rate: float, n: int) -> ProbeRun:
+        w = cfg.workload
+        turns = max(1, w.conversation_turns)         # multi-turn: rate counts conversations
+        run_cfg = replace_run(cfg, workload=dataclasses.replace(w, rate=rate / turns, num_requests=n))
+        if self.cache is None:
+            return self._execute(run_cfg)
+        cache, key = self.cache, self.cache.key(run_cfg)
+        entry = cache.get(key)
+        if entry is None:
+            run = self._execute(run_cfg)
+            cache.put(key, entry_of(run))
+        else:
+            self.num_replayed += 1
+            run = ProbeRun(Window([], entry["steady"], entry["reason"], entry["span_s"], entry["service_s"]),
+                           entry["num_requests"], entry["num_finished"], entry["wall_s"], entry["load_1m"],
+                           num_judged=entry["num_judged"], cached=True, verdicts=dict(entry["verdicts"]),
+                           rerun=lambda: self._rerun(run_cfg, entry))
+        run.on_verdict = lambda r: cache.put(key, entry_of(r))
+        return run
+
+    def _rerun(self, run_cfg: RunConfig, entry: dict) -> ProbeRun:
+        """A replayed probe run again for its records: it must give the cached figures."""
+        run = self._execute(run_cfg)
+        if not same_counts(entry, run):
+            raise RuntimeError(f"experiment.probe_cache: probe {entry['key'][:12]}, run again, gave other figures "
+                               f"than the cache at {self.cache.dir} holds for this code; delete that directory")
+        return run
+
+    def _execute(self, run_cfg: RunConfig) -> ProbeRun:
         if self.deadline is not None and time.monotonic() > self.deadline:
             raise OutOfTime
         from testbed.runtime.build import apply_sampling
         from testbed.workloads.build import build_workload
-        w = cfg.workload
-        turns = max(1, w.conversation_turns)         # multi-turn: rate counts conversations
-        run_cfg = replace_run(cfg, workload=dataclasses.replace(w, rate=rate / turns, num_requests=n))
-        requests = build_workload(run_cfg.workload, cfg.model.vocab_size, cfg.seed)
+        requests = build_workload(run_cfg.workload, run_cfg.model.vocab_size, run_cfg.seed)
         apply_sampling(run_cfg, requests)
         t0 = time.monotonic()
         records = self.runner.records(run_cfg, requests)
@@ -155,9 +210,9 @@ def verdict(run: ProbeRun, smooth: Smoothness, targets: SLOTargets) -> str:
     rate would pass and the search would double without end."""
     if run.num_finished < run.num_requests:
         return "unfinished"
-    if not run.window.judged:
+    if not run.num_judged:
         return "unjudged"
-    return smooth.judge(run.window.judged, targets)
+    return run.judge(smooth, targets)
 
 
 class OutOfTime(Exception):
