@@ -2,9 +2,10 @@
 no more: on this 2-core machine two workers with more than one each would
 fight over the cores (experiments/README.md, "decision", issue 20). Counted
 from /proc while the worker serves: at torch_threads=1 its threads are the
-engine's, ZMQ's I/O and reaper threads and one more (4 here), no intra-op
-pool; torch_threads=2 adds the pool's. Left at torch's default (a thread per
-core) both counts would be equal."""
+engine's, the step watch's (runtime/step_watch.py), ZMQ's I/O and reaper
+threads and numpy's OpenBLAS server (cores - 1 of them: 5 here, seen with
+gdb), no intra-op pool; torch_threads=2 adds the pool's (7 here, 9 at 3).
+Left at torch's default (a thread per core) both counts would be equal."""
 from __future__ import annotations
 
 import os
@@ -61,5 +62,5 @@ def _worker_threads(torch_threads: int) -> int:
 @pytest.mark.slow            # two real runs: ~20 s here
 def test_a_worker_runs_the_torch_threads_it_is_given():
     one, two = _worker_threads(1), _worker_threads(2)
-    assert one <= 4, one
+    assert one <= 5, one
     assert two > one, (one, two)
