@@ -13,6 +13,7 @@ mode's routers (modes/routers.py) read."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Callable, ClassVar
 
@@ -102,6 +103,15 @@ class ModeController(ABC):
                 self.records[ev.id].num_preemptions += 1
         else:
             self.on_mode_event(ev, now)
+
+    def planned_targets(self, upcoming: list[Request]) -> Iterator[str]:
+        """The worker each of the `upcoming` arrivals (in arrival order, none
+        arrived yet) will be sent to, "" for one that ends at its arrival;
+        stops at the first it cannot say (the default: at once). A
+        controller that sends nothing but arrivals (commands_on_events False)
+        lets the simulator run a worker ahead up to the first arrival planned
+        for it (runtime/sim.py)."""
+        return iter(())
 
     def apart_from(self, worker_id: str) -> frozenset[str] | None:
         """The workers whose events, from now until the next arrival, can
@@ -217,14 +227,18 @@ class ModeController(ABC):
         """As vLLM's max_model_len: a request whose prompt and outputs pass the
         positions its model was trained for fails at arrival (a checkpoint's
         RoPE past its context gives fluent garbage, not an error)."""
+        error = self._past_context(req)
+        if error is not None:
+            self._resolve(req.request_id, "failed", error, now)
+        return error is not None
+
+    def _past_context(self, req: Request) -> str | None:
         limit = self.max_model_len
         if limit is None or req.prompt_len + req.max_tokens <= limit:
-            return False
-        self._resolve(req.request_id, "failed",
-                      f"prompt of {req.prompt_len} tokens plus {req.max_tokens} outputs passes the model's context of "
-                      f"{limit} positions (model.max_position_embeddings); clip workload.max_prompt_len / "
-                      "workload.max_output_len", now)
-        return True
+            return None
+        return (f"prompt of {req.prompt_len} tokens plus {req.max_tokens} outputs passes the model's context of "
+                f"{limit} positions (model.max_position_embeddings); clip workload.max_prompt_len / "
+                "workload.max_output_len")
 
     def _fail_if_never_fits(self, req: Request, pool: list[str], what: str, now: float,
                             outputs: bool = True) -> bool:
@@ -233,17 +247,21 @@ class ModeController(ABC):
         fail it at once instead of at the run's timeout. `outputs`: the worker
         holds the outputs' KV too (a replica, a decode worker); else the
         prompt's alone (a prefill worker)."""
+        error = self._never_fits(req, pool, what, outputs)
+        if error is not None:
+            self._resolve(req.request_id, "failed", error, now)
+        return error is not None
+
+    def _never_fits(self, req: Request, pool: list[str], what: str, outputs: bool = True) -> str | None:
         most = max(self.workers[w].num_blocks for w in pool)
         tokens = req.prompt_len + (req.max_tokens - 1 if outputs else 0)
         need = -(-tokens // self.workers[pool[0]].block_size)
         if need <= most:
-            return False
+            return None
         held = f"prompt of {req.prompt_len} tokens" + (f" plus {req.max_tokens} outputs" if outputs else "")
-        self._resolve(req.request_id, "failed",
-                      f"{held} needs {need} KV blocks, more than a {what} has ({most}, num_kv_blocks); raise "
-                      f"num_kv_blocks (with num_kv_blocks=auto: the pool's parallel.tp or gpu_memory_utilization) "
-                      f"or clip workload.max_prompt_len / workload.max_output_len", now)
-        return True
+        return (f"{held} needs {need} KV blocks, more than a {what} has ({most}, num_kv_blocks); raise "
+                f"num_kv_blocks (with num_kv_blocks=auto: the pool's parallel.tp or gpu_memory_utilization) "
+                f"or clip workload.max_prompt_len / workload.max_output_len")
 
     def _resolve(self, rid: str, status: str, error: str | None, now: float | None) -> None:
         """`now` None: the request never ended (the run did), so it has no finish time."""

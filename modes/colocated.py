@@ -4,6 +4,8 @@ decides). `ReplicaRouting` is that routing, shared with mode=hybrid's
 colocated pool (modes/hybrid.py)."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from testbed.modes.base import ModeController, Send, WorkerInfo
 from testbed.modes.routers import Router
 from testbed.request import Request
@@ -44,3 +46,16 @@ class ColocatedController(ReplicaRouting):
 
     def route(self, req: Request, now: float) -> None:
         self._to_replica(req, self.router, now)
+
+    def planned_targets(self, upcoming: list[Request]) -> Iterator[str]:
+        # on_arrival's and _to_replica's steps, without their effects
+        alive, picks = self.alive(self.replicas), 0
+        for req in upcoming:
+            if self._past_context(req) is not None or self._never_fits(req, self.replicas, "replica") is not None:
+                yield ""
+                continue
+            target = self.router.planned(alive, picks)
+            if target is None:
+                return
+            yield target
+            picks += 1

@@ -33,6 +33,13 @@ class Router(ABC):
     def pick(self, request: Request, candidates: list[str], pool: PoolView) -> str:
         """One of `candidates` (live workers, sorted by id, never empty)."""
 
+    def planned(self, candidates: list[str], k: int) -> str | None:
+        """The candidate the k-th pick from now (0: the next) will choose,
+        where that depends on neither the request nor the pool; else None
+        (the default). The simulator runs a replica ahead up to the next
+        arrival planned for it (runtime/sim.py)."""
+        return None
+
 
 class RoundRobin(Router):
     name = "round_robin"
@@ -43,6 +50,9 @@ class RoundRobin(Router):
     def pick(self, request, candidates, pool):
         self._next += 1
         return candidates[(self._next - 1) % len(candidates)]
+
+    def planned(self, candidates, k):
+        return candidates[(self._next + k) % len(candidates)]
 
 
 class LeastOutstanding(Router):

@@ -14,7 +14,8 @@ from omegaconf import OmegaConf
 from import_graph import ROOT, find_cycle, import_graph
 from testbed.config import RunConfig, register_configs, validate
 from testbed.model.config import CONF_DIR
-from testbed.modes.base import ModeController
+from testbed.modes.base import ModeController, WorkerInfo
+from testbed.modes.colocated import ColocatedController
 from testbed.modes.pool import PoolState
 from testbed.modes.registry import MODES, Mode, register_mode
 from testbed.modes.routers import ROUTERS, make_router
@@ -95,6 +96,34 @@ def test_routers_by_name_pick_as_their_names_say():
     assert make_router("least_prompt_tokens").pick(req, ws, pool) == "w2"
     assert make_router("least_prompt_tokens").pick(req, ["w0", "w1"], pool) == "w1"
     assert set(ROUTERS) >= {"round_robin", "least_outstanding", "most_free_blocks", "least_prompt_tokens"}
+
+
+def test_round_robin_plans_its_picks_and_the_state_reading_routers_do_not():
+    pool, ws = PoolState({"w0": 10, "w1": 10, "w2": 10}), ["w0", "w1", "w2"]
+    rr = make_router("round_robin")
+    rr.pick(Request("r", [1], 1), ws, pool)
+    plan = [rr.planned(ws, k) for k in range(5)]
+    assert plan == [rr.pick(Request(f"r{k}", [1], 1), ws, pool) for k in range(5)] == ["w1", "w2", "w0", "w1", "w2"]
+    for name in ("least_outstanding", "most_free_blocks", "least_prompt_tokens"):
+        assert make_router(name).planned(ws, 0) is None
+
+
+def test_colocated_plans_where_arrivals_go_skipping_those_that_end_at_arrival():
+    """planned_targets is on_arrival's routing without its effects: a prompt that can
+    never fit a replica fails at arrival ("") and takes no turn of round_robin."""
+    sent = []
+    workers = [WorkerInfo(f"replica{i}", "replica", num_blocks=8, block_size=16) for i in range(2)]
+    ctl = ColocatedController(workers, lambda w, msg: sent.append(w), make_router("round_robin"))
+    reqs = [Request("a", [1] * 20, 4), Request("huge", [1] * 200, 4), Request("b", [1] * 20, 4),
+            Request("c", [1] * 20, 4)]
+    assert list(ctl.planned_targets(reqs)) == ["replica0", "", "replica1", "replica0"]
+    for req in reqs:
+        ctl.on_arrival(req, 0.0)
+    assert sent == ["replica0", "replica1", "replica0"]
+    assert ctl.sink.by_id()["huge"].status == "failed"
+    assert list(ctl.planned_targets(reqs[:1])) == ["replica1"]
+    assert list(ColocatedController(workers, lambda w, msg: None, make_router("least_outstanding"))
+                .planned_targets(reqs)) == []
 
 
 @pytest.mark.parametrize("field", ["router", "prefill_router", "decode_router"])

@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from testbed.config import RunConfig, register_configs
 from testbed.executor import Executor
 from testbed.model.config import CONF_DIR, load_model_preset
+from testbed.modes.routers import RoundRobin, Router
 from testbed.request import Request
 from testbed.runtime.build import sampled
 from testbed.runtime.sim import SimRuntime
@@ -49,6 +50,8 @@ CASES = {
     "kvstore_1p2d": ["mode=kvstore", "prefill_workers=1", "decode_workers=2", "link=rdma-400"],
     # whole prefills, as the decision and capacity studies run disagg: vllm_v0's steady decodes
     "colocated_vllm_v0": ["mode=colocated", "replicas=2", "scheduler=vllm_v0"],
+    # a router that reads the pool: no replica runs past the next arrival (round_robin's plan does)
+    "colocated_least_outstanding": ["mode=colocated", "replicas=3", "router=least_outstanding"],
     "disagg_vllm_v0": ["mode=disagg", "prefill_workers=1", "decode_workers=2", "link=rdma-400",
                        "scheduler=vllm_v0"],
     # decode workers short of blocks: reservations rejected and queued, so decode runs stop and start
@@ -61,6 +64,19 @@ def config(*overrides: str) -> RunConfig:
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         return OmegaConf.to_object(compose("config", ["wandb.mode=disabled", "progress=false", *overrides]))
+
+
+def test_a_replica_runs_past_the_arrivals_round_robin_sends_to_the_others(tmp_path, monkeypatch):
+    """With round_robin's plan (Router.planned) a colocated replica decodes on
+    past the arrivals planned for the others, in longer DecodeRuns; without it
+    each stops at every arrival. The same run either way."""
+    planned, planned_summary = _run(tmp_path / "planned", *CASES["colocated"])
+    monkeypatch.setattr(RoundRobin, "planned", Router.planned)
+    unplanned, unplanned_summary = _run(tmp_path / "unplanned", *CASES["colocated"])
+    for name in ("requests.jsonl", "iterations.jsonl"):
+        assert (tmp_path / "planned" / name).read_bytes() == (tmp_path / "unplanned" / name).read_bytes(), name
+    assert json.dumps(planned_summary) == json.dumps(unplanned_summary)
+    assert planned.num_in_runs > unplanned.num_in_runs
 
 
 def _run(tmp: Path, *overrides: str) -> tuple[SimRuntime, dict]:

@@ -4,7 +4,9 @@ discrete-event loop over a virtual clock. Only the executor (cost model) and
 the KV transport (link model) are models.
 
 Events are (time, seq, action, arg) in a heap; arrivals wait in their own
-sorted list beside it (a 100K-request workload never sits in the heap). A
+sorted list beside it (a 100K-request workload never sits in the heap), a
+few of them pulled ahead of the clock where the controller can say which
+worker each will go to (_planned_arrival). A
 worker steps whenever it is idle and has work; the events it emits reach the
 controller when its iteration ends. Commands from the controller and events
 from workers take hardware.frontend_hop_ms, and the frontend spends
@@ -21,6 +23,7 @@ import gc
 import heapq
 import itertools
 import sys
+from collections import deque
 from typing import Any, Callable, Iterable, Iterator
 
 from testbed.config import RunConfig
@@ -44,6 +47,7 @@ from testbed.worker import WorkerService
 from testbed.workloads.tokens import stream_key
 
 _JITTER_STREAM = 0x6A17   # keeps each worker's jitter draws apart from the workload's streams
+_LOOKAHEAD_PER_WORKER = 4  # arrivals pulled ahead of the clock to plan, per worker
 
 
 def materialize_prompt(request_msg: RequestMsg) -> RequestMsg:
@@ -130,6 +134,10 @@ class SimRuntime:
         # cost its prefill iterations a scan of the running requests)
         self.steady_in_step = self.fast_forward and self.controller.commands_on_events
         self.next_arrival_s = float("inf")
+        self._next_arrival: Request | None = None
+        self._after_next: deque[Request] = deque()       # arrivals pulled after _next_arrival
+        self._arrivals: Iterator[Request] = iter(())
+        self._plan: tuple[dict[str, float], float] | None = None     # _planned_arrival's, until the next arrival
         # iterations run ahead, iterations on the steady-decode short path (run ahead or not), and
         # iterations in a DecodeRun
         self.num_run_ahead = self.num_steady = self.num_in_runs = 0
@@ -232,7 +240,8 @@ class SimRuntime:
         the worker went back to the heap's order (as _deliver and _step do)."""
         svc, box, clock, heap = self.services[worker_id], self.outbox[worker_id], self.clock, self._heap
         bounded_by_heap = self.controller.commands_on_events
-        until, runs = self.next_arrival_s, True        # colocated: only an arrival reaches it
+        # colocated: only an arrival reaches it
+        until, runs = (self.next_arrival_s if bounded_by_heap else self._planned_arrival(worker_id)), True
         while svc.has_work():
             end = out.end_s
             if bounded_by_heap:
@@ -307,6 +316,46 @@ class SimRuntime:
                 return (min(arrival, heap[0][0]) if heap else arrival), False
         return until, True
 
+    def _planned_arrival(self, worker_id: str) -> float:
+        """The instant of the first arrival the controller will send to the
+        worker, from its plan of the next few (controller.planned_targets:
+        colocated behind round_robin, whose picks depend on neither the
+        request nor the pool); the next arrival's where it cannot say, and
+        the last planned one's where none of those goes to the worker. An
+        arrival sent elsewhere changes nothing the worker reads, so it runs
+        on past it; the arrival itself, its routing and the other replicas'
+        events still happen in time order."""
+        if self._plan is None:
+            cap = _LOOKAHEAD_PER_WORKER * len(self.workers)
+            upcoming = self._lookahead(cap)
+            first: dict[str, float] = {}
+            planned = 0
+            for target in self.controller.planned_targets(upcoming):
+                if target and target not in first:
+                    first[target] = upcoming[planned].arrival_s
+                planned += 1
+            if planned < len(upcoming):      # the controller cannot say where this one goes
+                rest = upcoming[planned].arrival_s
+            elif len(upcoming) < cap:        # none is left after these
+                rest = float("inf")
+            else:                            # those after the last looked at may go anywhere
+                rest = upcoming[-1].arrival_s
+            self._plan = first, rest
+        first, rest = self._plan
+        return first.get(worker_id, rest)
+
+    def _lookahead(self, n: int) -> list[Request]:
+        """The next n arrivals (fewer where the workload ends), pulled ahead of the clock as needed."""
+        if self._next_arrival is None:
+            return []
+        after = self._after_next
+        while len(after) < n - 1:
+            req = next(self._arrivals, None)
+            if req is None:
+                break
+            after.append(req)
+        return [self._next_arrival, *itertools.islice(after, n - 1)]
+
     def _owner(self, action: Callable[[Any], None], arg: Any) -> str | None:
         """The worker a heap event is about (None: the frontend's or the store's)."""
         func = getattr(action, "__func__", None)
@@ -351,19 +400,22 @@ class SimRuntime:
         arrivals = iter(sorted(requests, key=lambda r: r.arrival_s)) if isinstance(requests, list) else \
             _in_arrival_order(requests)
         ctl, clock, heap, pop = self.controller, self.clock, self._heap, heapq.heappop
-        order = self.order
-        nxt = next(arrivals, None)
+        order, after = self.order, self._after_next
+        self._arrivals = arrivals
+        nxt = self._next_arrival = next(arrivals, None)
         inf = float("inf")
         self.next_arrival_s = inf if nxt is None else nxt.arrival_s
         with _cyclic_gc_paused():
             while nxt is not None or heap:
                 # an arrival goes before a worker event at the same instant
                 if nxt is not None and (not heap or nxt.arrival_s <= heap[0][0]):
-                    req, nxt = nxt, next(arrivals, None)
+                    req = nxt
+                    nxt = self._next_arrival = after.popleft() if after else next(arrivals, None)
                     self.next_arrival_s = inf if nxt is None else nxt.arrival_s
                     clock.t = req.arrival_s
                     order.release_before(clock.t)
                     ctl.on_arrival(req, req.arrival_s)
+                    self._plan = None
                     continue
                 t, _, action, arg = pop(heap)
                 clock.t = t
