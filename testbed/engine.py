@@ -142,6 +142,8 @@ class Engine:
             return None, None
         scheduler, clock, bs = self.scheduler, self.clock, self.bm.block_size
         run, left, steps = None, 0, None
+        observe = scheduler.observe_steady if scheduler.observes_steady else None
+        context = longest = 0       # the decodes' contexts after the next iteration (for observe)
         while True:
             # the scheduler is asked again only where a request starts a KV block
             # (Scheduler.steady_decodes: else the same answer as last time)
@@ -154,6 +156,9 @@ class Engine:
                 left = min(r.max_tokens - len(r.output_token_ids) if r.sampling.ignore_eos else 1
                            for r in requests)
                 steps = self.executor.decode_steps(requests)
+                if observe is not None:
+                    contexts = [r.num_computed_tokens for r in requests]
+                    context, longest = sum(contexts) + len(requests), max(contexts) + 1
             # the stretch's last iteration fills some request's block: the requests
             # are updated once per stretch, not once per iteration (~0.3 µs a token)
             stretch = min(bs - r.num_computed_tokens % bs for r in requests)
@@ -172,12 +177,17 @@ class Engine:
                     for req in requests:
                         if req.first_scheduled_s is None:
                             req.first_scheduled_s = start
+                predicted = None
+                if observe is not None:
+                    predicted = observe(len(requests), context, longest, end - start)
+                    context += len(requests)
+                    longest += 1
                 tokens_of.append(tokens)
                 ends.append(end)
                 run.tokens.append(tokens)
                 run.ends_s.append(ends_s)
                 run.iterations.append(IterationRecord(start, end - start, 0, len(requests), kv_bytes_read, None,
-                                                      token_budget, None))
+                                                      token_budget, predicted))
                 run.free_blocks = free
                 clock.t = ends_s
                 left -= 1
@@ -206,6 +216,11 @@ class Engine:
             self.clock.t = end
         else:
             end = self.clock.now()
+        predicted = None
+        if self.scheduler.observes_steady:      # schedule()'s plan and on_step's look at the batch
+            contexts = [r.num_computed_tokens for r in requests]
+            predicted = self.scheduler.observe_steady(len(requests), sum(contexts) + len(requests),
+                                                      max(contexts) + 1, end - start)
         out = StepOutput(None)
         bs, commit = self.bm.block_size, self.bm.commit
         for req, token in zip(requests, tokens):
@@ -215,7 +230,8 @@ class Engine:
             if computed % bs == 0:
                 commit(req)
             self._sampled(req, token, end, out)
-        out.iteration = IterationRecord(start, end - start, 0, len(requests), kv_bytes_read, None, token_budget, None)
+        out.iteration = IterationRecord(start, end - start, 0, len(requests), kv_bytes_read, None, token_budget,
+                                        predicted)
         return out
 
     def _run(self, batch: Batch, start: float, on_layer_done: Callable[[int, Batch], None] | None) -> StepOutput:

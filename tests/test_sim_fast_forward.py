@@ -50,6 +50,10 @@ CASES = {
     "kvstore_1p2d": ["mode=kvstore", "prefill_workers=1", "decode_workers=2", "link=rdma-400"],
     # whole prefills, as the decision and capacity studies run disagg: vllm_v0's steady decodes
     "colocated_vllm_v0": ["mode=colocated", "replicas=2", "scheduler=vllm_v0"],
+    # adaptive plans and observes every batch: its steady decodes too (observe_steady), in order
+    "colocated_adaptive": ["mode=colocated", "replicas=2", "scheduler=adaptive"],
+    "colocated_adaptive_arrivals": ["mode=colocated", "replicas=2", "scheduler=adaptive",
+                                    "adaptive.rollout_arrivals=true"],
     # a router that reads the pool: no replica runs past the next arrival (round_robin's plan does)
     "colocated_least_outstanding": ["mode=colocated", "replicas=3", "router=least_outstanding"],
     "disagg_vllm_v0": ["mode=disagg", "prefill_workers=1", "decode_workers=2", "link=rdma-400",
@@ -77,6 +81,10 @@ def test_a_replica_runs_past_the_arrivals_round_robin_sends_to_the_others(tmp_pa
         assert (tmp_path / "planned" / name).read_bytes() == (tmp_path / "unplanned" / name).read_bytes(), name
     assert json.dumps(planned_summary) == json.dumps(unplanned_summary)
     assert planned.num_in_runs > unplanned.num_in_runs
+
+
+def iterations_of(run_dir: Path) -> int:
+    return sum(1 for _ in open(run_dir / "iterations.jsonl"))
 
 
 def _run(tmp: Path, *overrides: str) -> tuple[SimRuntime, dict]:
@@ -116,6 +124,10 @@ def test_the_fast_path_writes_the_same_run(case, tmp_path):
     elif CASES[case][0] == "mode=disagg" and case != "disagg_seats":
         # with nothing queued for a decode worker, it decodes past the other decode worker's events
         assert on.num_in_runs > decode_iterations / 10
+    if "adaptive" in case:
+        # its steady decodes ran in DecodeRuns, each iteration still with its prediction
+        assert on.num_in_runs > iterations_of(tmp_path / "on") / 2 and off.num_in_runs == 0
+        assert all(json.loads(line)["predicted_s"] is not None for line in open(tmp_path / "on" / "iterations.jsonl"))
     if case == "colocated_preempting":
         assert on_summary["num_preemptions"] > 0    # the fallback when an allocation could fail is exercised
     # the order IterationOrder restores: by the instant each iteration ended

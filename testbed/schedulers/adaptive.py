@@ -42,7 +42,7 @@ from testbed.schedulers.budget import largest_fitting
 from testbed.schedulers.context import SchedulerContext
 from testbed.schedulers.deadlines import TokenDeadlines
 from testbed.schedulers.sarathi import SarathiScheduler
-from testbed.schedulers.step_correction import MIXED, StepCorrection, batch_kind
+from testbed.schedulers.step_correction import DECODE, MIXED, StepCorrection, batch_kind
 from testbed.schedulers.traffic import Traffic
 from testbed.schedulers.ttft_rollout import ttft_minimising_budget
 
@@ -75,6 +75,7 @@ class AdaptiveScheduler(SarathiScheduler):
                        else self.acfg.tbt_headroom * self.tbt_s)
         self.prefill_budget = self.acfg.max_budget     # the budget of the batch being planned
         self._planned: tuple[Batch, str, float] | None = None    # (batch, kind, raw prediction)
+        self._decode_pricers: dict[int, object] = {}              # the predictor's, per batch size
 
     def schedule(self) -> Batch:
         # sarathi's schedule() (every decode, then chunks FCFS) under iteration_budget()'s budget
@@ -90,8 +91,37 @@ class AdaptiveScheduler(SarathiScheduler):
                    for s in batch.slices if not s.is_decode), "a prompt was scheduled below min_budget"
         return batch
 
-    def steady_decodes(self) -> None:
-        return None      # each batch is planned (a budget, a prediction) by schedule() and observed by on_step
+    @property
+    def observes_steady(self) -> bool:
+        # a steady decode batch is planned and observed without its slices where the predictor
+        # prices decodes by their contexts' sum and longest (CostModel.decode_pricer: the same
+        # float as iteration_time_s of the slices); else it goes through schedule() and on_step
+        return self._decode_pricer(1) is not None
+
+    def steady_decodes(self) -> tuple[list[Request], int] | None:
+        # with no prompt to budget, schedule() gives each running request its decode
+        # under decodes + max_budget: sarathi's steady batch (observe_steady plans it)
+        # (asked before every step on the simulator: a prompt in the queues ends it before the budget is priced)
+        if self.waiting or not self.observes_steady or any(r.num_computed_tokens < r.prompt_len for r in self.running):
+            return None
+        return self._steady_running(self.iteration_budget())
+
+    def observe_steady(self, num_decodes: int, context_tokens: int, longest_context: int,
+                       duration_s: float) -> float:
+        # schedule()'s prediction and on_step's observation of that batch, in their order
+        raw = self._decode_pricer(num_decodes)(context_tokens, longest_context)
+        predicted = self.correction.corrected(raw, DECODE)
+        if self.traffic is not None:
+            self.traffic.observe_step(duration_s)
+        self.correction.observe(DECODE, raw, duration_s)
+        return predicted
+
+    def _decode_pricer(self, num_decodes: int):
+        pricer = self._decode_pricers.get(num_decodes)
+        if pricer is None and num_decodes not in self._decode_pricers:
+            make = getattr(self.predictor, "decode_pricer", None)
+            pricer = self._decode_pricers[num_decodes] = make(num_decodes) if make is not None else None
+        return pricer
 
     def add(self, request: Request) -> None:
         super().add(request)

@@ -201,6 +201,18 @@ class Scheduler(ABC):
     def on_step(self, batch: Batch, duration_s: float) -> None:
         """A scheduled batch ran and took `duration_s` (wall or virtual time)."""
 
+    # a policy that plans and observes every batch, steady decodes included (observe_steady)
+    observes_steady = False
+
+    def observe_steady(self, num_decodes: int, context_tokens: int, longest_context: int,
+                       duration_s: float) -> float | None:
+        """A steady decode batch (steady_decodes) ran without a Batch and took
+        `duration_s`: what schedule() and on_step would have done with it, for
+        a policy with observes_steady. `context_tokens` is the sum of the
+        decodes' contexts after the step, `longest_context` the longest.
+        Returns the batch's predicted_s (None: none)."""
+        return None
+
     def _admit_whole_prefills(self, batch: Batch) -> None:
         """FCFS whole prompts into `batch` while memory, max_num_seqs and
         max_num_batched_tokens allow (a prompt longer than the cap runs alone)."""
