@@ -306,6 +306,16 @@ def register_configs() -> None:
     for name in POOLS:     # settable field by field from the command line (pool_config.py)
         setattr(schema, name, PoolConfig(parallel=ParallelOverride()))
     ConfigStore.instance().store(name="run_schema", node=schema)
+    register_resolvers()
+
+
+def register_resolvers() -> None:
+    """conf/config.yaml's resolvers: `dir_safe` names a sweep point's directory by its overrides
+    with each '/' of a value (a path: workload.trace_path, experiment.probe_cache) as '_'; Hydra's
+    override_dirname keeps them, and the point's files went into directories named by the path's parts."""
+    from omegaconf import OmegaConf
+    from testbed.sweep_names import dir_safe
+    OmegaConf.register_new_resolver("dir_safe", dir_safe, replace=True)
 
 
 def to_dict(cfg: RunConfig) -> dict:

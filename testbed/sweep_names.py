@@ -35,6 +35,11 @@ def point_name(task_overrides: list[str], swept: set[str]) -> str | None:
     return ",".join(f"{o.get_key_element()}={o.get_value_element_as_str()}" for o in chosen) or None
 
 
+def dir_safe(override_dirname: str) -> str:
+    """A sweep point's directory name from Hydra's override_dirname: no '/' (one directory, not a path)."""
+    return override_dirname.replace("/", "_")
+
+
 def sweep_group(sweep_dir: str) -> str:
     """The sweep's directory as Hydra was given it (multirun/DATE/TIME by default), its tail when too long."""
     return str(sweep_dir)[-_MAX_GROUP:]
