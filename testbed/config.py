@@ -311,8 +311,9 @@ def register_configs() -> None:
 
 def register_resolvers() -> None:
     """conf/config.yaml's resolvers: `dir_safe` names a sweep point's directory by its overrides
-    with each '/' of a value (a path: workload.trace_path, experiment.probe_cache) as '_'; Hydra's
-    override_dirname keeps them, and the point's files went into directories named by the path's parts."""
+    with each '/' of a value (a path: workload.trace_path, experiment.probe_cache) as '_', and cut
+    with a hash past 200 bytes (sweep_names.py); Hydra's override_dirname keeps the '/', and the
+    point's files went into directories named by the path's parts."""
     from omegaconf import OmegaConf
     from testbed.sweep_names import dir_safe
     OmegaConf.register_new_resolver("dir_safe", dir_safe, replace=True)

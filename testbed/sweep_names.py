@@ -6,6 +6,8 @@ The overrides every point shares (`runtime=sim`) stay out of the name; a
 `-m` with nothing swept names each run by all its overrides."""
 from __future__ import annotations
 
+import hashlib
+
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 _MAX_GROUP = 128        # W&B's limit on a group's length
@@ -35,9 +37,19 @@ def point_name(task_overrides: list[str], swept: set[str]) -> str | None:
     return ",".join(f"{o.get_key_element()}={o.get_value_element_as_str()}" for o in chosen) or None
 
 
+_MAX_DIRNAME = 200      # bytes of a point's directory name from its overrides (Linux allows 255 in all)
+
+
 def dir_safe(override_dirname: str) -> str:
-    """A sweep point's directory name from Hydra's override_dirname: no '/' (one directory, not a path)."""
-    return override_dirname.replace("/", "_")
+    """A sweep point's directory name from Hydra's override_dirname: no '/'
+    (one directory, not a path), and past _MAX_DIRNAME bytes cut there with a
+    hash of the whole (a sweep of many overrides failed with 'File name too
+    long'); the point's overrides are in its config.yaml and .hydra/."""
+    name = override_dirname.replace("/", "_")
+    if len(name.encode()) <= _MAX_DIRNAME:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:10]
+    return name.encode()[:_MAX_DIRNAME - 11].decode(errors="ignore") + "~" + digest
 
 
 def sweep_group(sweep_dir: str) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from test_wandb import Logged, offline  # noqa: F401  (the fixture)
-from testbed.sweep_names import point_name, sweep_group, swept_keys
+from testbed.sweep_names import dir_safe, point_name, sweep_group, swept_keys
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["runtime=sim", "model=tiny", "workload.num_requests=3", "workload.rate=20", "workload.prompt_dist=fixed",
@@ -73,3 +73,12 @@ def test_a_point_is_named_by_the_swept_values_in_command_line_order():
     assert point_name([], set()) is None
     assert sweep_group("multirun/2026-12-01/11-55-10") == "multirun/2026-12-01/11-55-10"
     assert sweep_group("/" + "d" * 300) == "d" * 128
+
+
+def test_a_points_directory_name_has_no_slash_and_fits_a_file_name():
+    assert dir_safe("experiment.probe_cache=/a/b,runtime=sim") == "experiment.probe_cache=_a_b,runtime=sim"
+    many = ",".join(f"workload.key_{i}=value_{i}" for i in range(30))
+    a, b = dir_safe(many), dir_safe(many.replace("value_29", "value_x"))
+    assert len(a.encode()) == len(b.encode()) == 200 and a != b        # cut, the whole kept apart by its hash
+    assert a[:150] == many[:150]
+    assert len(dir_safe("x=" + "é" * 150).encode()) <= 200              # not cut inside a character
