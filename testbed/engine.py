@@ -157,8 +157,7 @@ class Engine:
                            for r in requests)
                 steps = self.executor.decode_steps(requests)
                 if observe is not None:
-                    contexts = [r.num_computed_tokens for r in requests]
-                    context, longest = sum(contexts) + len(requests), max(contexts) + 1
+                    context, longest = _contexts_after_decode(requests)
             # the stretch's last iteration fills some request's block: the requests
             # are updated once per stretch, not once per iteration (~0.3 µs a token)
             stretch = min(bs - r.num_computed_tokens % bs for r in requests)
@@ -218,9 +217,7 @@ class Engine:
             end = self.clock.now()
         predicted = None
         if self.scheduler.observes_steady:      # schedule()'s plan and on_step's look at the batch
-            contexts = [r.num_computed_tokens for r in requests]
-            predicted = self.scheduler.observe_steady(len(requests), sum(contexts) + len(requests),
-                                                      max(contexts) + 1, end - start)
+            predicted = self.scheduler.observe_steady(len(requests), *_contexts_after_decode(requests), end - start)
         out = StepOutput(None)
         bs, commit = self.bm.block_size, self.bm.commit
         for req, token in zip(requests, tokens):
@@ -292,3 +289,9 @@ class Engine:
             out.finished.append(req)
             return True
         return False
+
+
+def _contexts_after_decode(requests: list[Request]) -> tuple[int, int]:
+    """The sum and the longest of the requests' contexts after one decode each."""
+    contexts = [r.num_computed_tokens for r in requests]
+    return sum(contexts) + len(requests), max(contexts) + 1

@@ -252,7 +252,7 @@ def test_a_decode_workers_horizon_passes_only_the_events_of_workers_apart_from_i
     start it), nor while the controller has a request queued."""
     cfg = config(*BASE, *CHAT, *CASES["disagg_vllm_v0"])
     sim = SimRuntime(cfg, log=lambda line: None, record_dir=tmp_path)
-    sim.next_arrival_s = 5.0
+    sim.arrivals.next_s = 5.0
     assert sim._horizon("decode0") == (5.0, True)
     sim.at(1.0, sim._step, "decode1")
     sim.at(2.0, sim.deliver_kv, ("decode1", None))

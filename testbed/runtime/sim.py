@@ -4,9 +4,8 @@ discrete-event loop over a virtual clock. Only the executor (cost model) and
 the KV transport (link model) are models.
 
 Events are (time, seq, action, arg) in a heap; arrivals wait in their own
-sorted list beside it (a 100K-request workload never sits in the heap), a
-few of them pulled ahead of the clock where the controller can say which
-worker each will go to (_planned_arrival). A
+sorted stream beside it (a 100K-request workload never sits in the heap;
+sim_arrivals.py, which plans where the next few go). A
 worker steps whenever it is idle and has work; the events it emits reach the
 controller when its iteration ends. Commands from the controller and events
 from workers take hardware.frontend_hop_ms, and the frontend spends
@@ -23,7 +22,6 @@ import gc
 import heapq
 import itertools
 import sys
-from collections import deque
 from typing import Any, Callable, Iterable, Iterator
 
 from testbed.config import RunConfig
@@ -41,13 +39,13 @@ from testbed.sim.jitter import StepJitter
 from testbed.sim.kv_sharding import handoff_links
 from testbed.sim.link_model import LinkModel
 from testbed.sim.memory import format_footprint, kv_footprint
+from testbed.runtime.sim_arrivals import Arrivals
 from testbed.runtime.sim_iteration_order import IterationOrder
 from testbed.runtime.sim_store import SimStoreNode, SimStorePort
 from testbed.worker import WorkerService
 from testbed.workloads.tokens import stream_key
 
 _JITTER_STREAM = 0x6A17   # keeps each worker's jitter draws apart from the workload's streams
-_LOOKAHEAD_PER_WORKER = 4  # arrivals pulled ahead of the clock to plan, per worker
 
 
 def materialize_prompt(request_msg: RequestMsg) -> RequestMsg:
@@ -133,11 +131,7 @@ class SimRuntime:
         # steps most of its iterations there; a colocated one runs ahead at once, and asking first would
         # cost its prefill iterations a scan of the running requests)
         self.steady_in_step = self.fast_forward and self.controller.commands_on_events
-        self.next_arrival_s = float("inf")
-        self._next_arrival: Request | None = None
-        self._after_next: deque[Request] = deque()       # arrivals pulled after _next_arrival
-        self._arrivals: Iterator[Request] = iter(())
-        self._plan: tuple[dict[str, float], float] | None = None     # _planned_arrival's, until the next arrival
+        self.arrivals = Arrivals([], self.controller, len(self.workers))     # run()'s
         # iterations run ahead, iterations on the steady-decode short path (run ahead or not), and
         # iterations in a DecodeRun
         self.num_run_ahead = self.num_steady = self.num_in_runs = 0
@@ -241,7 +235,7 @@ class SimRuntime:
         svc, box, clock, heap = self.services[worker_id], self.outbox[worker_id], self.clock, self._heap
         bounded_by_heap = self.controller.commands_on_events
         # colocated: only an arrival reaches it
-        until, runs = (self.next_arrival_s if bounded_by_heap else self._planned_arrival(worker_id)), True
+        until, runs = (self.arrivals.next_s if bounded_by_heap else self.arrivals.planned_s(worker_id)), True
         while svc.has_work():
             end = out.end_s
             if bounded_by_heap:
@@ -298,7 +292,7 @@ class SimRuntime:
         controller shows apart from this one (apart_from; then runs are
         allowed), unless a worker outside them has work and nothing in the
         heap (waiting for memory: any event might start it)."""
-        arrival = self.next_arrival_s
+        arrival = self.arrivals.next_s
         if not self.controller.commands_on_events:
             return arrival, True
         heap = self._heap
@@ -315,46 +309,6 @@ class SimRuntime:
             if w != worker_id and w not in apart and w not in owners and svc.has_work():
                 return (min(arrival, heap[0][0]) if heap else arrival), False
         return until, True
-
-    def _planned_arrival(self, worker_id: str) -> float:
-        """The instant of the first arrival the controller will send to the
-        worker, from its plan of the next few (controller.planned_targets:
-        colocated behind round_robin, whose picks depend on neither the
-        request nor the pool); the next arrival's where it cannot say, and
-        the last planned one's where none of those goes to the worker. An
-        arrival sent elsewhere changes nothing the worker reads, so it runs
-        on past it; the arrival itself, its routing and the other replicas'
-        events still happen in time order."""
-        if self._plan is None:
-            cap = _LOOKAHEAD_PER_WORKER * len(self.workers)
-            upcoming = self._lookahead(cap)
-            first: dict[str, float] = {}
-            planned = 0
-            for target in self.controller.planned_targets(upcoming):
-                if target and target not in first:
-                    first[target] = upcoming[planned].arrival_s
-                planned += 1
-            if planned < len(upcoming):      # the controller cannot say where this one goes
-                rest = upcoming[planned].arrival_s
-            elif len(upcoming) < cap:        # none is left after these
-                rest = float("inf")
-            else:                            # those after the last looked at may go anywhere
-                rest = upcoming[-1].arrival_s
-            self._plan = first, rest
-        first, rest = self._plan
-        return first.get(worker_id, rest)
-
-    def _lookahead(self, n: int) -> list[Request]:
-        """The next n arrivals (fewer where the workload ends), pulled ahead of the clock as needed."""
-        if self._next_arrival is None:
-            return []
-        after = self._after_next
-        while len(after) < n - 1:
-            req = next(self._arrivals, None)
-            if req is None:
-                break
-            after.append(req)
-        return [self._next_arrival, *itertools.islice(after, n - 1)]
 
     def _owner(self, action: Callable[[Any], None], arg: Any) -> str | None:
         """The worker a heap event is about (None: the frontend's or the store's)."""
@@ -397,25 +351,16 @@ class SimRuntime:
         """Serve `requests`: a list (sorted here), or an iterator already in
         arrival order, pulled as the clock reaches each arrival (a 1M-request
         workload is never in memory at once)."""
-        arrivals = iter(sorted(requests, key=lambda r: r.arrival_s)) if isinstance(requests, list) else \
-            _in_arrival_order(requests)
-        ctl, clock, heap, pop = self.controller, self.clock, self._heap, heapq.heappop
-        order, after = self.order, self._after_next
-        self._arrivals = arrivals
-        nxt = self._next_arrival = next(arrivals, None)
-        inf = float("inf")
-        self.next_arrival_s = inf if nxt is None else nxt.arrival_s
+        arrivals = self.arrivals = Arrivals(requests, self.controller, len(self.workers))
+        ctl, clock, heap, pop, order = self.controller, self.clock, self._heap, heapq.heappop, self.order
         with _cyclic_gc_paused():
-            while nxt is not None or heap:
+            while arrivals.next is not None or heap:
                 # an arrival goes before a worker event at the same instant
-                if nxt is not None and (not heap or nxt.arrival_s <= heap[0][0]):
-                    req = nxt
-                    nxt = self._next_arrival = after.popleft() if after else next(arrivals, None)
-                    self.next_arrival_s = inf if nxt is None else nxt.arrival_s
+                if arrivals.next is not None and (not heap or arrivals.next_s <= heap[0][0]):
+                    req = arrivals.pop()
                     clock.t = req.arrival_s
                     order.release_before(clock.t)
                     ctl.on_arrival(req, req.arrival_s)
-                    self._plan = None
                     continue
                 t, _, action, arg = pop(heap)
                 clock.t = t
@@ -435,16 +380,6 @@ class SimRuntime:
 def _only_progress(events: list[Event]) -> bool:
     """An iteration's events that only deliver tokens and report free blocks."""
     return all(type(ev) is Tokens or type(ev) is IterationDone for ev in events)
-
-
-def _in_arrival_order(requests: Iterable[Request]) -> Iterator[Request]:
-    last = -float("inf")
-    for r in requests:
-        if r.arrival_s < last:
-            raise ValueError(f"request {r.request_id} arrives at {r.arrival_s} s, before the one yielded before it "
-                             f"({last} s): a lazy workload must come in arrival order (or pass a list)")
-        last = r.arrival_s
-        yield r
 
 
 @contextlib.contextmanager

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import Callable
 
 from testbed.batch import Batch
 from testbed.block_manager import BlockManager
@@ -75,7 +76,12 @@ class AdaptiveScheduler(SarathiScheduler):
                        else self.acfg.tbt_headroom * self.tbt_s)
         self.prefill_budget = self.acfg.max_budget     # the budget of the batch being planned
         self._planned: tuple[Batch, str, float] | None = None    # (batch, kind, raw prediction)
-        self._decode_pricers: dict[int, object] = {}              # the predictor's, per batch size
+        self._decode_pricers: dict[int, Callable[[int, int], float]] = {}    # the predictor's, per batch size
+        # a steady decode batch is planned and observed without its slices where the predictor
+        # prices decodes by their contexts' sum and longest (CostModel.decode_pricer: the same
+        # float as iteration_time_s of the slices); else it goes through schedule() and on_step
+        make = getattr(self.predictor, "decode_pricer", None)
+        self.observes_steady = make is not None and self._decode_pricer(1) is not None
 
     def schedule(self) -> Batch:
         # sarathi's schedule() (every decode, then chunks FCFS) under iteration_budget()'s budget
@@ -91,18 +97,12 @@ class AdaptiveScheduler(SarathiScheduler):
                    for s in batch.slices if not s.is_decode), "a prompt was scheduled below min_budget"
         return batch
 
-    @property
-    def observes_steady(self) -> bool:
-        # a steady decode batch is planned and observed without its slices where the predictor
-        # prices decodes by their contexts' sum and longest (CostModel.decode_pricer: the same
-        # float as iteration_time_s of the slices); else it goes through schedule() and on_step
-        return self._decode_pricer(1) is not None
-
     def steady_decodes(self) -> tuple[list[Request], int] | None:
         # with no prompt to budget, schedule() gives each running request its decode
         # under decodes + max_budget: sarathi's steady batch (observe_steady plans it)
         # (asked before every step on the simulator: a prompt in the queues ends it before the budget is priced)
-        if self.waiting or not self.observes_steady or any(r.num_computed_tokens < r.prompt_len for r in self.running):
+        if not self.observes_steady or self.waiting or \
+                any(r.num_computed_tokens < r.prompt_len for r in self.running):
             return None
         return self._steady_running(self.iteration_budget())
 
@@ -116,11 +116,10 @@ class AdaptiveScheduler(SarathiScheduler):
         self.correction.observe(DECODE, raw, duration_s)
         return predicted
 
-    def _decode_pricer(self, num_decodes: int):
+    def _decode_pricer(self, num_decodes: int) -> Callable[[int, int], float] | None:
         pricer = self._decode_pricers.get(num_decodes)
-        if pricer is None and num_decodes not in self._decode_pricers:
-            make = getattr(self.predictor, "decode_pricer", None)
-            pricer = self._decode_pricers[num_decodes] = make(num_decodes) if make is not None else None
+        if pricer is None:
+            pricer = self._decode_pricers[num_decodes] = self.predictor.decode_pricer(num_decodes)
         return pricer
 
     def add(self, request: Request) -> None:
