@@ -132,6 +132,13 @@ class StoreClient:
         meta = [[k, wire.block_checksum(b), memoryview(b).nbytes] for k, b in zip(keys, blocks)]
         return {"op": "put", "blocks": meta}
 
+    def flush(self) -> None:
+        """Return once the store has taken every put sent before: one round
+        trip, answered after them since the store keeps a connection's
+        messages in order. StoreDown when it does not answer in time."""
+        if self._sock is not None:
+            self._call({"op": "stats"})
+
     def stats(self) -> dict:
         reply, _ = self._call({"op": "stats"})
         return {**reply["counters"], "num_blocks": reply["num_blocks"], "used_bytes": reply["used_bytes"]}

@@ -83,11 +83,12 @@ def server():
     ctx = zmq.Context()
     servers = []
 
-    def start(**cfg):
+    def start(delay_s: float = 0.0, **cfg):
         srv = StoreServer(KVStoreConfig(**cfg), "127.0.0.1", ctx)
         stop = threading.Event()
 
         def loop():
+            time.sleep(delay_s)             # a store busy elsewhere: requests queue meanwhile
             while not stop.is_set():
                 if srv.sock.poll(10):
                     srv.serve()
@@ -127,6 +128,21 @@ def test_put_get_contains_round_trip(server):
             c.contains([11])
             time.sleep(0.005)
         assert srv.index.num_pinned() == 0
+    finally:
+        c.close()
+
+
+def test_flush_returns_once_the_store_has_taken_every_put_sent_before(server):
+    """A stopping worker flushes before it reports: its last publishes (sent
+    without waiting) are counted by the store, not dropped with its socket."""
+    srv = server(delay_s=0.3, capacity_bytes=None)
+    c = StoreClient(srv.address, timeout_s=5, retry_s=0)
+    try:
+        for i in range(10):
+            assert c.put_nowait([100 + 5 * i + j for j in range(5)], blocks(5, base=i))
+        assert srv.index.counters.puts == 0           # the store has not served yet
+        c.flush()
+        assert (srv.index.counters.puts, srv.index.counters.blocks_stored) == (50, 50)
     finally:
         c.close()
 

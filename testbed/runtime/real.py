@@ -368,6 +368,19 @@ class RealRuntime:
         if self.on_event is not None:
             self.on_event(self, ev)
 
+    def _collect_stats(self, done: Callable[[], bool], deadline: float) -> None:
+        """Read the stopping processes' events until done() or the deadline."""
+        while not done() and time.monotonic() < deadline:
+            for ev in self._recv(50):
+                if type(ev) is StoreStats:
+                    self.store_stats = ev.to_dict()
+                elif type(ev) is Stats:
+                    self.stats[ev.worker] = ev.to_dict()
+                elif type(ev) is IterationDone and self.controller is not None:
+                    # the last step's record trails its requests' Finished events
+                    # (and precedes the stats on the same socket): keep it
+                    self.controller.on_event(ev, self.clock.now())
+
     def kill(self, worker_id: str) -> None:
         """Kill a worker process for real (fault tests), and act on its death at
         once: what it sent before dying and this process has not read yet is stale."""
@@ -393,24 +406,15 @@ class RealRuntime:
             stop_authenticator(self._auth)
             self.ctx.term()
             return
+        deadline = time.monotonic() + STOP_TIMEOUT_S
         alive = [w.worker_id for w in self.workers if self.launcher.alive(w.worker_id)]
         for w in alive:
             self._send(w, Stop())
-        store_alive = self.store_addr is not None and self.launcher.alive(STORE_ID)
-        if store_alive:
+        # the store last: a worker publishes its last blocks before it reports its stats
+        self._collect_stats(lambda: all(w in self.stats for w in alive), deadline)
+        if self.store_addr is not None and self.launcher.alive(STORE_ID):
             self._send(STORE_ID, Stop())
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        while ((any(w not in self.stats for w in alive) or (store_alive and self.store_stats is None))
-               and time.monotonic() < deadline):
-            for ev in self._recv(50):
-                if type(ev) is StoreStats:
-                    self.store_stats = ev.to_dict()
-                elif type(ev) is Stats:
-                    self.stats[ev.worker] = ev.to_dict()
-                elif type(ev) is IterationDone and self.controller is not None:
-                    # the last step's record trails its requests' Finished events
-                    # (and precedes the stats on the same socket): keep it
-                    self.controller.on_event(ev, self.clock.now())
+            self._collect_stats(lambda: self.store_stats is not None, deadline)
         self.launcher.join(max(0.0, deadline - time.monotonic()))
         self.cmd.close(0)
         self.events.close(0)

@@ -45,5 +45,11 @@ class RealStorePort(StorePort):
         frames = [data[i].reshape(-1).view(torch.uint8).numpy() for i in range(len(block_ids))]
         return len(keys) if self.client.put_nowait(keys, frames) else 0
 
+    def flush(self) -> None:
+        try:
+            self.client.flush()
+        except StoreDown:
+            pass                      # a store that is gone keeps nothing more: nothing to wait for
+
     def close(self) -> None:
         self.client.close()

@@ -46,5 +46,9 @@ class StorePort(ABC):
     def cancel(self, request_id: str) -> None:
         """Forget a fetch still under way (the request ended)."""
 
+    def flush(self) -> None:
+        """Return once the store holds what was published before (a stopping
+        worker's last blocks are counted, not dropped with its socket)."""
+
     def close(self) -> None:
         pass

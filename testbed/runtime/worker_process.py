@@ -170,6 +170,8 @@ class WorkerProcess:
                         # this core, it otherwise waited for the next step to end its
                         # CFS slice (experiments/benchmarks/bench_event_latency.py)
                         os.sched_yield()
+            if self.store is not None:
+                self.store.flush()           # its last publishes land before the frontend stops the store
             self.emit(service.stats())
         except FrontendGone as e:
             print(f"worker {self.spec.worker_id}: {e} (runtime.frontend_timeout_s): it is gone, exiting",
