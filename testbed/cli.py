@@ -10,10 +10,13 @@ from __future__ import annotations
 import sys
 
 USAGE = __doc__
+MULTIRUN_FLAGS = ("-m", "--multirun")
 
 
 def _hydra_run(argv: list[str]) -> int:
     from testbed.cli_errors import hydra_raises, override_error, refused_override
+    # Hydra's parser takes -m only before the overrides ("unrecognized arguments" after them)
+    argv = [a for a in argv if a in MULTIRUN_FLAGS] + [a for a in argv if a not in MULTIRUN_FLAGS]
     refused = refused_override(argv)
     if refused:
         print(f"error: {refused}", file=sys.stderr)

@@ -222,6 +222,10 @@ def override_error(exc: BaseException, task_started: bool) -> str | None:
         if "No match in the defaults list" in message or "Could not override" in message:
             message += f"; preset groups are {', '.join(_groups())} (and hydra/...)"
         return message
+    if isinstance(exc, OSError) and exc.filename and not task_started:
+        # Hydra makes the output directory before the task: a name too long, a read-only place
+        return (f"cannot create the output directory '{exc.filename}' ({exc.strerror}); set hydra.run.dir "
+                "(hydra.sweep.dir for -m) to a writable path whose names are each at most 255 bytes")
     if not task_started:
         # raised by Hydra's override parser before any config existed (e.g. `=3`)
         return f"the overrides were refused ({_one_line(exc)}); each is KEY=VALUE, e.g. token_budget=512"

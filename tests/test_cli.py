@@ -77,6 +77,23 @@ def test_a_path_in_a_sweeps_overrides_names_one_directory_per_point(tmp_path):
     assert header.split()[1:] == ["workload.rate=20", "workload.rate=40"]
 
 
+def test_a_sweep_takes_m_among_its_overrides(tmp_path):
+    """`testbed run a=1,2 -m b=3`: Hydra's own parser refused overrides on both sides of -m."""
+    out = tmp_path / "sweep"
+    proc = run_cli("run", "runtime=sim", *SMALL, "workload.rate=20,40", "-m", f"hydra.sweep.dir={out}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len([p for p in out.iterdir() if (p / "summary.json").is_file()]) == 2
+
+
+def test_an_output_directory_that_cannot_be_made_is_named_not_called_a_bad_override(tmp_path):
+    too_long = tmp_path / ("x" * 300)
+    proc = run_cli("run", "-m", "runtime=sim", *SMALL, f"hydra.sweep.dir={too_long}", cwd=tmp_path)
+    assert proc.returncode == 2
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: cannot create the output directory '{too_long}'"), line
+    assert "File name too long" in line and "hydra.sweep.dir" in line and "overrides were refused" not in line
+
+
 def test_report_compares_the_sweep_points(sweep):
     out, _ = sweep
     a, b = sorted(p for p in out.iterdir() if p.is_dir() and (p / "summary.json").exists())
