@@ -48,8 +48,10 @@ def test_a_study_run_again_replays_every_probe_and_writes_the_same_rows(tmp_path
     assert again["num_probe_runs"] == 0 and again["num_replayed_probes"] == first["num_probe_runs"]
     assert (tmp_path / "a" / "decision.csv").read_bytes() == (tmp_path / "b" / "decision.csv").read_bytes()
     assert first["crossovers"] == again["crossovers"]
-    # the probe rows keep the wall time each probe took when it ran; only `cached` tells them apart
+    # the probe rows keep the wall and CPU time each probe took when it ran; only `cached` tells them apart
     a, b = probe_rows(tmp_path / "a"), probe_rows(tmp_path / "b")
+    assert all(float(r["cpu_s"]) >= 0 for r in a) and sum(float(r["cpu_s"]) for r in a) > 0
+    assert again["probe_cpu_s"] == first["probe_cpu_s"] == round(sum(float(r["cpu_s"]) for r in a), 1)
     assert {r["cached"] for r in a} == {"False"} and {r["cached"] for r in b} == {"True"}
     assert [{**r, "cached": ""} for r in a] == [{**r, "cached": ""} for r in b]
     assert any(f"{first['num_probe_runs']} probes of this code" in line for line in said)
@@ -67,8 +69,9 @@ def test_a_study_cut_short_resumes_where_it_stopped(tmp_path):
     assert 0 < resumed["num_replayed_probes"] and 0 < resumed["num_probe_runs"] < whole["num_probe_runs"]
     assert any("1 torn lines skipped" in line for line in said)
     assert (tmp_path / "whole" / "decision.csv").read_bytes() == (tmp_path / "b" / "decision.csv").read_bytes()
-    assert [{**r, "wall_s": "", "load_1m": "", "cached": ""} for r in probe_rows(tmp_path / "whole")] == \
-        [{**r, "wall_s": "", "load_1m": "", "cached": ""} for r in probe_rows(tmp_path / "b")]
+    timing = {"wall_s": "", "cpu_s": "", "load_1m": "", "cached": ""}
+    assert [{**r, **timing} for r in probe_rows(tmp_path / "whole")] == \
+        [{**r, **timing} for r in probe_rows(tmp_path / "b")]
 
 
 def test_a_definition_that_never_judged_a_cached_probe_runs_it_again(tmp_path):

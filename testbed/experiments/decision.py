@@ -74,13 +74,17 @@ def run_decision(cfg: RunConfig, out: Path, log=print) -> dict:
     summary["elapsed_s"] = elapsed
     summary["num_probe_runs"] = num_runs
     summary["num_replayed_probes"] = prober.num_replayed
+    # the simulated probes' own compute, each once however often the grid was resumed (replayed
+    # ones keep the figure from when they ran); elapsed_s also counts the machine's other work
+    summary["probe_cpu_s"] = round(sum(r["cpu_s"] for r in prober.rows if r["cpu_s"] is not None), 1)
     _write_csv(out / "decision.csv", rows, COLUMNS)
     if probe_rows:
         _write_csv(out / "decision_probes.csv", probe_rows, tuple(probe_rows[0]))
     (out / "decision_summary.json").write_text(json.dumps(summary, indent=2))
     figures = decision_figures(rows, summary["crossovers"], out)
     replayed = f" (and {prober.num_replayed} replayed from the probe cache)" if prober.num_replayed else ""
-    log(f"decision: {len(rows)} rows from {num_runs} probe runs{replayed} in {elapsed:.0f} s -> {out}/decision.csv")
+    log(f"decision: {len(rows)} rows from {num_runs} probe runs{replayed} in {elapsed:.0f} s "
+        f"({summary['probe_cpu_s']:.0f} CPU s of simulated probes) -> {out}/decision.csv")
     for c in summary["crossovers"]:
         log(f"  L* {c['model']}/{c['hardware']}/{c['link']}/N{c['num_gpus']} {c['slo']}@{c['tbt_slo_ms']}ms: "
             f"{c['l_star']}")

@@ -39,6 +39,9 @@ class ProbeRun:
     wall_s: float = 0.0
     load_1m: float | None = None      # the 1-minute load average when it ended
     records: str = ""                 # where the runner kept its records ("": not kept)
+    # the simulating process's CPU seconds: unlike wall_s, not inflated by the machine's other work
+    # (None for a real probe, whose work is in its worker processes, and for a replayed one from before)
+    cpu_s: float | None = None
     num_judged: int = -1              # len(window.judged); a replayed run's window comes without its records
     cached: bool = False              # replayed from the probe cache (probe_cache.py)
     verdicts: dict[str, str] = field(default_factory=dict)    # SLO definition and targets -> the limit missed
@@ -128,7 +131,7 @@ class Prober:
         service = self.service_s.get(key, first_service_s)
         n = self._size(rate, service)
         run = self._run(cfg, rate, n)
-        runs, wall_s = 1, run.wall_s          # a lengthened probe's row counts every run it took
+        runs, wall_s, cpu_s = 1, run.wall_s, run.cpu_s     # a lengthened probe's row counts every run it took
         missed = limit(run)
         passed = not missed
         for _ in range(self.max_lengthenings):
@@ -141,6 +144,7 @@ class Prober:
                 break
             run = self._run(cfg, rate, needed)
             runs, wall_s = runs + 1, wall_s + run.wall_s
+            cpu_s = None if cpu_s is None or run.cpu_s is None else cpu_s + run.cpu_s
             missed = limit(run)
             passed = not missed
         if passed and run.window.service_s > 0:
@@ -151,7 +155,8 @@ class Prober:
                           "span_s": run.window.span_s, "service_s": run.window.service_s,
                           "steady": run.window.steady, "steady_reason": run.window.reason,
                           "verdict": missed or "pass", "judged_by": asker, "source": self.runner.source, "runs": runs,
-                          "wall_s": round(wall_s, 2), "load_1m": run.load_1m, "records": run.records,
+                          "wall_s": round(wall_s, 2), "cpu_s": None if cpu_s is None else round(cpu_s, 2),
+                          "load_1m": run.load_1m, "records": run.records,
                           "cached": run.cached})
         return run
 
@@ -174,7 +179,8 @@ class Prober:
             self.num_replayed += 1
             run = ProbeRun(Window([], entry["steady"], entry["reason"], entry["span_s"], entry["service_s"]),
                            entry["num_requests"], entry["num_finished"], entry["wall_s"], entry["load_1m"],
-                           num_judged=entry["num_judged"], cached=True, verdicts=dict(entry["verdicts"]),
+                           cpu_s=entry.get("cpu_s"), num_judged=entry["num_judged"], cached=True,
+                           verdicts=dict(entry["verdicts"]),
                            rerun=lambda: self._rerun(run_cfg, entry))
         run.on_verdict = lambda r: cache.put(key, entry_of(r))
         return run
@@ -194,13 +200,14 @@ class Prober:
         from testbed.workloads.build import build_workload
         requests = build_workload(run_cfg.workload, run_cfg.model.vocab_size, run_cfg.seed)
         apply_sampling(run_cfg, requests)
-        t0 = time.monotonic()
+        t0, c0 = time.monotonic(), time.process_time()
         records = self.runner.records(run_cfg, requests)
+        wall_s, cpu_s = time.monotonic() - t0, time.process_time() - c0
         self.num_runs += 1
         finished = sum(r.finished for r in records)
         # the load the probe ran under: a real probe's capacity is the machine's share it got
-        return ProbeRun(self.rule.window(records), len(records), finished, time.monotonic() - t0,
-                        round(os.getloadavg()[0], 2), self.runner.last_dir)
+        return ProbeRun(self.rule.window(records), len(records), finished, wall_s, round(os.getloadavg()[0], 2),
+                        self.runner.last_dir, cpu_s=cpu_s if self.runner.source == "sim" else None)
 
 
 def verdict(run: ProbeRun, smooth: Smoothness, targets: SLOTargets) -> str:
