@@ -38,6 +38,7 @@ from testbed.wire_text import shown
 
 READY_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
+STORE_STOP_S = 2.0             # of STOP_TIMEOUT_S, kept for the KV store, stopped after the workers
 STORE_ID = "kvstore"          # the KV store service's id (a mode that needs_store)
 STORE_ENTRY = "testbed.runtime.store_process:store_main"
 MAX_CMD_REPLY_BYTES = 4096    # nothing is sent to the frontend's command socket: whatever comes is dropped
@@ -410,9 +411,11 @@ class RealRuntime:
         alive = [w.worker_id for w in self.workers if self.launcher.alive(w.worker_id)]
         for w in alive:
             self._send(w, Stop())
-        # the store last: a worker publishes its last blocks before it reports its stats
-        self._collect_stats(lambda: all(w in self.stats for w in alive), deadline)
-        if self.store_addr is not None and self.launcher.alive(STORE_ID):
+        # the store last: a worker publishes its last blocks before it reports its stats (a worker
+        # that never reports leaves the store the last STORE_STOP_S of the deadline)
+        store = self.store_addr is not None
+        self._collect_stats(lambda: all(w in self.stats for w in alive), deadline - (STORE_STOP_S if store else 0))
+        if store and self.launcher.alive(STORE_ID):
             self._send(STORE_ID, Stop())
             self._collect_stats(lambda: self.store_stats is not None, deadline)
         self.launcher.join(max(0.0, deadline - time.monotonic()))
