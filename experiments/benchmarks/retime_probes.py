@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
-import json
 import random
 import sys
 import time
@@ -89,7 +88,8 @@ def main() -> int:
     p.add_argument("--sample", type=int, default=40, help="and this many drawn at random from the rest")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    cached = load_cache(args.cache) if args.cache else {}
+    from testbed.experiments.probe_cache import read_entries
+    cached = {e["key"]: e for e in read_entries(args.cache) if e is not None} if args.cache else {}
     rows = []
     for csv_path in sorted(args.sweep.rglob("decision_probes.csv")):
         with open(csv_path) as f:
@@ -125,18 +125,6 @@ def main() -> int:
         print(f"estimated probe time re-run alone: {low:.0f}-{high:.0f} s, against {total:.0f} s recorded "
               f"(the longest as re-timed, the rest scaled by the sample's ratio)")
     return 0
-
-
-def load_cache(directory: Path) -> dict[str, dict]:
-    cached = {}
-    for path in sorted(directory.glob("*.jsonl")):
-        for line in path.read_text().splitlines():
-            try:
-                entry = json.loads(line)
-            except json.JSONDecodeError:
-                continue                      # a torn last line
-            cached[entry["key"]] = entry
-    return cached
 
 
 def retime_row(cfg: RunConfig, row: dict, cached: dict[str, dict]) -> tuple[float, float]:

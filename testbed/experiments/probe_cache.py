@@ -31,6 +31,7 @@ import json
 import os
 import socket
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 from testbed.config import RunConfig
@@ -68,20 +69,17 @@ class ProbeCache:
         self.entries: dict[str, dict] = {}
         self._file = None
         other_code = torn = 0
-        for path in sorted(self.dir.glob("*.jsonl")):
-            for line in path.read_text().splitlines():
-                try:
-                    entry = json.loads(line)
-                except json.JSONDecodeError:
-                    torn += 1
-                    continue
-                if entry.get("stamp") != self.stamp:
-                    other_code += 1
-                    continue
-                known = self.entries.get(entry["key"])
-                if known is not None:
-                    entry["verdicts"] = {**known["verdicts"], **entry["verdicts"]}
-                self.entries[entry["key"]] = entry
+        for entry in read_entries(self.dir):
+            if entry is None:
+                torn += 1
+                continue
+            if entry.get("stamp") != self.stamp:
+                other_code += 1
+                continue
+            known = self.entries.get(entry["key"])
+            if known is not None:
+                entry["verdicts"] = {**known["verdicts"], **entry["verdicts"]}
+            self.entries[entry["key"]] = entry
         log(f"decision: probe cache {self.dir}: {len(self.entries)} probes of this code ({self.stamp})"
             + (f", {other_code} lines of other code versions ignored" if other_code else "")
             + (f", {torn} torn lines skipped" if torn else ""))
@@ -110,6 +108,17 @@ class ProbeCache:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def read_entries(directory: Path) -> Iterator[dict | None]:
+    """Every line of every cache file in `directory`, of any code stamp, in file
+    order; None for a torn line (a process killed mid-write)."""
+    for path in sorted(Path(directory).glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                yield None
 
 
 def entry_of(run) -> dict:
