@@ -1,0 +1,112 @@
+"""The L* table of a decision sweep: every point's `decision_summary.json`
+under SWEEP_DIR (a `testbed run -m experiment=decision...` sweep, one point per
+model and hardware) read into one markdown table, a row per model, hardware,
+GPU count and SLO, with L* and the lengths where the best disaggregated
+deployment serves more per GPU than the best colocated one. Links that agree
+share a cell, so a row says at once whether the link moves the answer.
+
+    python experiments/tools/grid_table.py SWEEP_DIR [--save DIR]
+
+--save copies each point's summary and its gzipped decision.csv to
+DIR/<model>_<hardware>_decision{_summary.json,.csv.gz} (the files
+experiments/results/decision/full_grid/ keeps); two points of one model and
+hardware are refused rather than one overwriting the other.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import shutil
+from collections import defaultdict
+from pathlib import Path
+
+
+def _k(n: int) -> str:
+    return f"{n // 1048576}M" if n % 1048576 == 0 else f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def disagg_wins(crossover: dict) -> list[int]:
+    """The lengths where the best disaggregated capacity exceeds the best
+    colocated one (a family with no steady capacity at a length counts 0)."""
+    col, dis = crossover["best_colocated_capacity"], crossover["best_disaggregated_capacity"]
+    return sorted(int(L) for L, c in dis.items() if c > col.get(L, 0.0))
+
+
+def _runs(lengths: list[int]) -> str:
+    """[32K, 64K, 128K, 512K] as '32K-128K, 512K' (doubling lengths)."""
+    if not lengths:
+        return "none"
+    spans, start, prev = [], lengths[0], lengths[0]
+    for L in lengths[1:]:
+        if L != 2 * prev:
+            spans.append((start, prev))
+            start = L
+        prev = L
+    spans.append((start, prev))
+    return ", ".join(_k(a) if a == b else f"{_k(a)}-{_k(b)}" for a, b in spans)
+
+
+def _cell(by_value: dict[str, list[str]]) -> str:
+    """One value, or each value with the links that gave it."""
+    if len(by_value) == 1:
+        return next(iter(by_value))
+    return "; ".join(f"{value} ({', '.join(links)})" for value, links in by_value.items())
+
+
+def rows(summaries: list[dict]) -> list[tuple]:
+    """(model, hardware, N, slo, L* by link, wins by link), a row per point and SLO."""
+    l_stars: dict[tuple, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    wins: dict[tuple, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for summary in summaries:
+        for c in summary["crossovers"]:
+            key = (c["model"], c["hardware"], c["num_gpus"], f"{c['slo']}@{c['tbt_slo_ms']}ms")
+            l_stars[key]["none" if c["l_star"] is None else _k(c["l_star"])].append(c["link"])
+            wins[key][_runs(disagg_wins(c))].append(c["link"])
+    return [(*key, _cell(l_stars[key]), _cell(wins[key])) for key in sorted(l_stars)]
+
+
+def markdown(table: list[tuple]) -> str:
+    lines = ["| model | hardware | N | smoothness | L* | disaggregated wins at |", "|---|---|---|---|---|---|"]
+    lines += [f"| {' | '.join(str(x) for x in row)} |" for row in table]
+    return "\n".join(lines)
+
+
+def _point(summary: dict) -> str:
+    """The point's file stem: its models and hardware (a point may hold several)."""
+    models = sorted({c["model"] for c in summary["crossovers"]})
+    hardware = sorted({c["hardware"] for c in summary["crossovers"]})
+    return f"{'+'.join(models)}_{'+'.join(hardware)}"
+
+
+def save(paths: list[Path], summaries: list[dict], dest: Path) -> None:
+    stems = [_point(s) for s in summaries]
+    for stem in set(stems):
+        same = [str(p) for p, s in zip(paths, stems) if s == stem]
+        if len(same) > 1:
+            raise SystemExit(f"--save: {len(same)} points hold {stem} ({', '.join(same)}); "
+                             "pass one sweep whose points differ in model or hardware")
+    dest.mkdir(parents=True, exist_ok=True)
+    for path, stem in zip(paths, stems):
+        shutil.copyfile(path, dest / f"{stem}_decision_summary.json")
+        with open(path.with_name("decision.csv"), "rb") as src, \
+                gzip.open(dest / f"{stem}_decision.csv.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    print(f"saved {len(paths)} points to {dest}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("sweep", type=Path)
+    parser.add_argument("--save", type=Path, help="copy each point's summary and gzipped decision.csv here")
+    args = parser.parse_args()
+    paths = sorted(args.sweep.rglob("decision_summary.json"))
+    if not paths:
+        raise SystemExit(f"no decision_summary.json under {args.sweep}: is it a decision sweep's directory?")
+    summaries = [json.loads(p.read_text()) for p in paths]
+    print(markdown(rows(summaries)))
+    if args.save:
+        save(paths, summaries, args.save)
+
+if __name__ == "__main__":
+    main()
