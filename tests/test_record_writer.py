@@ -50,6 +50,9 @@ def fill(log: RecordLog) -> None:
     log.extend_iterations(its[len(reqs) * 24:])
 
 
+# r52's token time of inf (an edge value for the encoder) makes the summary's percentiles NaN, which
+# numpy reports as a RuntimeWarning; both summaries must carry the same NaN, so the warning is expected.
+@pytest.mark.filterwarnings("ignore:invalid value encountered in subtract:RuntimeWarning")
 @pytest.mark.parametrize("writer_after", [0, 500])       # from the start; handed over mid-run
 def test_the_writer_writes_the_bytes_write_jsonl_writes(tmp_path, writer_after):
     log = RecordLog(RunStats(None, None), tmp_path / "w", chunk=64, writer_after=writer_after)
