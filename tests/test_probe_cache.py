@@ -52,6 +52,8 @@ def test_a_study_run_again_replays_every_probe_and_writes_the_same_rows(tmp_path
     a, b = probe_rows(tmp_path / "a"), probe_rows(tmp_path / "b")
     assert all(float(r["cpu_s"]) >= 0 for r in a) and sum(float(r["cpu_s"]) for r in a) > 0
     assert again["probe_cpu_s"] == first["probe_cpu_s"] == round(sum(float(r["cpu_s"]) for r in a), 1)
+    # the probes' wall time survives the replay too, where the replay's own elapsed_s does not
+    assert again["probe_wall_s"] == first["probe_wall_s"] == round(sum(float(r["wall_s"]) for r in a), 1)
     assert {r["cached"] for r in a} == {"False"} and {r["cached"] for r in b} == {"True"}
     assert [{**r, "cached": ""} for r in a] == [{**r, "cached": ""} for r in b]
     assert any(f"{first['num_probe_runs']} probes of this code" in line for line in said)

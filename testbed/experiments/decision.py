@@ -75,8 +75,10 @@ def run_decision(cfg: RunConfig, out: Path, log=print) -> dict:
     summary["num_probe_runs"] = num_runs
     summary["num_replayed_probes"] = prober.num_replayed
     # the simulated probes' own compute, each once however often the grid was resumed (replayed
-    # ones keep the figure from when they ran); elapsed_s also counts the machine's other work
+    # ones keep the figure from when they ran); elapsed_s is this run's alone (a resumed grid's replay
+    # takes seconds), and probe_wall_s, their wall clocks, also counts the machine's other work
     summary["probe_cpu_s"] = round(sum(r["cpu_s"] for r in prober.rows if r["cpu_s"] is not None), 1)
+    summary["probe_wall_s"] = round(sum(r["wall_s"] for r in prober.rows), 1)
     _write_csv(out / "decision.csv", rows, COLUMNS)
     if probe_rows:
         _write_csv(out / "decision_probes.csv", probe_rows, tuple(probe_rows[0]))
