@@ -30,6 +30,7 @@ def test_the_table_groups_links_that_agree_and_names_those_that_differ(tmp_path)
     fast = _crossover("fast", 4096, {k: v for k, v in col.items() if k != 8192},
                       {1024: 5.0, 2048: 1.0, 4096: 2.0, 8192: 0.1})
     fast["best_colocated_capacity"].pop("8192", None)
+    fast["ties"] = [2048]
     slow = _crossover("slow", None, col, {1024: 1.0, 2048: 3.0, 4096: 0.5, 8192: 0.1})
     same = [_crossover(link, None, col, {1024: 1.0}, tbt_ms=50) for link in ("fast", "slow")]
     other = [dict(c, hardware="g") for c in same]
@@ -39,9 +40,9 @@ def test_the_table_groups_links_that_agree_and_names_those_that_differ(tmp_path)
     out = subprocess.run([sys.executable, str(TOOL), str(tmp_path), "--save", str(saved)],
                          capture_output=True, text=True, check=True).stdout
     lines = out.splitlines()
-    assert "| m | h | 4 | p99_tbt@100ms | 4K (fast); none (slow) | 1K, 4K-8K (fast); 2K (slow) |" in lines
-    assert "| m | h | 4 | p99_tbt@50ms | none | none |" in lines
-    assert "| m | g | 4 | p99_tbt@50ms | none | none |" in lines
+    assert "| m | h | 4 | p99_tbt@100ms | 4K (fast); none (slow) | 1K, 4K-8K (fast); 2K (slow) | 2K (fast); none (slow) |" in lines
+    assert "| m | h | 4 | p99_tbt@50ms | none | none | none |" in lines
+    assert "| m | g | 4 | p99_tbt@50ms | none | none | none |" in lines
     assert sorted(p.name for p in saved.iterdir()) == [
         "m_g_decision.csv.gz", "m_g_decision_summary.json", "m_h_decision.csv.gz", "m_h_decision_summary.json"]
     assert gzip.open(saved / "m_h_decision.csv.gz", "rt").read() == "model,capacity\n0-a,1.0\n"

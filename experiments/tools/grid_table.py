@@ -2,7 +2,9 @@
 under SWEEP_DIR (a `testbed run -m experiment=decision...` sweep, one point per
 model and hardware) read into one markdown table, a row per model, hardware,
 GPU count and SLO, with L* and the lengths where the best disaggregated
-deployment serves more per GPU than the best colocated one. Links that agree
+deployment serves more per GPU than the best colocated one, and the ties (the
+lengths where the loser's search bracket reaches above the winner: within the
+search's resolution, the summary's `ties`). Links that agree
 share a cell, so a row says at once whether the link moves the answer.
 
     python experiments/tools/grid_table.py SWEEP_DIR [--save DIR]
@@ -55,19 +57,22 @@ def _cell(by_value: dict[str, list[str]]) -> str:
 
 
 def rows(summaries: list[dict]) -> list[tuple]:
-    """(model, hardware, N, slo, L* by link, wins by link), a row per point and SLO."""
+    """(model, hardware, N, slo, L* by link, wins by link, ties by link), a row per point and SLO."""
     l_stars: dict[tuple, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
     wins: dict[tuple, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    ties: dict[tuple, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
     for summary in summaries:
         for c in summary["crossovers"]:
             key = (c["model"], c["hardware"], c["num_gpus"], f"{c['slo']}@{c['tbt_slo_ms']}ms")
             l_stars[key]["none" if c["l_star"] is None else _k(c["l_star"])].append(c["link"])
             wins[key][_runs(disagg_wins(c))].append(c["link"])
-    return [(*key, _cell(l_stars[key]), _cell(wins[key])) for key in sorted(l_stars)]
+            ties[key][_runs(sorted(c.get("ties", [])))].append(c["link"])
+    return [(*key, _cell(l_stars[key]), _cell(wins[key]), _cell(ties[key])) for key in sorted(l_stars)]
 
 
 def markdown(table: list[tuple]) -> str:
-    lines = ["| model | hardware | N | smoothness | L* | disaggregated wins at |", "|---|---|---|---|---|---|"]
+    lines = ["| model | hardware | N | smoothness | L* | disaggregated wins at | ties at |",
+             "|---|---|---|---|---|---|---|"]
     lines += [f"| {' | '.join(str(x) for x in row)} |" for row in table]
     return "\n".join(lines)
 
