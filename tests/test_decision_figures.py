@@ -75,6 +75,13 @@ def test_token_tick_labels():
         ["512", "1K", "1.5K", "32K", "1M", "2M"]
 
 
+def test_a_cell_label_puts_each_short_part_on_a_line_of_its_own():
+    assert F.cell_label("disagg-6P1D-p_tp1-d_tp2") == "disagg\n6P1D\ntp 1/2"
+    assert F.cell_label("kvstore-2P2D") == "kvstore\n2P2D"
+    assert F.cell_label("sarathi-512") == "sarathi\n512"
+    assert F.cell_label("adaptive") == "adaptive"
+
+
 def test_phase_diagram_colors_each_cell_by_its_winner_and_draws_l_star(tmp_path, monkeypatch):
     figs = capture_figures(monkeypatch)
     path = F.plot_phase_diagram(synthetic_rows(), tmp_path / "phase.png",

@@ -123,6 +123,17 @@ def tied_cells(rows: list[dict], best: dict[tuple[int, float], dict] | None = No
             if within_bracket(r, [o for o in by_cell[cell] if o["family"] != r["family"]])}
 
 
+def cell_label(deployment: str) -> str:
+    """A deployment's label in a phase-diagram cell, one short part a line, so
+    that the longest ("disagg-6P1D-p_tp1-d_tp2") fits its cell:
+    "disagg\\n6P1D\\ntp 1/2"; "sarathi-512" is "sarathi\\n512"."""
+    parts = deployment.split("-")
+    tp = [p[len("p_tp"):] for p in parts if p.startswith("p_tp")] + [p[len("d_tp"):] for p in parts
+                                                                        if p.startswith("d_tp")]
+    lines = [p for p in parts if not p.startswith(("p_tp", "d_tp"))]
+    return "\n".join(lines + ([f"tp {'/'.join(tp)}"] if tp else []))
+
+
 def plot_phase_diagram(rows: list[dict], path: Path, title: str,
                        l_star_by_link: dict[float, int | None]) -> Path:
     """Cells (L, link bandwidth) colored by the winning family (`winners`;
@@ -159,8 +170,8 @@ def plot_phase_diagram(rows: list[dict], path: Path, title: str,
         ax.add_patch(Rectangle((x_edges[j], y_edges[i]), x_edges[j + 1] - x_edges[j], 1.0, fill=False,
                                hatch="///", edgecolor="white", linewidth=0, label="_tie"))
     for (n, gbps), r in best.items():
-        ax.text(n, links.index(gbps), str(r["deployment"]).replace("-", "-\n", 1), ha="center", va="center",
-                fontsize=5.5, color="black")
+        ax.text(n, links.index(gbps), cell_label(str(r["deployment"])), ha="center", va="center",
+                fontsize=5.5, color="black", linespacing=1.0)
     xs, ys = _boundary(lengths, x_edges, links, l_star_by_link)
     ax.plot(xs, ys, color="black", linewidth=2.5, label="L*: best disaggregated > best colocated from here on")
     _log2_tokens_axis(ax, lengths)
