@@ -4,6 +4,7 @@ artists, not on pixels)."""
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 import math
 
@@ -204,4 +205,18 @@ def test_redraw_from_a_studys_files_adds_ties_and_refuses_another_studys_summary
     capsys.readouterr()
     assert main([str(tmp_path / "x_decision.csv"), "--out", str(tmp_path / "figs")]) == 2
     assert "L* = 1024" in capsys.readouterr().err
+    plt.close("all")
+
+
+def test_redraw_reads_a_gzipped_csv_beside_its_summary(tmp_path):
+    from testbed.experiments.decision_redraw import main
+    from testbed.experiments.decision_summary import crossovers
+    rows = synthetic_rows()
+    with gzip.open(tmp_path / "y_decision.csv.gz", "wt", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    (tmp_path / "y_decision_summary.json").write_text(json.dumps({"crossovers": crossovers(rows)}))
+    assert main([str(tmp_path / "y_decision.csv.gz"), "--out", str(tmp_path / "figs")]) == 0
+    assert {p.name for p in (tmp_path / "figs").glob("phase_*.png")} == {"phase_llama3-8b_h100-sxm_2gpu_p99_tbt_100ms.png"}
     plt.close("all")

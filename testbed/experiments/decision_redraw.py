@@ -3,7 +3,7 @@
     python -m testbed.experiments.decision_redraw experiments/results/decision/llama3_decision.csv \
         --out experiments/figures
 
-reads X.csv and X_summary.json beside it (a study's own directory holds
+reads X.csv (or X.csv.gz) and X_summary.json beside it (a study's own directory holds
 decision.csv and decision_summary.json), recomputes each crossover from the
 rows, refuses a summary whose L* the rows do not give, writes the summary's
 `ties` (decision_summary.ties) where the crossover lacks them, and draws the
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gzip
 import json
 import sys
 from pathlib import Path
@@ -26,8 +27,10 @@ def _cell(c: dict) -> tuple:
 
 
 def redraw(csv_path: Path, out: Path) -> list[Path]:
-    summary_path = csv_path.with_name(csv_path.stem + "_summary.json")
-    with open(csv_path, newline="") as f:
+    gz = csv_path.name.endswith(".csv.gz")          # experiments/results/decision/full_grid keeps them gzipped
+    stem = csv_path.name[:-len(".csv.gz")] if gz else csv_path.stem
+    summary_path = csv_path.with_name(stem + "_summary.json")
+    with (gzip.open(csv_path, "rt", newline="") if gz else open(csv_path, newline="")) as f:
         rows = list(csv.DictReader(f))
     summary = json.loads(summary_path.read_text())
     fresh = {_cell(c): c for c in crossovers([r for r in rows if (r.get("source") or "sim") == "sim"])}
@@ -45,7 +48,7 @@ def redraw(csv_path: Path, out: Path) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m testbed.experiments.decision_redraw", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("csv", type=Path, help="a decision.csv (its X_summary.json beside it)")
+    parser.add_argument("csv", type=Path, help="a decision.csv or .csv.gz (its X_summary.json beside it)")
     parser.add_argument("--out", type=Path, default=None, help="where the figures go (default: the CSV's directory)")
     args = parser.parse_args(argv)
     try:
