@@ -46,7 +46,8 @@ def constructed(**experiment) -> object:
              decision_colocated=["sarathi"], decision_ttft_k=3.5, decision_tbt_slos_ms=[50],
              decision_smoothness=["p99_tbt", "fluidity"], decision_output_len=16, decision_prompt_sigma=0.001,
              decision_num_gpus=[2], capacity_rate_start=20.0, capacity_rel_tol=0.1, capacity_max_probes=10,
-             decision_span_factor=10.0, decision_min_judged=20, decision_max_requests=2000, real=False)
+             decision_span_factor=10.0, decision_min_judged=20, decision_max_requests_per_gpu=1000,
+             real=False)
     e.update(experiment)
     return from_dict({"runtime": {"name": "sim"}, "model": {"name": "tiny"}, "max_num_batched_tokens": 1100, "wandb": {"mode": "disabled"}, "progress": False,
                       "experiment": e})
@@ -244,7 +245,7 @@ def test_l_star_must_hold_at_every_larger_length():
     ("decision_reuse", 1.0, "experiment.decision_reuse"),
     ("decision_span_factor", 2.0, "experiment.decision_span_factor"),
     ("decision_colocated", ["orca"], "experiment.decision_colocated"),
-    ("decision_max_requests", 5, "experiment.decision_max_requests"),
+    ("decision_max_requests_per_gpu", 5, r"experiment.decision_max_requests_per_gpu: 5 x the fewest GPUs \(2\)"),
     ("decision_tp", {"llama2-70b": 0}, "experiment.decision_tp"),
     ("decision_kv_blocks", {"h100-sxm": 0}, "experiment.decision_kv_blocks"),
     ("decision_kv_blocks", {"h100": 4096}, r"experiment.decision_kv_blocks.*\['h100'\] is no hardware"),
@@ -413,3 +414,19 @@ def test_adaptive_spends_banked_slack_only_under_the_definition_that_credits_it(
     rows = read_rows(tmp_path / "decision.csv")
     assert {(r["deployment"], r["slo"]) for r in rows} == {(d, s) for d in ("sarathi-1100", "adaptive")
                                                           for s in ("p99_tbt", "fluidity")}
+
+
+def test_a_probe_is_capped_at_max_requests_per_gpu_times_its_deployments_gpus(tmp_path):
+    """The arrival rate a deployment is probed at grows with its GPU count N,
+    and with it the requests a span of span_factor service times takes: the cap
+    is per GPU, so N = 4's probes may run twice as long as N = 2's (a flat cap
+    left N = 8's colocated probes at 1K-8K unsteady, and colocation uncounted)."""
+    run_decision(constructed(decision_num_gpus=[2, 4], decision_max_requests_per_gpu=12, context_lens=[512],
+                             decision_smoothness=["p99_tbt"]), tmp_path, lambda *_: None)
+    sizes: dict[int, set[int]] = {}
+    for p in read_rows(tmp_path / "decision_probes.csv"):
+        sizes.setdefault(int(p["key"].split("/")[2]), set()).add(int(p["num_requests"]))
+    # 20 judged over 8 of 10 service times take at least 30 requests: every probe is at its cap
+    assert max(sizes[2]) == 24 and max(sizes[4]) == 48
+    summary = json.loads((tmp_path / "decision_summary.json").read_text())
+    assert summary["assumptions"]["steady_state"]["max_requests_per_gpu"] == 12

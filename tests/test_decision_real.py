@@ -32,7 +32,7 @@ def small(**experiment):
              token_budgets=[512], decision_colocated=[], decision_ttft_k=50.0, decision_tbt_slos_ms=[500],
              decision_smoothness=["p99_tbt"], decision_output_len=8, decision_prompt_sigma=0.001,
              decision_num_gpus=[2], capacity_rate_start=4.0, capacity_rel_tol=0.5, capacity_max_probes=3,
-             decision_span_factor=3.0, decision_min_judged=3, decision_max_requests=12,
+             decision_span_factor=3.0, decision_min_judged=3, decision_max_requests_per_gpu=6,
              real=True, real_models=["tiny"], real_context_lens=[256], decision_real_probe_s=2.0,
              decision_real_max_probes=2, decision_real_rel_tol=0.5)
     e.update(experiment)

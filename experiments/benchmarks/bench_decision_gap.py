@@ -265,7 +265,8 @@ def sensitivity(scales: list[float], replicas: int, budget: int, profile: str | 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = OmegaConf.to_object(compose("config", ["experiment=decision-real", "wandb.mode=disabled"]))
     e = cfg.experiment
-    rule = SteadyRule(e.decision_span_factor, e.decision_min_judged, e.decision_max_requests)
+    rule = SteadyRule(e.decision_span_factor, e.decision_min_judged,
+                      e.decision_max_requests_per_gpu * max(e.decision_num_gpus))
     dep = Deployment(f"sarathi-{budget}", "colocated", "colocated", "sarathi", budget, replicas=replicas,
                      uses_link=False)
     out = []

@@ -82,7 +82,8 @@ def main() -> int:
     runner = RealProbes(args.out)
     records = runner.records(run_cfg, requests)
     kept = args.out / runner.last_dir
-    window = SteadyRule(e.decision_span_factor, e.decision_min_judged, e.decision_max_requests).window(records)
+    window = SteadyRule(e.decision_span_factor, e.decision_min_judged,
+                        e.decision_max_requests_per_gpu * max(e.decision_num_gpus)).window(records)
     finished = sum(r.finished for r in records)
     verdict = ("unfinished" if finished < len(records) else "unjudged" if not window.judged
                else smooth.judge(window.judged, targets) or "pass")

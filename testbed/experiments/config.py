@@ -75,7 +75,9 @@ class ExperimentConfig:
     decision_pool_tp: list[int] = field(default_factory=lambda: [1, 2, 4, 8])   # disagg: each pool's tp searched
     decision_span_factor: float = 10.0       # steady state: arrivals span this many longest service times
     decision_min_judged: int = 20            # steady state: requests judged per probe at least
-    decision_max_requests: int = 4000        # a probe's requests at most
+    # a probe's requests at most, per GPU of the deployment: its arrival rate, and so the requests a span of
+    # span_factor service times takes, grow with N (a flat 4,000 left N = 8's colocated probes unsteady to 8K)
+    decision_max_requests_per_gpu: int = 2000
     # a directory where simulated probes are kept, so that a grid cut short resumes (probe_cache.py); "": none
     probe_cache: str = ""
     # decision's real-engine rows (real=true, decision_real.py): real_models x real_context_lens on this CPU
@@ -148,9 +150,11 @@ class ExperimentConfig:
         if not self.decision_span_factor > 2:
             raise bad("decision_span_factor", f"must be > 2 (warm-up and drain each take one longest service "
                                               f"time), got {self.decision_span_factor}")
-        if self.decision_max_requests < self.decision_min_judged:
-            raise bad("decision_max_requests", f"{self.decision_max_requests} is below decision_min_judged="
-                                               f"{self.decision_min_judged}")
+        fewest = self.decision_max_requests_per_gpu * min(self.decision_num_gpus, default=1)
+        if fewest < self.decision_min_judged:
+            raise bad("decision_max_requests_per_gpu", f"{self.decision_max_requests_per_gpu} x the fewest GPUs "
+                                                       f"({min(self.decision_num_gpus, default=1)}) = {fewest} is "
+                                                       f"below decision_min_judged={self.decision_min_judged}")
         if not self.decision_pool_tp or any(t < 1 for t in self.decision_pool_tp):
             raise bad("decision_pool_tp", f"give one or more tp values >= 1, got {self.decision_pool_tp}")
         for f in ("decision_real_probe_s", "decision_real_budget_s"):

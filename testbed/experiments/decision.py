@@ -49,7 +49,9 @@ def run_decision(cfg: RunConfig, out: Path, log=print) -> dict:
         from testbed.experiments.decision_real import check_real
         check_real(e)
     started = time.monotonic()
-    rule = SteadyRule(e.decision_span_factor, e.decision_min_judged, e.decision_max_requests)
+    # each search caps its probes at decision_max_requests_per_gpu x its N; the rule's cap is the largest
+    rule = SteadyRule(e.decision_span_factor, e.decision_min_judged,
+                      e.decision_max_requests_per_gpu * max(e.decision_num_gpus))
     cache = ProbeCache(e.probe_cache, log) if e.probe_cache else None
     prober = Prober(rule, log, cache=cache)
     smooths = [get_smoothness(name) for name in e.decision_smoothness]
@@ -160,7 +162,7 @@ def _summary(cfg: RunConfig, rows: list[dict], rule: SteadyRule) -> dict:
             "prompt": f"lognormal, median L, sigma {e.decision_prompt_sigma}, clipped to [L/2, 2L]",
             "output_len": e.decision_output_len, "arrivals": "poisson", "reuse_fraction": e.decision_reuse,
             "steady_state": {"span_factor": rule.span_factor, "min_judged": rule.min_judged,
-                             "max_requests": rule.max_requests,
+                             "max_requests_per_gpu": e.decision_max_requests_per_gpu,
                              "window": "arrivals in [first + S, last - S], S the longest service time"},
             "capacity_rel_tol": e.capacity_rel_tol, "max_probes": e.capacity_max_probes,
             "tp": {m: e.decision_tp.get(m, cfg.parallel.tp) for m in e.models},

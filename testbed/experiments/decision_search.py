@@ -125,17 +125,17 @@ class Prober:
         self.num_replayed = 0
 
     def probe(self, key: tuple, cfg: RunConfig, rate: float, first_service_s: float,
-              limit: Callable[[ProbeRun], str], asker: str = "") -> ProbeRun:
+              limit: Callable[[ProbeRun], str], asker: str = "", max_requests: int | None = None) -> ProbeRun:
         if (*key, rate) in self.runs:
             return self.runs[(*key, rate)]
         service = self.service_s.get(key, first_service_s)
-        n = self._size(rate, service)
+        n = self._size(rate, service, max_requests)
         run = self._run(cfg, rate, n)
         runs, wall_s, cpu_s = 1, run.wall_s, run.cpu_s     # a lengthened probe's row counts every run it took
         missed = limit(run)
         passed = not missed
         for _ in range(self.max_lengthenings):
-            needed = self._size(rate, run.window.service_s)
+            needed = self._size(rate, run.window.service_s, max_requests)
             # every request finished and none in the window: too short to say anything, not a failure
             # (failing such a probe sent dsv2's sarathi-2048 search at 2K below half its capacity)
             unjudged = run.num_finished == run.num_requests and not run.num_judged
@@ -160,8 +160,8 @@ class Prober:
                           "cached": run.cached})
         return run
 
-    def _size(self, rate: float, service_s: float) -> int:
-        n = self.rule.num_requests(rate, service_s)
+    def _size(self, rate: float, service_s: float, max_requests: int | None) -> int:
+        n = self.rule.num_requests(rate, service_s, max_requests)
         return n if self.max_span_s is None else min(n, max(2, int(rate * self.max_span_s) + 1))
 
     def _run(self, cfg: RunConfig, rate: float, n: int) -> ProbeRun:
@@ -239,7 +239,7 @@ class Search:
 
 def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targets: SLOTargets, start: float,
            first_service_s: float, rel_tol: float, max_probes: int,
-           bracket: tuple[float, float] | None = None) -> Search:
+           bracket: tuple[float, float] | None = None, max_requests: int | None = None) -> Search:
     """The highest steady-judged rate meeting the SLOs (bisection to rel_tol).
     On the simulator a rate where no request finishes (the prompt does not
     fit the KV memory) fails for every rate: the search stops there. A search
@@ -255,7 +255,7 @@ def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targe
         return verdict(run, smooth, targets)
 
     def probe(rate: float) -> bool:
-        run = prober.probe(key, cfg, rate, first_service_s, limit_of, smooth.name)
+        run = prober.probe(key, cfg, rate, first_service_s, limit_of, smooth.name, max_requests)
         limit = limit_of(run)
         verdicts[rate] = (limit, run.window.steady)
         if run.num_finished == 0 and prober.runner.none_finished_is_memory:
@@ -390,7 +390,7 @@ def length_rows(prober: Prober, e, point: RunConfig, dep: Deployment, num_gpus: 
             t0 = time.monotonic()
             res = Search(None, "none", skip, False, 0) if skip else search(
                 prober, key, run_cfg, smooth, targets, start, service_s, rel_tol or e.capacity_rel_tol,
-                max_probes or e.capacity_max_probes, bracket)
+                max_probes or e.capacity_max_probes, bracket, e.decision_max_requests_per_gpu * num_gpus)
             if first is None or (first.capacity is None and res.capacity is not None):
                 first = res
             rows += [_row(point, link, num_gpus, smooth.name, tbt, targets, L, dep, gpus, res, prober.runner.source)
