@@ -8,6 +8,11 @@ search's resolution, the summary's `ties`). Links that agree
 share a cell, so a row says at once whether the link moves the answer.
 
     python experiments/tools/grid_table.py SWEEP_DIR [--save DIR]
+    python experiments/tools/grid_table.py experiments/results/decision/full_grid
+
+A last column names the lengths whose winner changes when the rows the study
+did not count (their deciding probes too short to be steady) are counted: an
+answer there rests on probes too short, not on the deployments.
 
 --save copies each point's summary and its gzipped decision.csv to
 DIR/<model>_<hardware>_decision{_summary.json,.csv.gz} (the files
@@ -17,9 +22,11 @@ hardware are refused rather than one overwriting the other.
 from __future__ import annotations
 
 import argparse
+import csv
 import gzip
 import json
 import shutil
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -33,6 +40,29 @@ def disagg_wins(crossover: dict) -> list[int]:
     colocated one (a family with no steady capacity at a length counts 0)."""
     col, dis = crossover["best_colocated_capacity"], crossover["best_disaggregated_capacity"]
     return sorted(int(L) for L, c in dis.items() if c > col.get(L, 0.0))
+
+
+def unsteady_decided(csv_rows: list[dict]) -> dict[tuple, list[int]]:
+    """Per (model, hardware, link, N, slo, TBT target): the lengths whose
+    winning family changes when the capacities of unsteady rows (their
+    deciding probes too short to say, not counted by the study) are counted:
+    there the answer rests on probes too short, not on the deployments."""
+    best: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
+    for r in csv_rows:
+        if (r.get("source") or "sim") != "sim" or not r["capacity_per_gpu"]:
+            continue
+        key = (r["model"], r["hardware"], r["link"], int(r["num_gpus"]), r["slo"], float(r["tbt_slo_ms"]),
+               int(r["context_len"]))
+        cap, i = float(r["capacity_per_gpu"]), 2 * (r["family"] == "disaggregated")
+        b = best[key]
+        b[i + 1] = max(b[i + 1], cap)                          # counting every row
+        if r["steady"] == "True":
+            b[i] = max(b[i], cap)                              # as the study counts
+    out: dict[tuple, list[int]] = defaultdict(list)
+    for (*cell, L), (col, col_all, dis, dis_all) in sorted(best.items()):
+        if (dis > col) != (dis_all > col_all):
+            out[tuple(cell)].append(L)
+    return out
 
 
 def _runs(lengths: list[int]) -> str:
@@ -56,23 +86,31 @@ def _cell(by_value: dict[str, list[str]]) -> str:
     return "; ".join(f"{value} ({', '.join(links)})" for value, links in by_value.items())
 
 
-def rows(summaries: list[dict]) -> list[tuple]:
-    """(model, hardware, N, slo, L* by link, wins by link, ties by link), a row per point and SLO."""
+def rows(summaries: list[dict], flips: dict[tuple, list[int]] | None = None) -> list[tuple]:
+    """(model, hardware, N, slo, L* by link, wins by link, ties by link[, lengths decided
+    by unsteady rows by link]), a row per point and SLO; the last column with `flips`
+    (unsteady_decided of the points' decision.csv rows)."""
     l_stars: dict[tuple, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
     wins: dict[tuple, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
     ties: dict[tuple, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    shaky: dict[tuple, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
     for summary in summaries:
         for c in summary["crossovers"]:
             key = (c["model"], c["hardware"], c["num_gpus"], f"{c['slo']}@{c['tbt_slo_ms']}ms")
             l_stars[key]["none" if c["l_star"] is None else _k(c["l_star"])].append(c["link"])
             wins[key][_runs(disagg_wins(c))].append(c["link"])
             ties[key][_runs(sorted(c.get("ties", [])))].append(c["link"])
-    return [(*key, _cell(l_stars[key]), _cell(wins[key]), _cell(ties[key])) for key in sorted(l_stars)]
+            if flips is not None:
+                cell = (c["model"], c["hardware"], c["link"], c["num_gpus"], c["slo"], float(c["tbt_slo_ms"]))
+                shaky[key][_runs(flips.get(cell, []))].append(c["link"])
+    return [(*key, _cell(l_stars[key]), _cell(wins[key]), _cell(ties[key]),
+             *((_cell(shaky[key]),) if flips is not None else ())) for key in sorted(l_stars)]
 
 
 def markdown(table: list[tuple]) -> str:
-    lines = ["| model | hardware | N | smoothness | L* | disaggregated wins at | ties at |",
-             "|---|---|---|---|---|---|---|"]
+    head = ["model", "hardware", "N", "smoothness", "L*", "disaggregated wins at", "ties at"]
+    head += ["winner rests on unsteady rows at"] if table and len(table[0]) > len(head) else []
+    lines = [f"| {' | '.join(head)} |", "|" + "---|" * len(head)]
     lines += [f"| {' | '.join(str(x) for x in row)} |" for row in table]
     return "\n".join(lines)
 
@@ -82,6 +120,21 @@ def _point(summary: dict) -> str:
     models = sorted({c["model"] for c in summary["crossovers"]})
     hardware = sorted({c["hardware"] for c in summary["crossovers"]})
     return f"{'+'.join(models)}_{'+'.join(hardware)}"
+
+
+def csv_beside(summary_path: Path) -> Path | None:
+    """A point's rows: decision.csv beside decision_summary.json (a study's
+    directory), or X_decision.csv[.gz] beside X_decision_summary.json (--save's)."""
+    stem = summary_path.name[:-len("_summary.json")]
+    for name in (f"{stem}.csv", f"{stem}.csv.gz"):
+        if (summary_path.parent / name).is_file():
+            return summary_path.parent / name
+    return None
+
+
+def read_csv(path: Path) -> list[dict]:
+    with (gzip.open(path, "rt", newline="") if path.suffix == ".gz" else open(path, newline="")) as f:
+        return list(csv.DictReader(f))
 
 
 def save(paths: list[Path], summaries: list[dict], dest: Path) -> None:
@@ -94,24 +147,38 @@ def save(paths: list[Path], summaries: list[dict], dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     for path, stem in zip(paths, stems):
         shutil.copyfile(path, dest / f"{stem}_decision_summary.json")
-        with open(path.with_name("decision.csv"), "rb") as src, \
-                gzip.open(dest / f"{stem}_decision.csv.gz", "wb") as dst:
+        rows_path = csv_beside(path)
+        if rows_path is None:
+            raise SystemExit(f"--save: no decision.csv beside {path}")
+        if rows_path.suffix == ".gz":
+            shutil.copyfile(rows_path, dest / f"{stem}_decision.csv.gz")
+            continue
+        with open(rows_path, "rb") as src, gzip.open(dest / f"{stem}_decision.csv.gz", "wb") as dst:
             shutil.copyfileobj(src, dst)
     print(f"saved {len(paths)} points to {dest}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("sweep", type=Path)
+    parser.add_argument("sweep", type=Path, help="a decision sweep's directory, or a directory --save wrote")
     parser.add_argument("--save", type=Path, help="copy each point's summary and gzipped decision.csv here")
     args = parser.parse_args()
-    paths = sorted(args.sweep.rglob("decision_summary.json"))
+    paths = sorted(args.sweep.rglob("*decision_summary.json"))
     if not paths:
         raise SystemExit(f"no decision_summary.json under {args.sweep}: is it a decision sweep's directory?")
     summaries = [json.loads(p.read_text()) for p in paths]
-    print(markdown(rows(summaries)))
+    csvs = [csv_beside(p) for p in paths]
+    flips = None
+    if all(csvs):
+        flips = {}
+        for path in csvs:
+            flips.update(unsteady_decided(read_csv(path)))
+    else:
+        print(f"(no decision.csv beside {paths[csvs.index(None)]}: the unsteady column is left out)", file=sys.stderr)
+    print(markdown(rows(summaries, flips)))
     if args.save:
         save(paths, summaries, args.save)
+
 
 if __name__ == "__main__":
     main()
