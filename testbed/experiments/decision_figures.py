@@ -125,8 +125,9 @@ def tied_cells(rows: list[dict], best: dict[tuple[int, float], dict] | None = No
 
 def cell_label(deployment: str) -> str:
     """A deployment's label in a phase-diagram cell, one short part a line, so
-    that the longest ("disagg-6P1D-p_tp1-d_tp2") fits its cell:
-    "disagg\\n6P1D\\ntp 1/2"; "sarathi-512" is "sarathi\\n512"."""
+    that the longest fits its cell: "disagg-6P1D-p_tp1-d_tp2" is the three lines
+    disagg / 6P1D / tp 1/2 (prefill pool's tp / decode pool's); "sarathi-512"
+    is sarathi / 512."""
     parts = deployment.split("-")
     tp = [p[len("p_tp"):] for p in parts if p.startswith("p_tp")] + [p[len("d_tp"):] for p in parts
                                                                         if p.startswith("d_tp")]
