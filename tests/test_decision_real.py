@@ -179,6 +179,42 @@ def _search(runner, deadline=None):
     return search(prober, ("k",), run_cfg, get_smoothness("p99_tbt"), SLOTargets(500.0, 500.0), 8.0, 0.1, 0.1, 4)
 
 
+class _Overloads:
+    """A server that keeps every request at 100 ms up to 10 req/s and past
+    that falls behind, request i taking 100 + 20 i ms: above capacity the
+    service time grows with the probe, so no failing probe is ever steady."""
+    source = "sim"
+    last_dir = ""
+    none_finished_is_memory = True
+
+    def records(self, cfg, requests):
+        from testbed.metrics import RequestRecord
+        slow = cfg.workload.rate > 10.0
+        out = []
+        for i, r in enumerate(requests):
+            done = r.arrival_s + 0.1 + (0.02 * i if slow else 0.0)
+            out.append(RequestRecord(r.request_id, "finished", r.prompt_len, [1], r.arrival_s,
+                                     first_scheduled_s=r.arrival_s, first_token_s=done, token_times_s=[done],
+                                     finish_s=done))
+        return out
+
+
+def test_a_capacity_probe_steady_in_its_window_counts_though_the_failing_one_above_cannot_be():
+    from testbed.experiments.decision_search import Prober, _workload, point_cfg, search
+    from testbed.experiments.decision_slo import SLOTargets, get_smoothness
+    from testbed.experiments.deployments import deployments, replace_run
+    from testbed.steady_state import SteadyRule
+    cfg = small()
+    dep = deployments(cfg.experiment, 2, 1, reuse=False)[0]
+    run_cfg = replace_run(dep.apply(point_cfg(cfg, "tiny", "cpu")), workload=_workload(cfg.experiment, 256))
+    prober = Prober(SteadyRule(10.0, 5, 400), lambda *_: None, _Overloads())
+    res = search(prober, ("k",), run_cfg, get_smoothness("p99_tbt"), SLOTargets(500.0, 500.0), 8.0, 0.1, 0.1, 8)
+    assert res.bound == "bracketed" and 8.0 <= res.capacity <= 10.0 < res.first_failing <= 11.0 * 1.1
+    rows = {round(float(r["rate"]), 6): r for r in prober.rows}
+    assert rows[round(res.capacity, 6)]["steady"] and not rows[round(res.first_failing, 6)]["steady"]
+    assert res.steady and res.limited_by == "ttft"
+
+
 def test_a_real_probe_where_nothing_finished_fails_its_rate_instead_of_ending_the_search():
     """On the simulator no request finishing means the prompt never fits: one
     probe settles it. On the real engine it means the rate overloaded the
