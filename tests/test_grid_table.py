@@ -3,6 +3,7 @@ one L* table, run as a user runs it (a subprocess on a sweep-shaped directory)."
 import csv
 import gzip
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -74,7 +75,9 @@ def test_the_table_groups_links_that_agree_and_names_those_that_differ(tmp_path)
     with gzip.open(saved / "m_h_decision.csv.gz", "rt", newline="") as f:
         assert len(list(csv.DictReader(f))) == len(rows_a)
     assert json.loads((saved / "m_g_decision_summary.json").read_text())["crossovers"] == other
-    # the saved directory gives the same table (the committed full grid is read back this way)
+    # the saved directory gives the same table (the committed full grid is read back this way),
+    # its points read side by side, not those of a directory below it (full_grid/as_run)
+    shutil.copytree(saved, saved / "as_run")
     assert _table(str(saved)) == [line for line in lines if not line.startswith("saved ")]
 
 

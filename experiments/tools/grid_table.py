@@ -14,8 +14,9 @@ A last column names the lengths whose winner changes when the rows the study
 did not count (their deciding probes too short to be steady) are counted: an
 answer there rests on probes too short, not on the deployments.
 
---save copies each point's summary and its gzipped decision.csv to
-DIR/<model>_<hardware>_decision{_summary.json,.csv.gz} (the files
+--save copies each point's summary and its gzipped decision.csv and
+decision_probes.csv to DIR/<model>_<hardware>_decision{_summary.json,.csv.gz,
+_probes.csv.gz} (the files
 experiments/results/decision/full_grid/ keeps); two points of one model and
 hardware are refused rather than one overwriting the other.
 """
@@ -137,6 +138,14 @@ def read_csv(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def _copy_gz(src: Path, dst: Path) -> None:
+    if src.suffix == ".gz":
+        shutil.copyfile(src, dst)
+        return
+    with open(src, "rb") as f, gzip.open(dst, "wb") as g:
+        shutil.copyfileobj(f, g)
+
+
 def save(paths: list[Path], summaries: list[dict], dest: Path) -> None:
     stems = [_point(s) for s in summaries]
     for stem in set(stems):
@@ -150,11 +159,10 @@ def save(paths: list[Path], summaries: list[dict], dest: Path) -> None:
         rows_path = csv_beside(path)
         if rows_path is None:
             raise SystemExit(f"--save: no decision.csv beside {path}")
-        if rows_path.suffix == ".gz":
-            shutil.copyfile(rows_path, dest / f"{stem}_decision.csv.gz")
-            continue
-        with open(rows_path, "rb") as src, gzip.open(dest / f"{stem}_decision.csv.gz", "wb") as dst:
-            shutil.copyfileobj(src, dst)
+        _copy_gz(rows_path, dest / f"{stem}_decision.csv.gz")
+        probes = rows_path.with_name(rows_path.name.replace("decision.csv", "decision_probes.csv"))
+        if probes.is_file():                  # what restate_steady.py restates the rows from
+            _copy_gz(probes, dest / f"{stem}_decision_probes.csv.gz")
     print(f"saved {len(paths)} points to {dest}")
 
 
@@ -163,7 +171,9 @@ def main() -> None:
     parser.add_argument("sweep", type=Path, help="a decision sweep's directory, or a directory --save wrote")
     parser.add_argument("--save", type=Path, help="copy each point's summary and gzipped decision.csv here")
     args = parser.parse_args()
-    paths = sorted(args.sweep.rglob("*decision_summary.json"))
+    # a --save directory holds its points side by side (and may hold others below: as_run/); a sweep's
+    # points are each in a directory of their own
+    paths = sorted(args.sweep.glob("*decision_summary.json")) or sorted(args.sweep.rglob("*decision_summary.json"))
     if not paths:
         raise SystemExit(f"no decision_summary.json under {args.sweep}: is it a decision sweep's directory?")
     summaries = [json.loads(p.read_text()) for p in paths]
