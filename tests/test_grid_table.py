@@ -60,10 +60,11 @@ def test_the_table_groups_links_that_agree_and_names_those_that_differ(tmp_path)
     other = [dict(c, hardware="g") for c in same]
     # on the fast link an unsteady colocated row (uncounted) would have won 1K and 8K
     rows_a = _rows(fast, unsteady={1024: 6.0, 8192: 0.2}) + [r for c in (slow, *same) for r in _rows(c)]
-    _point(tmp_path, "0-a", [fast, slow, *same], rows_a)
-    _point(tmp_path, "1-b", other, [r for c in other for r in _rows(c)])
+    sweep = tmp_path / "sweep"
+    _point(sweep, "0-a", [fast, slow, *same], rows_a)
+    _point(sweep, "1-b", other, [r for c in other for r in _rows(c)])
     saved = tmp_path / "saved"
-    lines = _table(str(tmp_path), "--save", str(saved))
+    lines = _table(str(sweep), "--save", str(saved))
     assert lines[0] == ("| model | hardware | N | smoothness | L* | disaggregated wins at | ties at "
                         "| winner rests on unsteady rows at |")
     assert ("| m | h | 4 | p99_tbt@100ms | 4K (fast); none (slow) | 1K, 4K-8K (fast); 2K (slow) "
@@ -72,6 +73,10 @@ def test_the_table_groups_links_that_agree_and_names_those_that_differ(tmp_path)
     assert "| m | g | 4 | p99_tbt@50ms | none | none | none | none |" in lines
     assert sorted(p.name for p in saved.iterdir()) == [
         "m_g_decision.csv.gz", "m_g_decision_summary.json", "m_h_decision.csv.gz", "m_h_decision_summary.json"]
+    first = (saved / "m_h_decision.csv.gz").read_bytes()
+    assert first[4:8] == bytes(4) and first[3] & 0x08 == 0     # no time and no file name in the gzip header
+    _table(str(sweep), "--save", str(saved))                # so saving again changes no byte
+    assert (saved / "m_h_decision.csv.gz").read_bytes() == first
     with gzip.open(saved / "m_h_decision.csv.gz", "rt", newline="") as f:
         assert len(list(csv.DictReader(f))) == len(rows_a)
     assert json.loads((saved / "m_g_decision_summary.json").read_text())["crossovers"] == other

@@ -139,10 +139,12 @@ def read_csv(path: Path) -> list[dict]:
 
 
 def _copy_gz(src: Path, dst: Path) -> None:
+    """src gzipped to dst, the same bytes for the same content (no name or time in the header), so
+    saving a sweep again leaves the points already saved unchanged."""
     if src.suffix == ".gz":
         shutil.copyfile(src, dst)
         return
-    with open(src, "rb") as f, gzip.open(dst, "wb") as g:
+    with open(src, "rb") as f, open(dst, "wb") as raw, gzip.GzipFile("", "wb", fileobj=raw, mtime=0) as g:
         shutil.copyfileobj(f, g)
 
 
