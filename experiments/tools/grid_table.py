@@ -23,17 +23,15 @@ hardware are refused rather than one overwriting the other.
 from __future__ import annotations
 
 import argparse
-import csv
-import gzip
 import json
 import shutil
 import sys
 from collections import defaultdict
 from pathlib import Path
 
-
-def _k(n: int) -> str:
-    return f"{n // 1048576}M" if n % 1048576 == 0 else f"{n // 1024}K" if n % 1024 == 0 else str(n)
+from testbed.experiments.decision_figures import fmt_tokens
+from testbed.experiments.decision_summary import best_by_family
+from testbed.experiments.study_files import gzip_copy, read_csv, siblings
 
 
 def disagg_wins(crossover: dict) -> list[int]:
@@ -48,22 +46,24 @@ def unsteady_decided(csv_rows: list[dict]) -> dict[tuple, list[int]]:
     winning family changes when the capacities of unsteady rows (their
     deciding probes too short to say, not counted by the study) are counted:
     there the answer rests on probes too short, not on the deployments."""
-    best: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
+    groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in csv_rows:
-        if (r.get("source") or "sim") != "sim" or not r["capacity_per_gpu"]:
-            continue
-        key = (r["model"], r["hardware"], r["link"], int(r["num_gpus"]), r["slo"], float(r["tbt_slo_ms"]),
-               int(r["context_len"]))
-        cap, i = float(r["capacity_per_gpu"]), 2 * (r["family"] == "disaggregated")
-        b = best[key]
-        b[i + 1] = max(b[i + 1], cap)                          # counting every row
-        if r["steady"] == "True":
-            b[i] = max(b[i], cap)                              # as the study counts
-    out: dict[tuple, list[int]] = defaultdict(list)
-    for (*cell, L), (col, col_all, dis, dis_all) in sorted(best.items()):
-        if (dis > col) != (dis_all > col_all):
-            out[tuple(cell)].append(L)
+        if (r.get("source") or "sim") == "sim":
+            groups[(r["model"], r["hardware"], r["link"], int(r["num_gpus"]), r["slo"],
+                    float(r["tbt_slo_ms"]))].append(r)
+    out: dict[tuple, list[int]] = {}
+    for cell, rs in groups.items():
+        study, every = _disagg_ahead(rs), _disagg_ahead([dict(r, steady=True) for r in rs])
+        flipped = sorted(L for L in every if study.get(L, False) != every[L])
+        if flipped:
+            out[cell] = flipped
     return out
+
+
+def _disagg_ahead(rows: list[dict]) -> dict[int, bool]:
+    """Per length: whether the best steady disaggregated capacity exceeds the best colocated one."""
+    col, dis = best_by_family(rows, "colocated"), best_by_family(rows, "disaggregated")
+    return {L: dis.get(L, ("", 0.0))[1] > col.get(L, ("", 0.0))[1] for L in col.keys() | dis.keys()}
 
 
 def _runs(lengths: list[int]) -> str:
@@ -77,7 +77,7 @@ def _runs(lengths: list[int]) -> str:
             start = L
         prev = L
     spans.append((start, prev))
-    return ", ".join(_k(a) if a == b else f"{_k(a)}-{_k(b)}" for a, b in spans)
+    return ", ".join(fmt_tokens(a) if a == b else f"{fmt_tokens(a)}-{fmt_tokens(b)}" for a, b in spans)
 
 
 def _cell(by_value: dict[str, list[str]]) -> str:
@@ -98,7 +98,7 @@ def rows(summaries: list[dict], flips: dict[tuple, list[int]] | None = None) -> 
     for summary in summaries:
         for c in summary["crossovers"]:
             key = (c["model"], c["hardware"], c["num_gpus"], f"{c['slo']}@{c['tbt_slo_ms']}ms")
-            l_stars[key]["none" if c["l_star"] is None else _k(c["l_star"])].append(c["link"])
+            l_stars[key]["none" if c["l_star"] is None else fmt_tokens(c["l_star"])].append(c["link"])
             wins[key][_runs(disagg_wins(c))].append(c["link"])
             ties[key][_runs(sorted(c.get("ties", [])))].append(c["link"])
             if flips is not None:
@@ -133,21 +133,6 @@ def csv_beside(summary_path: Path) -> Path | None:
     return None
 
 
-def read_csv(path: Path) -> list[dict]:
-    with (gzip.open(path, "rt", newline="") if path.suffix == ".gz" else open(path, newline="")) as f:
-        return list(csv.DictReader(f))
-
-
-def _copy_gz(src: Path, dst: Path) -> None:
-    """src gzipped to dst, the same bytes for the same content (no name or time in the header), so
-    saving a sweep again leaves the points already saved unchanged."""
-    if src.suffix == ".gz":
-        shutil.copyfile(src, dst)
-        return
-    with open(src, "rb") as f, open(dst, "wb") as raw, gzip.GzipFile("", "wb", fileobj=raw, mtime=0) as g:
-        shutil.copyfileobj(f, g)
-
-
 def save(paths: list[Path], summaries: list[dict], dest: Path) -> None:
     stems = [_point(s) for s in summaries]
     for stem in set(stems):
@@ -161,10 +146,10 @@ def save(paths: list[Path], summaries: list[dict], dest: Path) -> None:
         rows_path = csv_beside(path)
         if rows_path is None:
             raise SystemExit(f"--save: no decision.csv beside {path}")
-        _copy_gz(rows_path, dest / f"{stem}_decision.csv.gz")
-        probes = rows_path.with_name(rows_path.name.replace("decision.csv", "decision_probes.csv"))
+        gzip_copy(rows_path, dest / f"{stem}_decision.csv.gz")
+        _, probes = siblings(rows_path)
         if probes.is_file():                  # what restate_steady.py restates the rows from
-            _copy_gz(probes, dest / f"{stem}_decision_probes.csv.gz")
+            gzip_copy(probes, dest / f"{stem}_decision_probes.csv.gz")
     print(f"saved {len(paths)} points to {dest}")
 
 
@@ -184,7 +169,7 @@ def main() -> None:
     if all(csvs):
         flips = {}
         for path in csvs:
-            flips.update(unsteady_decided(read_csv(path)))
+            flips.update(unsteady_decided(read_csv(path)[1]))
     else:
         print(f"(no decision.csv beside {paths[csvs.index(None)]}: the unsteady column is left out)", file=sys.stderr)
     print(markdown(rows(summaries, flips)))

@@ -19,49 +19,19 @@ as it was and counted in `unmatched`.
 from __future__ import annotations
 
 import argparse
-import csv
-import gzip
-import io
 import json
 import shutil
 from collections import defaultdict
 from pathlib import Path
 
 from testbed.experiments.decision_summary import crossovers, definition_changes
-
-
-def siblings(rows_path: Path) -> tuple[Path, Path]:
-    """(summary, probes) beside a study's rows: X.csv[.gz] -> X_summary.json, X_probes.csv[.gz]."""
-    gz = rows_path.name.endswith(".gz")
-    stem = rows_path.name[:-len(".csv.gz")] if gz else rows_path.stem
-    return (rows_path.with_name(f"{stem}_summary.json"),
-            rows_path.with_name(f"{stem}_probes.csv" + (".gz" if gz else "")))
-
-
-def _open(path: Path):
-    return gzip.open(path, "rt", newline="") if path.suffix == ".gz" else open(path, newline="")
-
-
-def _write_csv(path: Path, columns: list[str], rows: list[dict]) -> None:
-    """Gzipped where the name says so, with no name or time in the header: the same rows, the same bytes."""
-    text = io.StringIO(newline="")
-    w = csv.DictWriter(text, fieldnames=columns)
-    w.writeheader()
-    w.writerows(rows)
-    data = text.getvalue().encode()
-    with open(path, "wb") as raw:
-        if path.suffix != ".gz":
-            raw.write(data)
-            return
-        with gzip.GzipFile("", "wb", fileobj=raw, mtime=0) as g:
-            g.write(data)
+from testbed.experiments.study_files import read_csv, siblings, write_csv
 
 
 def _probes(path: Path) -> dict[str, list[tuple[float, bool]]]:
     out: dict[str, list[tuple[float, bool]]] = defaultdict(list)
-    with _open(path) as f:
-        for p in csv.DictReader(f):
-            out[p["key"]].append((float(p["rate"]), p["steady"] == "True"))
+    for p in read_csv(path)[1]:
+        out[p["key"]].append((float(p["rate"]), p["steady"] == "True"))
     return out
 
 
@@ -93,9 +63,7 @@ def _typed(row: dict) -> dict:
 
 def restate(rows_path: Path, out: Path) -> dict:
     summary_path, probes_path = siblings(rows_path)
-    with _open(rows_path) as f:
-        reader = csv.DictReader(f)
-        columns, rows = reader.fieldnames, list(reader)
+    columns, rows = read_csv(rows_path)
     probes = _probes(probes_path)
     counts = {"rows": len(rows), "now_steady": 0, "now_unsteady": 0, "unmatched": 0}
     for r in rows:
@@ -117,7 +85,7 @@ def restate(rows_path: Path, out: Path) -> dict:
                    unsteady_rows=sum(r["steady"] != "True" for r in sim),
                    restated_steady={"rule": "a row is steady when its capacity probe is (s44)", **counts})
     out.mkdir(parents=True, exist_ok=True)
-    _write_csv(out / rows_path.name, columns, rows)
+    write_csv(out / rows_path.name, columns, rows)
     shutil.copyfile(probes_path, out / probes_path.name)
     (out / summary_path.name).write_text(json.dumps(summary, indent=2))
     return counts
@@ -137,6 +105,7 @@ def main() -> None:
             raise SystemExit("--out: give another directory than the study's (its files are the record)")
     for rows_path in args.rows:
         print(f"{rows_path.name}: {json.dumps(restate(rows_path, args.out))}")
+
 
 if __name__ == "__main__":
     main()

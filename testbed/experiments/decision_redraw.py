@@ -12,14 +12,13 @@ default)."""
 from __future__ import annotations
 
 import argparse
-import csv
-import gzip
 import json
 import sys
 from pathlib import Path
 
 from testbed.experiments.decision_figures import decision_figures
 from testbed.experiments.decision_summary import crossovers
+from testbed.experiments.study_files import read_csv, siblings
 
 
 def _cell(c: dict) -> tuple:
@@ -27,11 +26,8 @@ def _cell(c: dict) -> tuple:
 
 
 def redraw(csv_path: Path, out: Path) -> list[Path]:
-    gz = csv_path.name.endswith(".csv.gz")          # experiments/results/decision/full_grid keeps them gzipped
-    stem = csv_path.name[:-len(".csv.gz")] if gz else csv_path.stem
-    summary_path = csv_path.with_name(stem + "_summary.json")
-    with (gzip.open(csv_path, "rt", newline="") if gz else open(csv_path, newline="")) as f:
-        rows = list(csv.DictReader(f))
+    summary_path, _ = siblings(csv_path)
+    _, rows = read_csv(csv_path)
     summary = json.loads(summary_path.read_text())
     fresh = {_cell(c): c for c in crossovers([r for r in rows if (r.get("source") or "sim") == "sim"])}
     for c in summary["crossovers"]:
