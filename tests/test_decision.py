@@ -1,31 +1,13 @@
 """The decision study (testbed/experiments/decision.py) on a constructed case
-whose L* follows by hand, the steady-state rule of a capacity probe
-(testbed/steady_state.py), the summary's format and L* rule, and the
-validation of the study's config fields.
-
-The constructed case (tests/data/decision_*.yaml): every iteration takes
-exactly 10 ms whatever its batch, and KV crosses the link at once. The TTFT
-SLO is k = 3.5 times one GPU's whole prefill of L, i.e. 35 ms at every L; the
-TBT SLO 50 ms; answers are 16 tokens; prompts are L within 0.5%.
-- sarathi with a 1,100-token budget on 2 replicas prefills an L-token prompt
-  in ceil(L / (1,100 - running decodes)) iterations. From L = 4,096 on that is
-  at least 4 iterations, a TTFT of at least 40 ms > 35 ms even on an idle
-  machine: no rate passes. At L <= 1,024 a prompt takes one iteration, and
-  each replica prefills 1,100 tokens' worth of prompts per 10 ms.
-- disagg 1P1D prefills whole prompts, up to max_num_batched_tokens = 1,100
-  per 10 ms iteration (a longer one alone): it passes at every L (TTFT 10 ms
-  plus the wait) and its decode worker decodes every running request every
-  10 ms. Below 1,100 tokens its one prefill worker has half the prefill
-  throughput of colocation's two replicas, and prefill is what binds both
-  (decodes are free in a fixed-cost iteration): about half the capacity.
-So disaggregation wins from L = 4,096 on and loses below: L* = 4,096."""
+whose L* follows by hand (tests/decision_case.py says why: L* = 4,096), the
+steady-state rule of a capacity probe (testbed/steady_state.py), the
+summary's format and L* rule, and the validation of the study's config
+fields."""
 from __future__ import annotations
 
-import csv
 import dataclasses
 import json
 import math
-from pathlib import Path
 
 import pytest
 
@@ -36,27 +18,7 @@ from testbed.metrics import RequestRecord
 from testbed.experiments.decision import run_decision
 from testbed.steady_state import SteadyRule, judged_window
 
-DATA = Path(__file__).resolve().parent / "data"
-GRID = [512, 1024, 4096, 8192]
-
-
-def constructed(**experiment) -> object:
-    e = dict(name="decision", models=["tiny"], hardware=[str(DATA / "decision_hardware.yaml")],
-             links=[str(DATA / "decision_link.yaml")], context_lens=GRID, token_budgets=[1100],
-             decision_colocated=["sarathi"], decision_ttft_k=3.5, decision_tbt_slos_ms=[50],
-             decision_smoothness=["p99_tbt", "fluidity"], decision_output_len=16, decision_prompt_sigma=0.001,
-             decision_num_gpus=[2], capacity_rate_start=20.0, capacity_rel_tol=0.1, capacity_max_probes=10,
-             decision_span_factor=10.0, decision_min_judged=20, decision_max_requests_per_gpu=1000,
-             real=False)
-    e.update(experiment)
-    return from_dict({"runtime": {"name": "sim"}, "model": {"name": "tiny"}, "max_num_batched_tokens": 1100, "wandb": {"mode": "disabled"}, "progress": False,
-                      "experiment": e})
-
-
-def read_rows(path: Path) -> list[dict]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
+from decision_case import DATA, GRID, constructed, read_rows  # noqa: E402  (tests/ on sys.path: conftest)
 
 def test_the_study_finds_the_crossover_the_arithmetic_gives(tmp_path):        # ~5 s here
     cfg = constructed()
@@ -430,40 +392,3 @@ def test_a_probe_is_capped_at_max_requests_per_gpu_times_its_deployments_gpus(tm
     assert max(sizes[2]) == 24 and max(sizes[4]) == 48
     summary = json.loads((tmp_path / "decision_summary.json").read_text())
     assert summary["assumptions"]["steady_state"]["max_requests_per_gpu"] == 12
-
-
-def test_restating_a_studys_rows_under_the_capacity_probe_rule_is_exact(tmp_path):
-    """experiments/tools/restate_steady.py re-derives each row's `steady` from
-    its capacity probe: on a study of this code it changes nothing; on rows
-    marked unsteady as the rule before s44 did (for a failing probe too short)
-    it gives back this code's rows and crossovers."""
-    import subprocess
-    import sys
-    tool = Path(__file__).resolve().parents[1] / "experiments" / "tools" / "restate_steady.py"
-    study = tmp_path / "study"
-    study.mkdir()
-    run_decision(constructed(), study, lambda *_: None)
-    rows = read_rows(study / "decision.csv")
-
-    def restated(src: Path) -> tuple[list[dict], dict, str]:
-        out = tmp_path / f"re-{src.parent.name}"
-        done = subprocess.run([sys.executable, str(tool), str(src), "--out", str(out)], capture_output=True,
-                              text=True, check=True)
-        return read_rows(out / "decision.csv"), json.loads((out / "decision_summary.json").read_text()), done.stdout
-
-    again, summary, said = restated(study / "decision.csv")
-    assert again == rows and '"now_steady": 0' in said and '"unmatched": 0' in said
-    # the old rule's rows: some steady ones marked unsteady (as an unsteady failing probe did)
-    old = tmp_path / "old"
-    old.mkdir()
-    for name in ("decision_probes.csv", "decision_summary.json"):
-        (old / name).write_bytes((study / name).read_bytes())
-    marked = [dict(r, steady="False") if r["capacity_per_gpu"] and i % 3 == 0 else r for i, r in enumerate(rows)]
-    assert sum(r["steady"] == "False" for r in marked) > sum(r["steady"] == "False" for r in rows)
-    with open(old / "decision.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(marked)
-    back, summary, said = restated(old / "decision.csv")
-    assert back == rows and '"unmatched": 0' in said
-    assert summary["crossovers"] == json.loads((study / "decision_summary.json").read_text())["crossovers"]
