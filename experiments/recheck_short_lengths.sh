@@ -10,8 +10,8 @@
 #   experiments/recheck_short_lengths.sh OUT_DIR [JOBS [CELL ...]]
 #
 # Writes OUT_DIR/<cell>/decision.csv (with its probes and summary) and OUT_DIR/<cell>.log.
-# JOBS cells at a time (default 2); CELLs: only these (names below). About 60 min of one
-# core in all here.
+# JOBS cells at a time (default 2); CELLs: only these (names below). All 15: 83 min of one
+# core here (42 min of wall two at a time, s46).
 set -euo pipefail
 out=${1:?usage: experiments/recheck_short_lengths.sh OUT_DIR [JOBS [CELL ...]]}
 jobs=${2:-2}
