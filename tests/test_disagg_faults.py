@@ -56,7 +56,9 @@ def long_request(cfg: RunConfig) -> str:
 
 def reference_tokens(cfg: RunConfig) -> dict[str, list[int]]:
     """Greedy tokens of every request, from one colocated engine in this process."""
-    ref_cfg = from_dict({**to_dict(cfg), "mode": "colocated", "num_kv_blocks": 512, "token_budget": 2048})
+    # as many blocks as the run's workers have, 512 at least (a prompt that can never fit waits for good)
+    blocks = max(512, cfg.num_kv_blocks if isinstance(cfg.num_kv_blocks, int) else 0)
+    ref_cfg = from_dict({**to_dict(cfg), "mode": "colocated", "num_kv_blocks": blocks, "token_budget": 2048})
     engine = build_engine(ref_cfg, "colocated", WallClock())
     reqs = workload(cfg)
     for r in reqs:
