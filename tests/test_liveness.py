@@ -92,7 +92,7 @@ def test_workers_exit_by_themselves_when_the_frontend_is_killed(tmp_path):
 
 def test_a_step_longer_than_the_hang_timeout_is_not_a_hang():
     """One replica whose budget prefills an 8,192-token prompt whole: one step
-    of ~2 s on tiny here (more on a busy machine; 6,144 tokens took 1.25 s on
+    of 2.5 s on tiny here (more on a busy machine; 6,144 tokens took 1.25 s on
     a quiet one, too close to 1.25), twice the 1 s hang timeout or more.
     Inside it the worker reads no Ping; its step watch says it lives while the
     step computes (Busy), so it is not killed, and every request finishes with
