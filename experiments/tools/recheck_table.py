@@ -24,7 +24,6 @@ from testbed.experiments.decision_summary import best_by_family, ties
 from testbed.experiments.study_files import read_csv
 
 GRID = Path(__file__).resolve().parents[1] / "results" / "decision" / "full_grid"
-CELL_KEYS = ("model", "hardware", "link", "num_gpus", "slo", "tbt_slo_ms")
 
 
 def _cell(row: dict) -> tuple:
