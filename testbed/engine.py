@@ -67,6 +67,17 @@ class Engine:
         self.seat_queue: deque[Request] = deque()
 
     def add_request(self, request: Request) -> None:
+        """A prompt that could never fit in this engine's KV blocks is refused
+        (ValueError) rather than left waiting forever. A run's controller
+        fails such a request at arrival, outputs counted, before it reaches a
+        worker (ModeController._never_fits); an engine used on its own may be
+        asked to decode until stopped (max_tokens past its cache), as the
+        profiler's decode workers are."""
+        need = -(-request.prompt_len // self.bm.block_size)
+        if need > self.bm.num_blocks:
+            raise ValueError(f"request {request.request_id}: a prompt of {request.prompt_len} tokens needs {need} "
+                             f"KV blocks of {self.bm.block_size}, more than the engine's {self.bm.num_blocks} "
+                             "(num_kv_blocks); raise num_kv_blocks or shorten the prompt")
         self.scheduler.add(request)
 
     def add_prefilled(self, request: Request) -> None:

@@ -348,6 +348,22 @@ def test_abort_frees_blocks(when):
     assert other.output_token_ids == alone(list(other.prompt_token_ids), 12).tokens["r"]
 
 
+def test_a_prompt_that_never_fits_the_cache_is_refused_not_left_waiting():
+    """An engine used on its own (no run controller to fail the request at
+    arrival) refuses a prompt that needs more blocks than it has: queued, it
+    would wait forever (has_work() true, every step empty)."""
+    h = Harness(num_blocks=8)                                   # 8 x BLOCK_SIZE tokens of KV
+    capacity = 8 * BLOCK_SIZE
+    too_big = Request("big", prompt(capacity + 1, seed=9), max_tokens=1)
+    with pytest.raises(ValueError, match=rf"request big: a prompt of {capacity + 1} tokens needs 9 KV blocks of "
+                                          rf"{BLOCK_SIZE}, more than the engine's 8 \(num_kv_blocks\)"):
+        h.engine.add_request(too_big)
+    assert not h.engine.has_work() and h.bm.all_free()
+    exact = Request("exact", prompt(capacity, seed=9), max_tokens=1)      # fills the cache exactly
+    h.run([exact])
+    assert exact.num_output_tokens == 1
+
+
 # ---- sampling --------------------------------------------------------------------------
 
 def test_seeded_sampling_is_independent_of_the_batch():
