@@ -37,9 +37,6 @@ class KVStoreController(DisaggController):
         self.uncached: dict[str, tuple[str, int]] = {}     # id -> (prefill worker, tokens it must compute)
         self.num_rejected = 0
 
-    def apart_from(self, worker_id: str) -> frozenset[str] | None:
-        return None      # the store's fetches, the cache-aware router's reads of each worker: not shown
-
     def route(self, req: Request, now: float) -> None:
         why = self._rejection(req) if self.estimator is not None else None
         if why is not None:

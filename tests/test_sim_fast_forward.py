@@ -48,6 +48,14 @@ CASES = {
     # KV landing while both seats of the one decode worker are taken: it waits for a seat
     "disagg_seats": ["mode=disagg", "prefill_workers=1", "decode_workers=1", "link=rdma-400", "max_num_seqs=2"],
     "kvstore_1p2d": ["mode=kvstore", "prefill_workers=1", "decode_workers=2", "link=rdma-400"],
+    # the cache-aware router over two prefill workers, a store of 40 blocks (evictions) and a disk
+    # tier of 40 more (demotions, reads back); and early rejection refusing some arrivals
+    "kvstore_2p2d_small_store": ["mode=kvstore", "prefill_workers=2", "decode_workers=2", "link=rdma-400",
+                                 "kvstore.capacity_bytes=1310720", "kvstore.disk_capacity_bytes=1310720",
+                                 "kvstore.disk_path=/nonexistent-unused-on-sim"],
+    # (by predicted TTFT and by the decode pool's free blocks: a third of the requests)
+    "kvstore_rejecting": ["mode=kvstore", "prefill_workers=2", "decode_workers=2", "link=rdma-400",
+                          "kvstore.early_rejection=true", "slo.ttft_ms=12", "num_kv_blocks=48"],
     # whole prefills, as the decision and capacity studies run disagg: vllm_v0's steady decodes
     "colocated_vllm_v0": ["mode=colocated", "replicas=2", "scheduler=vllm_v0"],
     # adaptive plans and observes every batch: its steady decodes too (observe_steady), in order
@@ -102,7 +110,13 @@ def _run(tmp: Path, *overrides: str) -> tuple[SimRuntime, dict]:
 def test_the_fast_path_writes_the_same_run(case, tmp_path):
     on, on_summary = _run(tmp_path / "on", *CASES[case], "runtime.sim_fast_forward=true")
     off, off_summary = _run(tmp_path / "off", *CASES[case], "runtime.sim_fast_forward=false")
-    assert on_summary["num_finished"] == on_summary["num_requests"] == NUM_REQUESTS
+    if case == "kvstore_rejecting":
+        assert 0 < on_summary["num_rejected"] < NUM_REQUESTS / 2 < on_summary["num_finished"]
+    else:
+        assert on_summary["num_finished"] == on_summary["num_requests"] == NUM_REQUESTS
+    if case == "kvstore_2p2d_small_store":
+        store = on_summary["kv_store"]
+        assert store["evictions"] > 0 and store["demotions"] > 0 and store["disk_hits"] > 0 and store["hits"] > 0
     for name in ("requests.jsonl", "iterations.jsonl"):
         assert (tmp_path / "on" / name).read_bytes() == (tmp_path / "off" / name).read_bytes(), name
     assert json.dumps(on_summary) == json.dumps(off_summary)
@@ -119,10 +133,9 @@ def test_the_fast_path_writes_the_same_run(case, tmp_path):
                                 if json.loads(line)["worker"].startswith("decode"))
         if case != "disagg_seats":
             assert on.num_steady > decode_iterations / 2
-    if CASES[case][0] == "mode=kvstore":
-        assert on.num_in_runs == 0      # a controller that shows no worker apart sees every iteration
-    elif CASES[case][0] == "mode=disagg" and case != "disagg_seats":
+    if CASES[case][0] in ("mode=disagg", "mode=kvstore") and case != "disagg_seats":
         # with nothing queued for a decode worker, it decodes past the other decode worker's events
+        # (kvstore: the store's events and the prefill workers' bound it, as disagg's prefill workers' do)
         assert on.num_in_runs > decode_iterations / 10
     if "adaptive" in case:
         # its steady decodes ran in DecodeRuns, each iteration still with its prediction
