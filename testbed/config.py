@@ -54,8 +54,16 @@ class RuntimeConfig:
     # writes requests.jsonl and iterations.jsonl (testbed/record_writer.py: the same bytes, on
     # another core); null: always this process
     record_writer_after: int | None = 100_000
+    # runtime=sim: simulate a colocated round-robin run's replicas in this many processes, in
+    # groups, and merge their records into the run's (runtime/sim_split.py: the same files and
+    # summary as one process); a run it does not apply to says why and runs in one process
+    sim_processes: int = 1
 
     def validate(self) -> None:
+        if not isinstance(self.sim_processes, int) or isinstance(self.sim_processes, bool) \
+                or self.sim_processes < 1:
+            raise ValueError(f"runtime.sim_processes: must be an integer >= 1, got {self.sim_processes!r}; "
+                             "1 simulates in this process, N splits a colocated run's replicas over N")
         if self.record_writer_after is not None and self.record_writer_after < 0:
             raise ValueError(f"runtime.record_writer_after: must be >= 0 or null, got {self.record_writer_after}")
         if self.heartbeat_s <= 0:

@@ -115,12 +115,22 @@ class RecordLog:
     def iteration(self, record: IterationRecord) -> None:
         self._add("iterations", record)       # (RunStats counts them as they are written)
 
-    def extend_iterations(self, records: list[IterationRecord]) -> None:
-        """iteration() of each, in order."""
+    def extend_iterations(self, records: list[IterationRecord], received_s: list[float] | None = None) -> None:
+        """iteration() of each, in order; `received_s`, the instants the
+        frontend received them (the simulator's), is for a log that keeps
+        them (runtime/sim_split.py's parts)."""
         pending = self._pending["iterations"]
         pending += records
         if len(pending) >= self.chunk or time.monotonic() - self._flushed_at >= self.flush_s:
             self.flush()
+
+    def append_lines(self, kind: str, data: bytes) -> None:
+        """Records of `kind` already encoded in write_jsonl's line format (a
+        run merged from parts: runtime/sim_split.py), appended as they are.
+        The caller feeds `stats` (RunStats) the same records, in the same order."""
+        if self.in_memory or not isinstance(self._writer, InlineWriter):
+            raise AssertionError("append_lines: only for a log that writes its run directory itself")
+        self._writer.write_bytes(kind, data)
 
     def _add(self, kind: str, record) -> None:
         pending = self._pending[kind]

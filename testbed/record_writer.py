@@ -49,6 +49,12 @@ class InlineWriter:
         for names, columns in chunks:
             f.write(jsonl_text(names, columns))
 
+    def write_bytes(self, kind: str, data: bytes) -> None:
+        """Append lines already encoded (ASCII, as jsonl_text writes them)."""
+        f = self._files[kind]
+        f.flush()
+        f.buffer.write(data)
+
     def flush(self) -> None:
         for f in self._files.values():
             f.flush()

@@ -23,6 +23,12 @@ def run_workload(cfg: RunConfig, requests, progress=None, record_dir=None):
     order; the real runtime takes a list) on the configured runtime."""
     if cfg.runtime.name == "sim":
         from testbed.runtime.sim import SimRuntime
+        from testbed.runtime.sim_split import run_split, split_groups
+        groups, why = split_groups(cfg, record_dir)
+        if groups is not None:
+            return run_split(cfg, requests, record_dir, groups, log=_stderr)
+        if cfg.runtime.sim_processes > 1:
+            _stderr(f"runtime.sim_processes={cfg.runtime.sim_processes}: simulating in one process ({why})")
         return SimRuntime(cfg, record_dir=record_dir).run(requests)
     from testbed.runtime.real import RealRuntime
     return RealRuntime(cfg, progress=progress, record_dir=record_dir).run(list(requests))
@@ -63,6 +69,10 @@ def execute(cfg: RunConfig, out_dir: str | Path) -> dict:
         log_run(cfg, out, summary, result)
     print_summary(summary, out)
     return summary
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)
 
 
 def _progress_printer():

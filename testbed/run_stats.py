@@ -11,7 +11,8 @@ the one per-token figure: they go to a temporary file as float64 as each
 request ends, and `summary` reads them back into one array, 8 bytes a gap
 for the time the percentiles take (not requests.jsonl's text again: a
 float's parse costs ~0.5 µs, and a 12K-request run has ~4M gaps).
-`summarize` is this class over a list.
+`summarize` is this class over a list; `RunStats.merged` is the state of
+one run put together from the states of its parts (runtime/sim_split.py).
 """
 from __future__ import annotations
 
@@ -51,14 +52,16 @@ class RunStats:
         self.ttft_s, self.tpot_s, self.e2e_s, self.queue_s = array("d"), array("d"), array("d"), array("d")
         self.transfer_s, self.exposed_s, self.fluidity = array("d"), array("d"), array("d")
         self.counts = dict.fromkeys(("failed", "aborted", "rejected"), 0)
-        # per status, the first such request's error (in arrival order): the summary says why, not only how many
+        # per status, the first such request's error (in arrival order): the summary says why, not only how
+        # many; and that request's place among these requests
         self.first_errors: dict[str, str] = {}
+        self.first_error_at: dict[str, int] = {}
         self.num_preemptions = self.num_single_token = self.num_good = 0
         self.output_tokens = self.prompt_tokens = 0
         self.missed = self.deadlines = 0
         self.kv_bytes_sent = 0
         self.first_start, self.last_end = math.inf, -math.inf
-        # per iteration
+        # per iteration (a budget and a predictor error only where the iteration has one, else NaN)
         self.it_duration_s, self.prefill_budgets, self.predictor_errors = array("d"), array("d"), array("d")
         self.num_prefill = self.num_decode = self.kv_bytes_read = self.most_tokens = 0
         # every finished request's inter-token gaps, in arrival order, as float64 bytes in a
@@ -75,6 +78,7 @@ class RunStats:
             self.counts[r.status] += 1
             if r.error and r.status not in self.first_errors:
                 self.first_errors[r.status] = r.error
+                self.first_error_at[r.status] = len(self.finished)
         self.num_preemptions += r.num_preemptions
         self.first_start = min(self.first_start, r.arrival_s)
         for t in (r.finish_s, r.token_times_s[-1] if r.token_times_s else None):
@@ -121,21 +125,27 @@ class RunStats:
     def add_iterations(self, iterations: list[IterationRecord]) -> None:
         """add_iteration of each, in order, column by column (the same figures:
         integer sums, minima and maxima, the per-iteration values in order)."""
-        if not iterations:
-            return
-        starts = [it.start_s for it in iterations]
-        durations = [it.duration_s for it in iterations]
-        prefill = [it.num_prefill_tokens for it in iterations]
-        decode = [it.num_decode_tokens for it in iterations]
+        if iterations:
+            self.add_iteration_columns([it.start_s for it in iterations], [it.duration_s for it in iterations],
+                                       [it.num_prefill_tokens for it in iterations],
+                                       [it.num_decode_tokens for it in iterations],
+                                       [it.kv_bytes_read for it in iterations],
+                                       [it.token_budget for it in iterations], [it.predicted_s for it in iterations])
+
+    def add_iteration_columns(self, starts: list[float], durations: list[float], prefill: list[int],
+                              decode: list[int], kv_bytes_read: list[int], budgets: list[int | None],
+                              predicted: list[float | None]) -> None:
+        """add_iterations of records given as their columns (one list per
+        field, equal lengths, at least one record): what a run merged from
+        parts (runtime/sim_split.py) has of its iterations."""
         self.it_duration_s.extend(durations)
         self.num_prefill += sum(prefill)
         self.num_decode += sum(decode)
-        self.kv_bytes_read += sum(it.kv_bytes_read for it in iterations)
+        self.kv_bytes_read += sum(kv_bytes_read)
         self.most_tokens = max(self.most_tokens, max(map(add, prefill, decode)))
-        self.prefill_budgets.extend(it.token_budget - it.num_decode_tokens for it in iterations
-                                    if it.token_budget is not None and it.num_prefill_tokens)
-        self.predictor_errors.extend(it.predicted_s / it.duration_s - 1.0 for it in iterations
-                                     if it.predicted_s is not None and it.duration_s > 0)
+        self.prefill_budgets.extend(b - d if b is not None and p else _NAN for b, d, p in zip(budgets, decode, prefill))
+        self.predictor_errors.extend(p / d - 1.0 if p is not None and d > 0 else _NAN
+                                     for p, d in zip(predicted, durations))
         self.first_start = min(self.first_start, min(starts))
         self.last_end = max(self.last_end, max(map(add, starts, durations)))
 
@@ -145,10 +155,10 @@ class RunStats:
         self.num_decode += it.num_decode_tokens
         self.kv_bytes_read += it.kv_bytes_read
         self.most_tokens = max(self.most_tokens, it.num_prefill_tokens + it.num_decode_tokens)
-        if it.token_budget is not None and it.num_prefill_tokens:
-            self.prefill_budgets.append(it.token_budget - it.num_decode_tokens)
-        if it.predicted_s is not None and it.duration_s > 0:
-            self.predictor_errors.append(it.predicted_s / it.duration_s - 1.0)
+        self.prefill_budgets.append(it.token_budget - it.num_decode_tokens
+                                    if it.token_budget is not None and it.num_prefill_tokens else _NAN)
+        self.predictor_errors.append(it.predicted_s / it.duration_s - 1.0
+                                     if it.predicted_s is not None and it.duration_s > 0 else _NAN)
         self.first_start = min(self.first_start, it.start_s)
         self.last_end = max(self.last_end, it.start_s + it.duration_s)
 
@@ -238,11 +248,76 @@ class RunStats:
                "num_decode_tokens": int(self.num_decode),
                "max_tokens_per_iteration": self.most_tokens,
                "kv_bytes_read": int(self.kv_bytes_read)}
-        if self.prefill_budgets:
-            out["prefill_budget"] = _distribution(np.frombuffer(self.prefill_budgets, dtype=np.float64))
-        if self.predictor_errors:
-            out["predictor_error"] = _predictor_error(np.frombuffer(self.predictor_errors, dtype=np.float64))
+        budgets = _kept(self.prefill_budgets, slice(None))
+        if len(budgets):
+            out["prefill_budget"] = _distribution(budgets)
+        errors = _kept(self.predictor_errors, slice(None))
+        if len(errors):
+            out["predictor_error"] = _predictor_error(errors)
         return out
+
+    # -- a run's state from its parts' ----------------------------------------------------
+    @classmethod
+    def merged(cls, parts: list[RunStats], request_places: list[np.ndarray],
+               iteration_places: list[np.ndarray]) -> RunStats:
+        """The state one RunStats would have had fed every part's records in
+        the run's order: part i's k-th request is the run's request_places[i][k]
+        (arrival order) and its k-th iteration the run's iteration_places[i][k].
+        Counts add up, extremes combine, and every per-request and
+        per-iteration value (the pooled gaps included) goes to its place, so
+        the summary's means sum in the single run's order."""
+        first = parts[0]
+        out = cls(first.slo_ttft_ms, first.slo_tpot_ms, first.slo_tbt_ms)
+        if any(p.prefix.num_counted for p in parts):
+            raise AssertionError("RunStats.merged: prefix-cache counters (mode=kvstore) are not merged")
+        for names, places in ((_PER_REQUEST, request_places), (_PER_ITERATION, iteration_places)):
+            size = sum(len(p) for p in places)
+            for name in names:
+                setattr(out, name, _placed([getattr(p, name) for p in parts], places, size))
+        for name in _SUMS:
+            setattr(out, name, sum(getattr(p, name) for p in parts))
+        out.counts = {k: sum(p.counts[k] for p in parts) for k in out.counts}
+        out.most_tokens = max(p.most_tokens for p in parts)
+        out.first_start = min(p.first_start for p in parts)
+        out.last_end = max(p.last_end for p in parts)
+        firsts = sorted((int(places[p.first_error_at[status]]), status, p.first_errors[status])
+                        for p, places in zip(parts, request_places) for status in p.first_errors)
+        for place, status, error in firsts:
+            if status not in out.first_errors:
+                out.first_errors[status], out.first_error_at[status] = error, place
+        out._gather_gaps(parts, request_places)
+        return out
+
+    def _gather_gaps(self, parts: list[RunStats], request_places: list[np.ndarray]) -> None:
+        """The parts' pooled gaps, each request's run at its place (self.num_gaps is merged)."""
+        lengths = np.frombuffer(self.num_gaps, dtype=np.int64)
+        if not lengths.sum():
+            return
+        source_start = np.empty(len(lengths), dtype=np.int64)       # where each request's gaps are in `pooled`
+        pooled, base = [], 0
+        for part, places in zip(parts, request_places):
+            gaps, counts = part._pooled_gaps(), np.frombuffer(part.num_gaps, dtype=np.int64)
+            source_start[places] = base + np.cumsum(counts) - counts
+            pooled.append(gaps)
+            base += len(gaps)
+        target_start = np.cumsum(lengths) - lengths
+        index = np.repeat(source_start - target_start, lengths) + np.arange(int(lengths.sum()))
+        self._gaps = tempfile.TemporaryFile(prefix="testbed-gaps-")
+        self._gaps.write(np.concatenate(pooled)[index].tobytes())
+
+    def __getstate__(self) -> dict:
+        """Picklable (a part's state goes to the parent): the gaps' file as its bytes."""
+        state = dict(self.__dict__)
+        state["_gaps"] = None if self._gaps is None else self._pooled_gaps().tobytes()
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        gaps = state.pop("_gaps")
+        self.__dict__.update(state)
+        self._gaps = None
+        if gaps is not None:
+            self._gaps = tempfile.TemporaryFile(prefix="testbed-gaps-")
+            self._gaps.write(gaps)
 
 
 def summarize(requests: Sequence[RequestRecord], iterations: Iterable[IterationRecord],
@@ -267,6 +342,28 @@ def summarize(requests: Sequence[RequestRecord], iterations: Iterable[IterationR
     for it in iterations:
         stats.add_iteration(it)
     return stats.summary(duration_s)
+
+
+_PER_REQUEST = ("finished", "sent", "num_gaps", "ttft_s", "tpot_s", "e2e_s", "queue_s", "transfer_s", "exposed_s",
+                "fluidity")
+_PER_ITERATION = ("it_duration_s", "prefill_budgets", "predictor_errors")
+_SUMS = ("num_preemptions", "num_single_token", "num_good", "output_tokens", "prompt_tokens", "missed", "deadlines",
+         "kv_bytes_sent", "num_prefill", "num_decode", "kv_bytes_read")
+
+
+def _placed(columns: list[array], places: list[np.ndarray], size: int) -> array:
+    """One column of `size` values: columns[i]'s k-th at places[i][k]."""
+    typecode = columns[0].typecode
+    out = np.empty(size, dtype=typecode)
+    filled = 0
+    for column, where in zip(columns, places):
+        if len(column) != len(where):
+            raise AssertionError(f"RunStats.merged: a part has {len(column)} values for {len(where)} places")
+        out[where] = np.frombuffer(column, dtype=typecode)
+        filled += len(where)
+    if filled != size:
+        raise AssertionError(f"RunStats.merged: {filled} values for {size} places")
+    return array(typecode, out.tobytes())
 
 
 def _value(v: float | None) -> float:

@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable, Iterator
 from testbed.config import RunConfig
 from testbed.engine import StepOutput, VirtualClock
 from testbed.modes.registry import get_role
+from testbed.record_log import RecordLog
 from testbed.request import Request
 from testbed.runtime.build import build_engine, build_worker, pool_config, pool_parallel
 from testbed.runtime.deployment import RunResult, build_mode, record_log
@@ -60,9 +61,11 @@ def materialize_prompt(request_msg: RequestMsg) -> RequestMsg:
 
 
 class SimRuntime:
-    def __init__(self, cfg: RunConfig, log: Callable[[str], None] | None = None, record_dir=None):
+    def __init__(self, cfg: RunConfig, log: Callable[[str], None] | None = None, record_dir=None,
+                 records: RecordLog | None = None):
+        """records: where the run's records stream to (default: record_log's, into record_dir)."""
         self.cfg = cfg
-        self.records = record_log(cfg, record_dir)     # where the run's records stream to
+        self.records = records if records is not None else record_log(cfg, record_dir)
         self.clock = VirtualClock()
         self._heap: list[tuple[float, int, Callable[[Any], None], Any]] = []
         self._seq = itertools.count()

@@ -82,8 +82,9 @@ class IterationOrder:
         self.earliest = earliest
         if runs > 1:
             # a stable sort keeps ties in worker order, and one worker's records in their order
-            records = list(map(records.__getitem__, sorted(range(len(times)), key=times.__getitem__)))
-        self.sink.extend_iterations(records)
+            order = sorted(range(len(times)), key=times.__getitem__)
+            records, times = list(map(records.__getitem__, order)), list(map(times.__getitem__, order))
+        self.sink.extend_iterations(records, times)
 
     def release_all(self) -> None:
         self.release_before(float("inf"))
