@@ -146,6 +146,21 @@ def _rss_kb(pid: int) -> dict[str, int]:
     return {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in lines) if k in ("VmRSS", "VmHWM")}
 
 
+def _tree_rss_kb(pid: int) -> int:
+    """The resident memory of the process and all its descendants (the record
+    writer; with runtime.sim_processes, the parts and their writers)."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        total += _rss_kb(p).get("VmRSS", 0)
+        try:
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return total
+
+
 def _speed_run(overrides: list[str], out: Path, num_requests: int) -> dict:
     """One `testbed run` in a subprocess: wall time, iterations, peak RSS, and
     the RSS when 25/50/75/100% of the requests had been written (requests.jsonl
@@ -155,12 +170,13 @@ def _speed_run(overrides: list[str], out: Path, num_requests: int) -> dict:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(out / "stderr.log", "w"))
-    marks, quarter, done, read_at, peak = {}, 1, 0, 0, 0
+    marks, quarter, done, read_at, peak, tree_peak = {}, 1, 0, 0, 0, 0
     requests = out / "requests.jsonl"
     while child.poll() is None:
         time.sleep(0.25)
         rss = _rss_kb(child.pid)
         peak = max(peak, rss.get("VmHWM", 0))
+        tree_peak = max(tree_peak, _tree_rss_kb(child.pid))
         if requests.exists():
             with open(requests, "rb") as f:
                 f.seek(read_at)
@@ -176,7 +192,8 @@ def _speed_run(overrides: list[str], out: Path, num_requests: int) -> dict:
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     iterations = sum(1 for _ in open(out / "iterations.jsonl", "rb"))
-    return {"wall_s": wall, "cpu_s": cpu, "iterations": iterations, "peak_rss_mb": peak / 1024, "rss_mb_at": marks}
+    return {"wall_s": wall, "cpu_s": cpu, "iterations": iterations, "peak_rss_mb": peak / 1024,
+            "tree_peak_rss_mb": tree_peak / 1024, "rss_mb_at": marks}
 
 
 def speed(args) -> None:
@@ -191,19 +208,25 @@ def speed(args) -> None:
                     str(args.requests)], check=True)
     workload = SPEED_TRACE + [f"workload.trace_path={trace}", f"workload.max_requests={args.requests}",
                               f"runtime.sim_fast_forward={str(not args.no_fast_forward).lower()}"]
+    # runtime.sim_processes applies to the colocated case (round robin, no frontend hop); kvstore runs in one
+    processes = args.sim_processes or [1]
     rows = []
-    for label in args.cases or list(SPEED_CASES):
-        for attempt in range(args.repeat):
-            load = os.getloadavg()[0]
-            r = _speed_run(workload + SPEED_CASES[label], out / f"{label}-{attempt}", args.requests)
-            at = " ".join(f"{r['rss_mb_at'].get(q, 0):.0f}" for q in (25, 50, 75, 100))
-            rows.append((label, f"{r['wall_s']:.1f}", f"{r['cpu_s']:.1f}", f"{r['iterations']:,}",
-                         f"{r['wall_s'] / r['iterations'] * 1e6:.1f}", f"{r['peak_rss_mb']:.0f}", at,
-                         f"{load:.1f}-{os.getloadavg()[0]:.1f}"))
-            print(" | ".join(rows[-1]), flush=True)
+    # attempts outermost: each configuration's runs alternate with the others' (drift hits them alike)
+    for attempt in range(args.repeat):
+        for label in args.cases or list(SPEED_CASES):
+            for n in processes if label == "colocated" else [1]:
+                load = os.getloadavg()[0]
+                name = f"{label}-p{n}-{attempt}"
+                r = _speed_run(workload + SPEED_CASES[label] + [f"runtime.sim_processes={n}"], out / name,
+                               args.requests)
+                at = " ".join(f"{r['rss_mb_at'].get(q, 0):.0f}" for q in (25, 50, 75, 100))
+                rows.append((label, str(n), f"{r['wall_s']:.1f}", f"{r['cpu_s']:.1f}", f"{r['iterations']:,}",
+                             f"{r['wall_s'] / r['iterations'] * 1e6:.1f}", f"{r['peak_rss_mb']:.0f}",
+                             f"{r['tree_peak_rss_mb']:.0f}", at, f"{load:.1f}-{os.getloadavg()[0]:.1f}"))
+                print(" | ".join(rows[-1]), flush=True)
     # CPU s (the child's user + system time) is what a busy machine inflates least
-    table(rows, ("case", "wall s", "CPU s", "iterations", "µs/iteration (wall)", "peak RSS MB",
-                 "RSS MB at 25/50/75/100%", "load avg (start-end)"))
+    table(rows, ("case", "processes", "wall s", "CPU s", "iterations", "µs/iteration (wall)", "peak RSS MB (main)",
+                 "peak RSS MB (all processes)", "RSS MB at 25/50/75/100% (main)", "load avg (start-end)"))
     print(f"children's peak RSS (getrusage): {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024:.0f} MB")
 
 
@@ -216,6 +239,8 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=2, help="speed: runs of each case (their spread is the noise)")
     p.add_argument("--no-fast-forward", action="store_true", help="speed: runtime.sim_fast_forward=false")
     p.add_argument("--cases", nargs="*", choices=sorted(SPEED_CASES), help="speed: only these cases")
+    p.add_argument("--sim-processes", nargs="*", type=int,
+                   help="speed: the colocated case with each runtime.sim_processes given (default 1)")
     args = p.parse_args()
     {"sim": sim, "capacity": capacity, "routers": routers, "real": real, "speed": speed}[args.what](args)
     return 0
