@@ -1,9 +1,10 @@
 """A simulated run split over processes (`runtime.sim_processes=N`).
 
-A colocated run behind the round-robin router with no frontend hop (the GPU
-presets) is R replicas that never touch one another: only an arrival reaches
-a replica, the router's pick depends on the arrival's place alone, and no
-replica's events reach the controller's routing. So N child processes
+A colocated run behind a router that plans its picks (round_robin: they
+depend on the arrival's place alone, Router.planned) with no frontend hop
+(the GPU presets) is R replicas that never touch one another: only an
+arrival reaches a replica, and no replica's events reach the routing. So N
+child processes
 (forked: each has the config and the workload as they stand) each simulate
 a group of the replicas on the requests the round robin sends them, every
 one with all R workers built under their own names and indices (a worker's
@@ -50,14 +51,17 @@ def split_groups(cfg: RunConfig, record_dir) -> tuple[list[list[str]] | None, st
     n = cfg.runtime.sim_processes
     if n <= 1:
         return None, "runtime.sim_processes=1"
-    if cfg.mode != "colocated" or cfg.router != "round_robin":
-        return None, f"mode={cfg.mode} router={cfg.router}: only colocated replicas behind round_robin are apart"
     if cfg.hardware.frontend_hop_ms or cfg.hardware.frontend_message_ms:
         return None, (f"hardware={cfg.hardware.name} has a frontend hop (frontend_hop_ms, frontend_message_ms): "
                       "one frontend orders every replica's messages")
     if record_dir is None:
         return None, "no run directory to merge the parts into"
-    workers = [w.worker_id for w in build_mode(cfg).workers()]
+    mode = build_mode(cfg)
+    controller = mode.controller(mode.workers(), lambda worker_id, command: None, False)
+    if type(controller) is not ColocatedController or controller.router.planned(controller.replicas, 0) is None:
+        return None, (f"mode={cfg.mode} router={cfg.router}: only colocated replicas behind a router that plans "
+                      "its picks (round_robin) are apart")
+    workers = [w.worker_id for w in mode.workers()]
     if len(workers) < 2:
         return None, f"{len(workers)} replica: nothing to split"
     n = min(n, len(workers))
@@ -65,8 +69,8 @@ def split_groups(cfg: RunConfig, record_dir) -> tuple[list[list[str]] | None, st
 
 
 class PlannedRouter(Router):
-    """A part's router: the picks the run's round robin made, in order
-    (`targets` grows as the part's requests are drawn, ahead of the clock)."""
+    """A part's router: the picks the run's router made, in order (`targets`
+    grows as the part's requests are drawn, ahead of the clock)."""
     name = "planned"
 
     def __init__(self, targets: deque[str]) -> None:
@@ -109,6 +113,8 @@ def run_split(cfg: RunConfig, requests: Iterable[Request], record_dir, groups: l
             if child.is_alive():
                 child.kill()
             child.join()
+        for conn in conns:
+            conn.close()
         shutil.rmtree(parts_dir, ignore_errors=True)
     owner = {w: results[i] for i, group in enumerate(groups) for w in group}
     workers = [w.worker_id for w in build_mode(cfg).workers()]
@@ -150,8 +156,8 @@ def _part(cfg: RunConfig, requests: Iterable[Request], groups: list[list[str]], 
         controller = runtime.controller
         if not isinstance(controller, ColocatedController):
             raise AssertionError(f"a split run needs colocated replicas, got {type(controller).__name__}")
-        controller.router = PlannedRouter(targets)
-        mine = _routed_to(requests, controller, set(groups[index]), index == 0, targets, arrivals)
+        run_router, controller.router = controller.router, PlannedRouter(targets)
+        mine = _routed_to(requests, controller, run_router, set(groups[index]), index == 0, targets, arrivals)
         result = runtime.run(mine)
         np.asarray(arrivals, dtype=np.int64).tofile(part_dir / "requests.index")
         conn.send(("ok", {"worker_stats": result.worker_stats, "duration_s": result.duration_s,
@@ -163,14 +169,15 @@ def _part(cfg: RunConfig, requests: Iterable[Request], groups: list[list[str]], 
         conn.close()
 
 
-def _routed_to(requests: Iterable[Request], controller: ColocatedController, group: set[str], failures: bool,
-               targets: deque[str], arrivals: list[int]) -> Iterator[Request]:
+def _routed_to(requests: Iterable[Request], controller: ColocatedController, router: Router, group: set[str],
+               failures: bool, targets: deque[str], arrivals: list[int]) -> Iterator[Request]:
     """The requests of the run's arrival stream that go to `group`, each
-    one's round-robin target appended to `targets` and its place among the
-    run's arrivals to `arrivals` as it is drawn. As the run's controller does
-    (ModeController.on_arrival, ReplicaRouting._to_replica): a request past
-    the model's context or bigger than any replica's cache fails at arrival
-    without a pick (`failures`: this part records those)."""
+    one's target (`router`'s plan: the run's picks) appended to `targets` and
+    its place among the run's arrivals to `arrivals` as it is drawn. As the
+    run's controller does (ModeController.on_arrival,
+    ReplicaRouting._to_replica; every replica is alive on the simulator): a
+    request past the model's context or bigger than any replica's cache
+    fails at arrival without a pick (`failures`: this part records those)."""
     replicas, picks = controller.replicas, 0
     for place, req in enumerate(requests):
         if controller._past_context(req) is not None or \
@@ -178,7 +185,9 @@ def _routed_to(requests: Iterable[Request], controller: ColocatedController, gro
             if not failures:
                 continue
         else:
-            target = replicas[picks % len(replicas)]
+            target = router.planned(replicas, picks)
+            if target is None:
+                raise AssertionError(f"router {router.name} cannot say where arrival {place} goes")
             picks += 1
             if target not in group:
                 continue
