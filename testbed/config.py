@@ -56,14 +56,19 @@ class RuntimeConfig:
     record_writer_after: int | None = 100_000
     # runtime=sim: simulate a colocated round-robin run's replicas in this many processes, in
     # groups, and merge their records into the run's (runtime/sim_split.py: the same files and
-    # summary as one process); a run it does not apply to says why and runs in one process
-    sim_processes: int = 1
+    # summary as one process); auto: one per CPU this process may run on. A run it does not
+    # apply to says why and runs in one process
+    sim_processes: Any = 1
 
     def validate(self) -> None:
-        if not isinstance(self.sim_processes, int) or isinstance(self.sim_processes, bool) \
-                or self.sim_processes < 1:
-            raise ValueError(f"runtime.sim_processes: must be an integer >= 1, got {self.sim_processes!r}; "
+        n = self.sim_processes
+        if n != AUTO and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"runtime.sim_processes: must be an integer >= 1 or auto, got {n!r}; "
                              "1 simulates in this process, N splits a colocated run's replicas over N")
+
+    def num_sim_processes(self) -> int:
+        """sim_processes, auto resolved to the CPUs this process may run on."""
+        return len(os.sched_getaffinity(0)) if self.sim_processes == AUTO else self.sim_processes
         if self.record_writer_after is not None and self.record_writer_after < 0:
             raise ValueError(f"runtime.record_writer_after: must be >= 0 or null, got {self.record_writer_after}")
         if self.heartbeat_s <= 0:

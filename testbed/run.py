@@ -27,7 +27,7 @@ def run_workload(cfg: RunConfig, requests, progress=None, record_dir=None):
         groups, why = split_groups(cfg, record_dir)
         if groups is not None:
             return run_split(cfg, requests, record_dir, groups, log=_stderr)
-        if cfg.runtime.sim_processes > 1:
+        if cfg.runtime.sim_processes != 1:
             _stderr(f"runtime.sim_processes={cfg.runtime.sim_processes}: simulating in one process ({why})")
         return SimRuntime(cfg, record_dir=record_dir).run(requests)
     from testbed.runtime.real import RealRuntime

@@ -96,10 +96,23 @@ def test_runs_the_split_does_not_apply_to_say_why_and_run_in_one_process(tmp_pat
         assert summary["num_finished"] == summary["num_requests"] > 0
 
 
-def test_sim_processes_below_one_is_refused_naming_the_field():
-    for bad in (0, -2):
-        with pytest.raises(ValueError, match=r"runtime.sim_processes: must be an integer >= 1"):
+def test_sim_processes_below_one_or_not_a_count_is_refused_naming_the_field():
+    for bad in (0, -2, "many"):
+        with pytest.raises(ValueError, match=r"runtime.sim_processes: must be an integer >= 1 or auto"):
             validate(config(*BASE, f"runtime.sim_processes={bad}"))
+
+
+def test_auto_takes_one_process_per_cpu_this_process_may_use_at_most_one_per_replica(tmp_path):
+    cpus = len(os.sched_getaffinity(0))
+    for replicas in (2, 8):
+        cfg = config(*BASE, f"replicas={replicas}", "runtime.sim_processes=auto")
+        validate(cfg)
+        groups, why = split_groups(cfg, tmp_path)
+        if cpus == 1:
+            assert groups is None and "auto is one process" in why
+        else:
+            assert len(groups) == min(cpus, replicas)
+            assert sorted(w for g in groups for w in g) == sorted(f"replica{i}" for i in range(replicas))
 
 
 def _requests(cfg: RunConfig):

@@ -48,9 +48,9 @@ from testbed.runtime.deployment import RunResult, build_mode, record_log
 def split_groups(cfg: RunConfig, record_dir) -> tuple[list[list[str]] | None, str]:
     """The replica groups the run's parts simulate (worker ids, in worker
     order), or None and why it runs in one process."""
-    n = cfg.runtime.sim_processes
+    n = cfg.runtime.num_sim_processes()
     if n <= 1:
-        return None, "runtime.sim_processes=1"
+        return None, f"runtime.sim_processes={cfg.runtime.sim_processes} is one process"
     if cfg.hardware.frontend_hop_ms or cfg.hardware.frontend_message_ms:
         return None, (f"hardware={cfg.hardware.name} has a frontend hop (frontend_hop_ms, frontend_message_ms): "
                       "one frontend orders every replica's messages")
