@@ -65,10 +65,6 @@ class RuntimeConfig:
         if n != AUTO and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             raise ValueError(f"runtime.sim_processes: must be an integer >= 1 or auto, got {n!r}; "
                              "1 simulates in this process, N splits a colocated run's replicas over N")
-
-    def num_sim_processes(self) -> int:
-        """sim_processes, auto resolved to the CPUs this process may run on."""
-        return len(os.sched_getaffinity(0)) if self.sim_processes == AUTO else self.sim_processes
         if self.record_writer_after is not None and self.record_writer_after < 0:
             raise ValueError(f"runtime.record_writer_after: must be >= 0 or null, got {self.record_writer_after}")
         if self.heartbeat_s <= 0:
@@ -80,6 +76,10 @@ class RuntimeConfig:
         # a worker's event socket gives up on the frontend after it (zmq's SNDTIMEO)
         if problem := timeout_problem(self.frontend_timeout_s):
             raise ValueError(f"runtime.frontend_timeout_s: {problem}")
+
+    def num_sim_processes(self) -> int:
+        """sim_processes, auto resolved to the CPUs this process may run on."""
+        return len(os.sched_getaffinity(0)) if self.sim_processes == AUTO else self.sim_processes
 
 
 @dataclass
