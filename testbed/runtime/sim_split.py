@@ -24,6 +24,7 @@ directory) says why once and runs in one process.
 """
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import shutil
 import sys
@@ -92,6 +93,7 @@ def run_split(cfg: RunConfig, requests: Iterable[Request], record_dir, groups: l
     into `record_dir`; the RunResult of the single-process run."""
     if isinstance(requests, list):
         requests = sorted(requests, key=lambda r: r.arrival_s)    # as Arrivals takes a list
+    workers = [w.worker_id for w in build_mode(cfg).workers()]      # the run's worker order
     parts_dir = Path(tempfile.mkdtemp(prefix=".sim-parts-", dir=record_dir))
     fork = multiprocessing.get_context("fork")
     children, conns = [], []
@@ -99,7 +101,8 @@ def run_split(cfg: RunConfig, requests: Iterable[Request], record_dir, groups: l
         for index, group in enumerate(groups):
             receive, send = fork.Pipe(duplex=False)
             child = fork.Process(target=_part, name=f"sim-part-{index}", daemon=True,
-                                 args=(cfg, requests, groups, index, parts_dir / f"part-{index}", send, log))
+                                 args=(cfg, requests, workers, groups[index], index, parts_dir / f"part-{index}",
+                                       send, log))
             child.start()
             send.close()
             children.append(child)
@@ -117,7 +120,6 @@ def run_split(cfg: RunConfig, requests: Iterable[Request], record_dir, groups: l
             conn.close()
         shutil.rmtree(parts_dir, ignore_errors=True)
     owner = {w: results[i] for i, group in enumerate(groups) for w in group}
-    workers = [w.worker_id for w in build_mode(cfg).workers()]
     return RunResult(records, {w: owner[w]["worker_stats"][w] for w in workers},
                      max(r["duration_s"] for r in results))
 
@@ -141,23 +143,25 @@ def _collect(children: list, conns: list[Connection]) -> list[dict]:
     return results
 
 
-def _part(cfg: RunConfig, requests: Iterable[Request], groups: list[list[str]], index: int, part_dir: Path,
-          conn: Connection, log) -> None:
-    """A child: the run's workers, the requests the round robin sends to
-    groups[index] (and, in the first part, those that fail at arrival)."""
+def _part(cfg: RunConfig, requests: Iterable[Request], workers: list[str], group: list[str], index: int,
+          part_dir: Path, conn: Connection, log) -> None:
+    """A child: the run's workers (in the run's order), the requests the
+    run's router sends to `group` (and, in the first part, those that fail
+    at arrival)."""
     from testbed.runtime.sim import SimRuntime
     try:
         targets: deque[str] = deque()
         arrivals: list[int] = []          # each of this part's arrivals' place among the run's
-        workers = [w.worker_id for w in build_mode(cfg).workers()]     # the run's worker order
         records = PartLog(RunStats(cfg.slo.ttft_ms, cfg.slo.tpot_ms), part_dir,
                           {w: i for i, w in enumerate(workers)}, writer_after=cfg.runtime.record_writer_after)
         runtime = SimRuntime(cfg, log=log if index == 0 else (lambda line: None), records=records)
         controller = runtime.controller
         if not isinstance(controller, ColocatedController):
             raise AssertionError(f"a split run needs colocated replicas, got {type(controller).__name__}")
-        run_router, controller.router = controller.router, PlannedRouter(targets)
-        mine = _routed_to(requests, controller, run_router, set(groups[index]), index == 0, targets, arrivals)
+        controller.router = PlannedRouter(targets)
+        # a controller of the run's own, never sent an arrival, plans where each goes
+        planner = runtime.mode.controller(runtime.workers, lambda worker_id, command: None, False)
+        mine = _routed_to(requests, planner, set(group), index == 0, targets, arrivals)
         result = runtime.run(mine)
         np.asarray(arrivals, dtype=np.int64).tofile(part_dir / "requests.index")
         conn.send(("ok", {"worker_stats": result.worker_stats, "duration_s": result.duration_s,
@@ -169,28 +173,26 @@ def _part(cfg: RunConfig, requests: Iterable[Request], groups: list[list[str]], 
         conn.close()
 
 
-def _routed_to(requests: Iterable[Request], controller: ColocatedController, router: Router, group: set[str],
-               failures: bool, targets: deque[str], arrivals: list[int]) -> Iterator[Request]:
-    """The requests of the run's arrival stream that go to `group`, each
-    one's target (`router`'s plan: the run's picks) appended to `targets` and
-    its place among the run's arrivals to `arrivals` as it is drawn. As the
-    run's controller does (ModeController.on_arrival,
-    ReplicaRouting._to_replica; every replica is alive on the simulator): a
-    request past the model's context or bigger than any replica's cache
-    fails at arrival without a pick (`failures`: this part records those)."""
-    replicas, picks = controller.replicas, 0
-    for place, req in enumerate(requests):
-        if controller._past_context(req) is not None or \
-                controller._never_fits(req, replicas, "replica") is not None:
+def _routed_to(requests: Iterable[Request], planner: ColocatedController, group: set[str], failures: bool,
+               targets: deque[str], arrivals: list[int]) -> Iterator[Request]:
+    """The requests of the run's arrival stream that go to `group` by the
+    planner's plan of the whole stream (ColocatedController.planned_targets:
+    the run's picks; "" for a request that fails at arrival without a pick,
+    which the part with `failures` records), each one's target appended to
+    `targets` and its place among the run's arrivals to `arrivals` as it is
+    drawn."""
+    ahead, drawn = itertools.tee(requests)
+    plan = planner.planned_targets(ahead)
+    for place, req in enumerate(drawn):
+        target = next(plan, None)
+        if target is None:
+            raise AssertionError(f"router {planner.router.name} cannot say where arrival {place} goes")
+        if not target:            # fails at arrival
             if not failures:
                 continue
-        else:
-            target = router.planned(replicas, picks)
-            if target is None:
-                raise AssertionError(f"router {router.name} cannot say where arrival {place} goes")
-            picks += 1
-            if target not in group:
-                continue
+        elif target in group:
             targets.append(target)
+        else:
+            continue
         arrivals.append(place)
         yield req
