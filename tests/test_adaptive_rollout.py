@@ -156,7 +156,7 @@ def _batch_after_arrivals(**adaptive) -> list[tuple[str, int]]:
     tokens left are under min_budget)."""
     clock = VirtualClock()
     cfg = SchedulerConfig(token_budget=256, max_num_seqs=128, max_num_batched_tokens=8192,
-                          adaptive=AdaptiveConfig(**adaptive))
+                          adaptive=AdaptiveConfig(prefill_first=False, **adaptive))    # the rollout alone
     predictor = TilePredictor(0.002)
     sched = make_scheduler("adaptive", cfg, BlockManager(4096, 16), SchedulerContext(clock, 2000.0, 50.0, predictor))
     e = Engine(sched, PredictedExecutor(predictor), clock)

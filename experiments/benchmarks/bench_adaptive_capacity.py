@@ -34,8 +34,9 @@ TBT_SLOS_MS = (50.0, 100.0)
 POLICIES = [("sarathi-256", 256), ("sarathi-512", 512), ("sarathi-1024", 1024), ("sarathi-2048", 2048),
             ("sarathi-4096", 4096), ("sarathi-auto", "auto"), ("adaptive", None)]
 # searched only when --only names it: adaptive without the TTFT rollout (always the largest budget that fits),
+# adaptive never deferring the decodes for fresh prompts (adaptive.prefill_first=false, the policy before s49),
 # and with the rollout pricing the prompts that arrive meanwhile (adaptive.rollout_arrivals)
-EXTRA = [("adaptive-largest", "largest"), ("adaptive-arrivals", "arrivals")]
+EXTRA = [("adaptive-largest", "largest"), ("adaptive-arrivals", "arrivals"), ("adaptive-nopf", "no_prefill_first")]
 COMMON = ["runtime=sim", "model=llama3-8b", "hardware=h100-sxm", "max_num_seqs=256", "num_kv_blocks=29206",
           "progress=false", "wandb.mode=disabled"]
 
@@ -56,6 +57,8 @@ def policy_overrides(budget) -> list[str]:
         return ["scheduler=adaptive", "adaptive.ttft_rollout=false"]
     if budget == "arrivals":
         return ["scheduler=adaptive", "adaptive.rollout_arrivals=true"]
+    if budget == "no_prefill_first":
+        return ["scheduler=adaptive", "adaptive.prefill_first=false"]
     return ["scheduler=adaptive"] if budget is None else ["scheduler=sarathi", f"token_budget={budget}"]
 
 
@@ -150,7 +153,7 @@ def main() -> None:
             ref = [c for c in (cap.get("adaptive"), cap.get("sarathi-512")) if c]
             if ref:
                 below_jobs += [(str(out), w, t, p, budgets[p], args.below * min(ref)) for p in
-                               ("sarathi-512", "adaptive", "adaptive-largest", "adaptive-arrivals") if p in cap]
+                               ("sarathi-512", "adaptive", "adaptive-largest", "adaptive-arrivals", "adaptive-nopf") if p in cap]
     with ProcessPoolExecutor(args.jobs) as pool:
         below = list(pool.map(below_capacity, below_jobs))
     if below:

@@ -2,17 +2,19 @@
 sarathi-512, in the simulator (bench_adaptive_capacity's set-up): TTFT p50
 and mean of sarathi-512, adaptive without the TTFT rollout
 (`adaptive.ttft_rollout=false`: always the largest budget the deadlines
-allow), adaptive, and adaptive with the rollout pricing the prompts that
-arrive meanwhile (`adaptive.rollout_arrivals=true`), over workload seeds;
+allow), adaptive without deferring the decodes for fresh prompts
+(`adaptive.prefill_first=false`, the policy before s49), adaptive, and
+adaptive with the rollout pricing the prompts that arrive meanwhile
+(`adaptive.rollout_arrivals=true`), over workload seeds;
 each one's TTFT quantiles against sarathi-512's, paired by seed (mean and
 standard error over the seeds); and, per iteration, the batches over
 512 tokens (a GEMM tile step on h100-sxm's tables that sarathi-512's budget,
 decodes included, never crosses) and the TTFT of the requests that waited
 through one against the same requests under sarathi-512.
 
-    python experiments/benchmarks/bench_adaptive_chat_ttft.py [--rate 177] [--slo-tbt-ms 50] [--seeds 5]
+    python experiments/benchmarks/bench_adaptive_chat_ttft.py [--rate 177] [--slo-tbt-ms 50] [--seeds 5] [--first-seed 0]
 
-~1.5 min here (--seeds 20: ~5 min). Figures and their reading: experiments/README.md, "adaptive"."""
+~2 min here (--seeds 20: ~6 min). Figures and their reading: experiments/README.md, "adaptive"."""
 from __future__ import annotations
 
 import argparse
@@ -29,8 +31,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_adaptive_capacity import run_config  # noqa: E402
 
-POLICIES = [("sarathi-512", 512), ("adaptive-largest", "largest"), ("adaptive", None),
-            ("adaptive-arrivals", "arrivals")]
+POLICIES = [("sarathi-512", 512), ("adaptive-largest", "largest"), ("adaptive-nopf", "no_prefill_first"),
+            ("adaptive", None), ("adaptive-arrivals", "arrivals")]
 QUANTILES = (10, 25, 50, 75, 90, 99)
 TILE = 512
 
@@ -60,6 +62,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=177.0)
     parser.add_argument("--slo-tbt-ms", type=float, default=50.0)
     parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--first-seed", type=int, default=0, help="the workload seeds are first-seed, first-seed + 1, ...")
     parser.add_argument("--out", default="outputs/bench_adaptive_chat_ttft")
     args = parser.parse_args()
     os.environ.setdefault("WANDB_MODE", "disabled")
@@ -67,7 +70,7 @@ def main() -> None:
     ttft = {label: [] for label, _ in POLICIES}
     quantiles = {label: [] for label, _ in POLICIES}      # per seed: TTFT at QUANTILES, then the mean
     print(f"chat at {args.rate:g} req/s, p99 TBT SLO {args.slo_tbt_ms:g} ms (llama3-8b on h100-sxm, simulator)")
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         runs = {label: run(label, b, args.rate, args.slo_tbt_ms, seed, out) for label, b in POLICIES}
         base = runs["sarathi-512"][0]
         for label, (reqs, its) in runs.items():

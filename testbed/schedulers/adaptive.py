@@ -22,7 +22,12 @@ Each iteration (iteration_budget):
   predicted TTFT (ttft_rollout.py: one more prompt past a GEMM tile step can
   delay the rest by more than deferring it costs it); with
   adaptive.rollout_arrivals, the prompts expected to arrive meanwhile too
-  (Traffic: the observed arrival rate and typical iteration).
+  (Traffic: the observed arrival rate and typical iteration);
+- `prefill_first`, the decodes' slack spent on fresh prompts: when every
+  waiting prompt arrived during the last iteration and every decode can wait
+  one iteration within its deadline, the prompts run alone first and the
+  decodes next, if what the prompts gain exceeds what the split's extra step
+  costs the prompts arriving meanwhile (prefill_first.py); never twice in a row.
 
 The predictor is the cost model (SchedulerContext); StepCorrection scales it
 per batch kind by the measured/predicted ratio of finished steps (on_step), so
@@ -42,6 +47,7 @@ from testbed.schedulers.base import SchedulerConfig
 from testbed.schedulers.budget import largest_fitting
 from testbed.schedulers.context import SchedulerContext
 from testbed.schedulers.deadlines import TokenDeadlines
+from testbed.schedulers.prefill_first import defers_decodes
 from testbed.schedulers.sarathi import SarathiScheduler
 from testbed.schedulers.step_correction import DECODE, MIXED, StepCorrection, batch_kind
 from testbed.schedulers.traffic import Traffic
@@ -50,6 +56,7 @@ from testbed.schedulers.ttft_rollout import ttft_minimising_budget
 # a noise-free simulation plans iterations to end exactly on the deadline: 1 µs keeps the
 # float rounding of token times from putting a gap over the SLO
 _EDGE_S = 1e-6
+_NONE: tuple[frozenset[int], int] = (frozenset(), 0)     # no decode deferred
 
 
 class AdaptiveScheduler(SarathiScheduler):
@@ -69,13 +76,17 @@ class AdaptiveScheduler(SarathiScheduler):
         self.ttft_s = context.slo_ttft_ms * 1e-3
         self.deadlines = TokenDeadlines(self.tbt_s)
         self.correction = StepCorrection(self.acfg.ewma_alpha, self.acfg.tbt_quantile)
-        # what the rollout expects of arrivals it cannot see yet; observed only when it uses it
-        self.traffic = Traffic(self.acfg.rollout_window) if self.acfg.rollout_arrivals else None
+        # the arrivals the rollout and prefill_first expect; observed only when one of them uses it
+        self.traffic = Traffic(self.acfg.rollout_window) \
+            if self.acfg.rollout_arrivals or self.acfg.prefill_first else None
         # the part of a TBT SLO an iteration may take: all of it when bound() carries the error margin
         self.plan_s = (self.tbt_s - _EDGE_S if self.acfg.tbt_quantile is not None
                        else self.acfg.tbt_headroom * self.tbt_s)
         self.prefill_budget = self.acfg.max_budget     # the budget of the batch being planned
         self._planned: tuple[Batch, str, float] | None = None    # (batch, kind, raw prediction)
+        self._last_step_start_s: float | None = None   # when the last finished step began
+        self._deferred_last = False          # the last batch deferred the decodes (never twice in a row)
+        self.num_deferrals = 0               # prefill_first's prompt-only iterations so far
         self._decode_pricers: dict[int, Callable[[int, int], float]] = {}    # the predictor's, per batch size
         # a steady decode batch is planned and observed without its slices where the predictor
         # prices decodes by their contexts' sum and longest (CostModel.decode_pricer: the same
@@ -84,8 +95,19 @@ class AdaptiveScheduler(SarathiScheduler):
         self.observes_steady = make is not None and self._decode_pricer(1) is not None
 
     def schedule(self) -> Batch:
-        # sarathi's schedule() (every decode, then chunks FCFS) under iteration_budget()'s budget
+        # sarathi's schedule() (every decode, then chunks FCFS) under iteration_budget()'s budget;
+        # with prefill_first, maybe the whole queue alone, every decode deferred one iteration
+        deferring = self.acfg.prefill_first and not self._deferred_last
+        self._deferred, self._deferred_budget = self._decodes_to_defer() if deferring else _NONE
         batch = super().schedule()
+        self._deferred_last = bool(self._deferred)
+        if self._deferred:
+            self._deferred = frozenset()
+            if batch:
+                self.num_deferrals += 1
+            else:                     # no prompt could start (KV memory): the decodes run after all
+                self._deferred_last = False
+                batch = super().schedule()
         if batch:
             pairs = [(s.num_tokens, s.end) for s in batch.slices]
             raw = self.predictor.iteration_time_s(pairs, sum(s.samples for s in batch.slices))
@@ -111,6 +133,7 @@ class AdaptiveScheduler(SarathiScheduler):
         # schedule()'s prediction and on_step's observation of that batch, in their order
         raw = self._decode_pricer(num_decodes)(context_tokens, longest_context)
         predicted = self.correction.corrected(raw, DECODE)
+        self._last_step_start_s = self.context.clock.now() - duration_s
         if self.traffic is not None:
             self.traffic.observe_step(duration_s)
         self.correction.observe(DECODE, raw, duration_s)
@@ -128,6 +151,7 @@ class AdaptiveScheduler(SarathiScheduler):
             self.traffic.observe_arrival(self.context.clock.now())
 
     def on_step(self, batch: Batch, duration_s: float) -> None:
+        self._last_step_start_s = self.context.clock.now() - duration_s
         if self.traffic is not None:
             self.traffic.observe_step(duration_s)
         planned = self._planned
@@ -140,8 +164,12 @@ class AdaptiveScheduler(SarathiScheduler):
 
     # -- the budget ------------------------------------------------------------------------
     def iteration_budget(self) -> int:
-        """The running decodes' tokens plus this iteration's prefill budget."""
+        """The running decodes' tokens plus this iteration's prefill budget
+        (only the latter when the decodes are deferred)."""
         cfg = self.acfg
+        if self._deferred:
+            self.prefill_budget = self._deferred_budget
+            return self._deferred_budget
         decodes, prefills, decode_tokens, last_token_s = [], [], 0, math.inf
         for req in self.running:
             c = req.num_computed_tokens
@@ -195,9 +223,49 @@ class AdaptiveScheduler(SarathiScheduler):
             return correct(predict(pairs, sampled), kind)       # the mean: TTFT is summed, not bounded
         traffic = self.traffic
         rate, typical_s = (traffic.rate_per_s(self.context.clock.now()), traffic.typical_step_s()) \
-            if traffic is not None else (0.0, 0.0)
+            if self.acfg.rollout_arrivals else (0.0, 0.0)
         return ttft_minimising_budget(price, decodes, todo, budget, self.min_chunk, self.acfg.min_budget,
                                       self.acfg.budget_multiple, rate, typical_s)
+
+    def _decodes_to_defer(self) -> tuple[frozenset[int], int]:
+        """prefill_first: the ids of the running decodes to defer this iteration
+        (all of them or none) and the prompts' budget, the whole queue's tokens
+        rounded up to budget_multiple; _NONE when a prompt is part-prefilled or
+        waited through a whole iteration (a backlog), the queue does not fit the
+        seats or max_budget, or defers_decodes says no."""
+        waiting, running, cfg = self.waiting, self.running, self.acfg
+        start = self._last_step_start_s
+        if not waiting or not running or start is None or \
+                len(running) + len(waiting) > self.cfg.max_num_seqs or waiting[0].arrival_s < start:
+            return _NONE
+        decodes, last_token_s = [], math.inf
+        for req in running:
+            c = req.num_computed_tokens
+            if c < req.prompt_len or req.num_tokens - c != 1 or not req.token_times_s:
+                return _NONE          # a partial prefill, a recompute's catch-up or no first token yet
+            decodes.append((1, c + 1))
+            last_token_s = min(last_token_s, req.token_times_s[-1])
+        prompts, tokens = [], 0
+        for req in waiting:
+            if req.arrival_s < start:
+                return _NONE
+            n = req.num_uncomputed_tokens
+            prompts.append((n, req.num_computed_tokens + n))
+            tokens += n
+        budget = -(-tokens // cfg.budget_multiple) * cfg.budget_multiple
+        if budget > cfg.max_budget:
+            return _NONE
+        predict, correction, now = self.predictor.iteration_time_s, self.correction, self.context.clock.now()
+
+        def mean(pairs, sampled, kind):
+            return correction.corrected(predict(pairs, sampled), kind)
+
+        def bound(pairs, sampled, kind):
+            return correction.bound(predict(pairs, sampled), kind)
+        if not defers_decodes(mean, bound, decodes, prompts, last_token_s + self.plan_s - now,
+                              self.traffic.rate_per_s(now)):
+            return _NONE
+        return frozenset(id(r) for r in running), budget
 
     def _prefill_work(self, partial: list[Request]) -> list[Request]:
         """The prompts this iteration may chunk, in sarathi's order (partial

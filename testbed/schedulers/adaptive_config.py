@@ -36,6 +36,11 @@ class AdaptiveConfig:
     # its p50, and cost capacity (275 -> 252 req/s; experiments/README.md, "adaptive")
     rollout_arrivals: bool = False
     rollout_window: int = 64
+    # spend the decodes' slack on fresh prompts: when every waiting prompt arrived during the last
+    # iteration and each decode's next token meets its deadline one iteration later, run the
+    # prompts alone first and the decodes next, if what the prompts gain exceeds what the split's
+    # extra step costs the prompts arriving meanwhile (testbed/schedulers/prefill_first.py)
+    prefill_first: bool = True
     ewma_alpha: float = 0.2        # weight of the newest step in the measured/predicted correction
     # token_budget=auto: the decode batch the static budget must protect
     auto_num_decodes: int | None = None    # None: max_num_seqs
