@@ -189,7 +189,7 @@ class Engine:
                             req.first_scheduled_s = start
                 predicted = None
                 if observe is not None:
-                    predicted = observe(len(requests), context, longest, end - start)
+                    predicted = observe(len(requests), context, longest, start, end)
                     context += len(requests)
                     longest += 1
                 tokens_of.append(tokens)
@@ -228,7 +228,7 @@ class Engine:
             end = self.clock.now()
         predicted = None
         if self.scheduler.observes_steady:      # schedule()'s plan and on_step's look at the batch
-            predicted = self.scheduler.observe_steady(len(requests), *_contexts_after_decode(requests), end - start)
+            predicted = self.scheduler.observe_steady(len(requests), *_contexts_after_decode(requests), start, end)
         out = StepOutput(None)
         bs, commit = self.bm.block_size, self.bm.commit
         for req, token in zip(requests, tokens):

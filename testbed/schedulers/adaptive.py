@@ -85,7 +85,6 @@ class AdaptiveScheduler(SarathiScheduler):
         self.prefill_budget = self.acfg.max_budget     # the budget of the batch being planned
         self._planned: tuple[Batch, str, float] | None = None    # (batch, kind, raw prediction)
         self._last_step_start_s: float | None = None   # when the last finished step began
-        self._deferred_last = False          # the last batch deferred the decodes (never twice in a row)
         self.num_deferrals = 0               # prefill_first's prompt-only iterations so far
         self._decode_pricers: dict[int, Callable[[int, int], float]] = {}    # the predictor's, per batch size
         # a steady decode batch is planned and observed without its slices where the predictor
@@ -97,16 +96,13 @@ class AdaptiveScheduler(SarathiScheduler):
     def schedule(self) -> Batch:
         # sarathi's schedule() (every decode, then chunks FCFS) under iteration_budget()'s budget;
         # with prefill_first, maybe the whole queue alone, every decode deferred one iteration
-        deferring = self.acfg.prefill_first and not self._deferred_last
-        self._deferred, self._deferred_budget = self._decodes_to_defer() if deferring else _NONE
+        self._deferred, self._deferred_budget = self._decodes_to_defer() if self.acfg.prefill_first else _NONE
         batch = super().schedule()
-        self._deferred_last = bool(self._deferred)
         if self._deferred:
             self._deferred = frozenset()
             if batch:
                 self.num_deferrals += 1
             else:                     # no prompt could start (KV memory): the decodes run after all
-                self._deferred_last = False
                 batch = super().schedule()
         if batch:
             pairs = [(s.num_tokens, s.end) for s in batch.slices]
@@ -129,11 +125,12 @@ class AdaptiveScheduler(SarathiScheduler):
         return self._steady_running(self.iteration_budget())
 
     def observe_steady(self, num_decodes: int, context_tokens: int, longest_context: int,
-                       duration_s: float) -> float:
+                       start_s: float, end_s: float) -> float:
         # schedule()'s prediction and on_step's observation of that batch, in their order
         raw = self._decode_pricer(num_decodes)(context_tokens, longest_context)
         predicted = self.correction.corrected(raw, DECODE)
-        self._last_step_start_s = self.context.clock.now() - duration_s
+        duration_s = end_s - start_s
+        self._last_step_start_s = start_s
         if self.traffic is not None:
             self.traffic.observe_step(duration_s)
         self.correction.observe(DECODE, raw, duration_s)
@@ -231,8 +228,9 @@ class AdaptiveScheduler(SarathiScheduler):
         """prefill_first: the ids of the running decodes to defer this iteration
         (all of them or none) and the prompts' budget, the whole queue's tokens
         rounded up to budget_multiple; _NONE when a prompt is part-prefilled or
-        waited through a whole iteration (a backlog), the queue does not fit the
-        seats or max_budget, or defers_decodes says no."""
+        waited through a whole iteration (a backlog), a decode sampled nothing
+        in the last iteration (the last one deferred it), the queue does not
+        fit the seats or max_budget, or defers_decodes says no."""
         waiting, running, cfg = self.waiting, self.running, self.acfg
         start = self._last_step_start_s
         if not waiting or not running or start is None or \
@@ -245,6 +243,8 @@ class AdaptiveScheduler(SarathiScheduler):
                 return _NONE          # a partial prefill, a recompute's catch-up or no first token yet
             decodes.append((1, c + 1))
             last_token_s = min(last_token_s, req.token_times_s[-1])
+        if last_token_s <= start:
+            return _NONE              # a decode had no token in the last iteration (it was deferred): never twice
         prompts, tokens = [], 0
         for req in waiting:
             if req.arrival_s < start:

@@ -205,9 +205,11 @@ class Scheduler(ABC):
     observes_steady = False
 
     def observe_steady(self, num_decodes: int, context_tokens: int, longest_context: int,
-                       duration_s: float) -> float | None:
-        """A steady decode batch (steady_decodes) ran without a Batch and took
-        `duration_s`: what schedule() and on_step would have done with it, for
+                       start_s: float, end_s: float) -> float | None:
+        """A steady decode batch (steady_decodes) ran without a Batch from
+        `start_s` to `end_s` (the clock may stand elsewhere: a decode run
+        observes its iterations before it moves the clock past them): what
+        schedule() and on_step would have done with it, for
         a policy with observes_steady. `context_tokens` is the sum of the
         decodes' contexts after the step, `longest_context` the longest.
         Returns the batch's predicted_s (None: none)."""
