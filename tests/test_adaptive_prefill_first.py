@@ -21,7 +21,7 @@ from testbed.schedulers import SchedulerConfig, SchedulerContext, make_scheduler
 from testbed.schedulers.adaptive_config import AdaptiveConfig
 from testbed.schedulers.prefill_first import defers_decodes
 
-from test_adaptive import LinearPredictor, PredictedExecutor
+from test_adaptive import LinearPredictor, engine
 
 LINEAR = LinearPredictor(base_s=0.005, per_token_s=1e-5)
 
@@ -51,11 +51,8 @@ def _engine(**adaptive) -> tuple[Engine, VirtualClock]:
     """100 requests arriving 50 ms apart (the observed rate, ~20 req/s, is
     under the 32.57 of test_rule_in_closed_form), prefilled: 100 decodes, each
     sampled its last token at the last step's end."""
-    clock = VirtualClock()
-    cfg = SchedulerConfig(token_budget=256, max_num_seqs=128, max_num_batched_tokens=8192,
-                          adaptive=AdaptiveConfig(**adaptive))
-    sched = make_scheduler("adaptive", cfg, BlockManager(4096, 16), SchedulerContext(clock, 2000.0, 50.0, LINEAR))
-    e = Engine(sched, PredictedExecutor(LINEAR), clock)
+    e = engine(LINEAR, max_num_seqs=128, **adaptive)
+    clock, sched = e.clock, e.scheduler
     for i in range(100):
         clock.t = 0.05 * i
         e.add_request(Request(f"d{i}", list(range(100 * i, 100 * i + 8)), 50, arrival_s=clock.t))
@@ -106,11 +103,8 @@ def test_token_gaps_stay_within_the_slo_with_deferrals(seed):
     that deferring pays often; it is exact, so every gap between a request's
     tokens is within the 50 ms TBT SLO, deferred iterations included."""
     rng = random.Random(seed)
-    clock = VirtualClock()
-    truth = LinearPredictor(base_s=0.001, per_token_s=1e-4)
-    cfg = SchedulerConfig(token_budget=256, max_num_seqs=128, max_num_batched_tokens=8192, adaptive=AdaptiveConfig())
-    sched = make_scheduler("adaptive", cfg, BlockManager(8192, 16), SchedulerContext(clock, 2000.0, 50.0, truth))
-    e = Engine(sched, PredictedExecutor(truth), clock)
+    e = engine(LinearPredictor(base_s=0.001, per_token_s=1e-4), num_blocks=8192, max_num_seqs=128)
+    clock, sched = e.clock, e.scheduler
     t, pending = 0.0, []
     for i in range(300):
         t += rng.expovariate(40.0)

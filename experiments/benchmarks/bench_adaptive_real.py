@@ -42,9 +42,11 @@ from pathlib import Path
 import numpy as np
 
 SLO_TBT_MS = 50.0
-# (label, scheduler, token_budget, adaptive.tbt_quantile): "default" keeps the config's
-POLICIES = [("adaptive", "adaptive", None, "default"), ("adaptive-mean", "adaptive", None, None),
-            ("sarathi-1024", "sarathi", 1024, "default"), ("sarathi-32", "sarathi", 32, "default")]
+# (label, scheduler, token_budget, adaptive overrides); adaptive-nopf (adaptive.prefill_first=false, the
+# policy before s49) runs only when --policies names it
+POLICIES = [("adaptive", "adaptive", None, {}), ("adaptive-mean", "adaptive", None, {"tbt_quantile": None}),
+            ("sarathi-1024", "sarathi", 1024, {}), ("sarathi-32", "sarathi", 32, {})]
+EXTRA = [("adaptive-nopf", "adaptive", None, {"prefill_first": False})]
 WINDOW, THRESHOLD = 20, 0.15
 
 
@@ -135,9 +137,8 @@ def stall(cfg, out: Path, repeats: int, runs_per_repeat: int = 1, policies=POLIC
         for k in range(runs_per_repeat):
             if min_judged and k and min(judged.values()) >= min_judged:
                 break
-            for label, scheduler, budget, quantile in policies:
-                acfg = cfg.adaptive if quantile == "default" else dataclasses.replace(cfg.adaptive,
-                                                                                     tbt_quantile=quantile)
+            for label, scheduler, budget, changes in policies:
+                acfg = dataclasses.replace(cfg.adaptive, **changes)
                 pcfg = dataclasses.replace(cfg, scheduler=scheduler, token_budget=budget or cfg.token_budget,
                                            adaptive=acfg)
                 d = out / "stall" / (f"{label}-{rep}" if runs_per_repeat == 1 else f"{label}-{rep}-{k}")
@@ -232,7 +233,7 @@ def main() -> None:
     parser.add_argument("--max-slack-tbt", type=float, default=1.0, help="adaptive.max_slack_tbt")
     parser.add_argument("--stall-only", action="store_true", help="skip the self-correction runs")
     parser.add_argument("--policies", default=",".join(label for label, *_ in POLICIES),
-                        help="comma-separated stall policies, of " + ", ".join(label for label, *_ in POLICIES))
+                        help="comma-separated stall policies, of " + ", ".join(label for label, *_ in POLICIES + EXTRA))
     parser.add_argument("--runs-per-repeat", type=int, default=1,
                         help="stall runs pooled into each repeat's figures (~100 judged iterations each); "
                              "with --min-judged, the most")
@@ -251,7 +252,7 @@ def main() -> None:
     load_before = os.getloadavg()
     if args.runs_per_repeat < 1:
         parser.error(f"--runs-per-repeat: must be >= 1, got {args.runs_per_repeat}")
-    known = {p[0]: p for p in POLICIES}
+    known = {p[0]: p for p in POLICIES + EXTRA}
     if unknown := [label for label in args.policies.split(",") if label not in known]:
         parser.error(f"--policies: unknown {', '.join(unknown)}; known: {', '.join(known)}")
     policies = [known[label] for label in args.policies.split(",")]
