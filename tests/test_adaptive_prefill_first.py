@@ -20,14 +20,11 @@ from testbed.request import Request
 from testbed.schedulers import SchedulerConfig, SchedulerContext, make_scheduler
 from testbed.schedulers.adaptive_config import AdaptiveConfig
 from testbed.schedulers.prefill_first import defers_decodes
+from testbed.schedulers.step_correction import StepCorrection
 
 from test_adaptive import LinearPredictor, engine
 
 LINEAR = LinearPredictor(base_s=0.005, per_token_s=1e-5)
-
-
-def _price(pairs, sampled, kind):
-    return LINEAR.iteration_time_s(pairs, sampled)
 
 
 DECODES = [(1, 200)] * 100
@@ -40,7 +37,7 @@ def test_rule_in_closed_form():
     decodes) is 5.00 ms longer, which the arrivals over its 12.28 ms pay: at
     lambda 2 ms / (12.28 ms x 5 ms) = 32.57 req/s the two are equal."""
     def defers(deadline_s=0.05, rate=0.0, decodes=DECODES, prompts=PROMPTS):
-        return defers_decodes(_price, _price, decodes, prompts, deadline_s, rate)
+        return defers_decodes(LINEAR.iteration_time_s, StepCorrection(0.2), decodes, prompts, deadline_s, rate)
     assert defers(rate=0.0) and defers(rate=32.5)
     assert not defers(rate=32.6)
     assert defers(deadline_s=0.01231) and not defers(deadline_s=0.01229)     # 6.28 + 6.02 ms

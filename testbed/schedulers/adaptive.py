@@ -56,7 +56,6 @@ from testbed.schedulers.ttft_rollout import ttft_minimising_budget
 # a noise-free simulation plans iterations to end exactly on the deadline: 1 µs keeps the
 # float rounding of token times from putting a gap over the SLO
 _EDGE_S = 1e-6
-_NONE: tuple[frozenset[int], int] = (frozenset(), 0)     # no decode deferred
 
 
 class AdaptiveScheduler(SarathiScheduler):
@@ -94,16 +93,15 @@ class AdaptiveScheduler(SarathiScheduler):
         self.observes_steady = make is not None and self._decode_pricer(1) is not None
 
     def schedule(self) -> Batch:
-        # sarathi's schedule() (every decode, then chunks FCFS) under iteration_budget()'s budget;
-        # with prefill_first, maybe the whole queue alone, every decode deferred one iteration
-        self._deferred, self._deferred_budget = self._decodes_to_defer() if self.acfg.prefill_first else _NONE
-        batch = super().schedule()
-        if self._deferred:
-            self._deferred = frozenset()
-            if batch:
-                self.num_deferrals += 1
-            else:                     # no prompt could start (KV memory): the decodes run after all
-                batch = super().schedule()
+        # with prefill_first, maybe the whole queue alone, every decode deferred one iteration;
+        # else (or when no prompt could start: KV memory) sarathi's schedule() (every decode,
+        # then chunks FCFS) under iteration_budget()'s budget
+        prompt_only = self._prompt_only_budget() if self.acfg.prefill_first else 0
+        batch = self._prompts_alone(prompt_only) if prompt_only else Batch()
+        if batch:
+            self.num_deferrals += 1
+        else:
+            batch = super().schedule()
         if batch:
             pairs = [(s.num_tokens, s.end) for s in batch.slices]
             raw = self.predictor.iteration_time_s(pairs, sum(s.samples for s in batch.slices))
@@ -161,12 +159,8 @@ class AdaptiveScheduler(SarathiScheduler):
 
     # -- the budget ------------------------------------------------------------------------
     def iteration_budget(self) -> int:
-        """The running decodes' tokens plus this iteration's prefill budget
-        (only the latter when the decodes are deferred)."""
+        """The running decodes' tokens plus this iteration's prefill budget."""
         cfg = self.acfg
-        if self._deferred:
-            self.prefill_budget = self._deferred_budget
-            return self._deferred_budget
         decodes, prefills, decode_tokens, last_token_s = [], [], 0, math.inf
         for req in self.running:
             c = req.num_computed_tokens
@@ -224,48 +218,48 @@ class AdaptiveScheduler(SarathiScheduler):
         return ttft_minimising_budget(price, decodes, todo, budget, self.min_chunk, self.acfg.min_budget,
                                       self.acfg.budget_multiple, rate, typical_s)
 
-    def _decodes_to_defer(self) -> tuple[frozenset[int], int]:
-        """prefill_first: the ids of the running decodes to defer this iteration
-        (all of them or none) and the prompts' budget, the whole queue's tokens
-        rounded up to budget_multiple; _NONE when a prompt is part-prefilled or
-        waited through a whole iteration (a backlog), a decode sampled nothing
-        in the last iteration (the last one deferred it), the queue does not
-        fit the seats or max_budget, or defers_decodes says no."""
+    def _prompt_only_budget(self) -> int:
+        """prefill_first: the budget of a prompt-only iteration (the whole
+        queue's tokens rounded up to budget_multiple) that defers every running
+        decode one iteration; 0 when a prompt waited through a whole iteration
+        (a backlog) or is part-prefilled, a decode sampled nothing in the last
+        iteration (the last one deferred it), the queue does not fit the seats
+        or max_budget, or defers_decodes says no."""
         waiting, running, cfg = self.waiting, self.running, self.acfg
         start = self._last_step_start_s
-        if not waiting or not running or start is None or \
-                len(running) + len(waiting) > self.cfg.max_num_seqs or waiting[0].arrival_s < start:
-            return _NONE
-        decodes, last_token_s = [], math.inf
-        for req in running:
-            c = req.num_computed_tokens
-            if c < req.prompt_len or req.num_tokens - c != 1 or not req.token_times_s:
-                return _NONE          # a partial prefill, a recompute's catch-up or no first token yet
-            decodes.append((1, c + 1))
-            last_token_s = min(last_token_s, req.token_times_s[-1])
-        if last_token_s <= start:
-            return _NONE              # a decode had no token in the last iteration (it was deferred): never twice
+        if not waiting or not running or start is None or len(running) + len(waiting) > self.cfg.max_num_seqs:
+            return 0
         prompts, tokens = [], 0
         for req in waiting:
             if req.arrival_s < start:
-                return _NONE
+                return 0
             n = req.num_uncomputed_tokens
             prompts.append((n, req.num_computed_tokens + n))
             tokens += n
         budget = -(-tokens // cfg.budget_multiple) * cfg.budget_multiple
         if budget > cfg.max_budget:
-            return _NONE
-        predict, correction, now = self.predictor.iteration_time_s, self.correction, self.context.clock.now()
+            return 0
+        decodes, last_token_s = [], math.inf
+        for req in running:
+            c = req.num_computed_tokens
+            if c < req.prompt_len or req.num_tokens - c != 1 or not req.token_times_s:
+                return 0              # a partial prefill, a recompute's catch-up or no first token yet
+            decodes.append((1, c + 1))
+            last_token_s = min(last_token_s, req.token_times_s[-1])
+        if last_token_s <= start:
+            return 0                  # a decode had no token in the last iteration (it was deferred): never twice
+        now = self.context.clock.now()
+        fits = defers_decodes(self.predictor.iteration_time_s, self.correction, decodes, prompts,
+                              last_token_s + self.plan_s - now, self.traffic.rate_per_s(now))
+        return budget if fits else 0
 
-        def mean(pairs, sampled, kind):
-            return correction.corrected(predict(pairs, sampled), kind)
-
-        def bound(pairs, sampled, kind):
-            return correction.bound(predict(pairs, sampled), kind)
-        if not defers_decodes(mean, bound, decodes, prompts, last_token_s + self.plan_s - now,
-                              self.traffic.rate_per_s(now)):
-            return _NONE
-        return frozenset(id(r) for r in running), budget
+    def _prompts_alone(self, budget: int) -> Batch:
+        """The waiting prompts, FCFS within `budget`, and no decode; empty when
+        none could start (KV memory)."""
+        self.prefill_budget = budget
+        batch = Batch(token_budget=budget)
+        self._schedule_prefills([], budget, batch)
+        return self._check(batch, budget)
 
     def _prefill_work(self, partial: list[Request]) -> list[Request]:
         """The prompts this iteration may chunk, in sarathi's order (partial

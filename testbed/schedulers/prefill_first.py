@@ -26,33 +26,35 @@ iteration's seats and max_budget, no prompt is part-prefilled) and no
 deferral in the last iteration. The figures: experiments/README.md,
 "adaptive".
 
-Pure arithmetic over (new tokens, context after the step) pairs and price
-functions; adaptive.py builds them."""
+Pure arithmetic over (new tokens, context after the step) pairs, priced by
+adaptive's predictor and its StepCorrection."""
 from __future__ import annotations
 
 from typing import Callable
 
-from testbed.schedulers.step_correction import DECODE, MIXED, PREFILL
+from testbed.schedulers.step_correction import DECODE, MIXED, PREFILL, StepCorrection
 
 Pairs = list[tuple[int, int]]               # (new tokens, context after the step), as the predictor takes them
-Price = Callable[[Pairs, int, str], float]  # (slices, number sampled, batch kind) -> seconds
+Predict = Callable[[Pairs, int], float]     # (slices, number sampled) -> raw predicted seconds
 
 
-def defers_decodes(mean: Price, bound: Price, decodes: Pairs, prompts: Pairs, deadline_s: float,
-                   arrival_rate_per_s: float) -> bool:
+def defers_decodes(predict: Predict, correction: StepCorrection, decodes: Pairs, prompts: Pairs,
+                   deadline_s: float, arrival_rate_per_s: float) -> bool:
     """Whether a prefill-only iteration of `prompts` (each (tokens, context
     after)) and then one of the decodes (each one token further, with the
     prompts' first decodes) beats scheduling them together: the decodes' next
-    token still within `deadline_s` from now (bounds), and the prompts' gain
-    over the mixed iteration above the delay the split's extra time causes the
-    arrivals expected meanwhile (means)."""
+    token still within `deadline_s` from now (the corrected predictions'
+    bounds), and the prompts' gain over the mixed iteration above the delay the
+    split's extra time causes the arrivals expected meanwhile (their means)."""
     if not decodes or not prompts:
         return False
     after = [(1, ctx + 1) for _, ctx in decodes] + [(1, ctx + 1) for _, ctx in prompts]
     n_dec, n_pf = len(decodes), len(prompts)
-    if bound(prompts, n_pf, PREFILL) + bound(after, n_dec + n_pf, DECODE) > deadline_s:
+    raw_prefill = predict(prompts, n_pf)
+    if correction.bound(raw_prefill, PREFILL) + correction.bound(predict(after, n_dec + n_pf), DECODE) > deadline_s:
         return False
-    t_prefill, t_decodes = mean(prompts, n_pf, PREFILL), mean(decodes, n_dec, DECODE)
-    t_mixed = mean(decodes + prompts, n_dec + n_pf, MIXED)
+    t_prefill = correction.corrected(raw_prefill, PREFILL)
+    t_decodes = correction.corrected(predict(decodes, n_dec), DECODE)
+    t_mixed = correction.corrected(predict(decodes + prompts, n_dec + n_pf), MIXED)
     extra_s = t_prefill + t_decodes - t_mixed
     return n_pf * (t_mixed - t_prefill) > arrival_rate_per_s * (t_prefill + t_decodes) * extra_s

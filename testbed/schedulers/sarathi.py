@@ -14,8 +14,6 @@ from testbed.schedulers.base import Scheduler
 class SarathiScheduler(Scheduler):
     name = "sarathi"
     min_chunk = 1
-    # ids of running decodes this iteration skips (adaptive.prefill_first); sarathi runs every decode
-    _deferred: frozenset[int] = frozenset()
 
     def schedule(self) -> Batch:
         # No prefill or decode phase: each running request's num_computed_tokens
@@ -24,12 +22,12 @@ class SarathiScheduler(Scheduler):
         slices = batch.slices
         budget = token_budget = batch.token_budget = self.iteration_budget()
         prefills = []
-        grow, bs, deferred = self._grow, self.bm.block_size, self._deferred
+        grow, bs = self._grow, self.bm.block_size
         for req in list(self.running):               # decodes first, in running order
             computed = req.num_computed_tokens
             if computed < req.prompt_len:
                 prefills.append(req)
-            elif budget and not (deferred and id(req) in deferred):
+            elif budget:
                 if batch.preempted and req.status is not RequestStatus.RUNNING:
                     continue                         # preempted by an earlier allocation
                 # usually 1; more when a recompute's last chunk runs into the outputs
