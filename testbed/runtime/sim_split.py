@@ -40,7 +40,7 @@ import numpy as np
 from testbed.config import RunConfig
 from testbed.modes.colocated import ColocatedController
 from testbed.modes.routers import Router
-from testbed.record_part import PartLog, merge_parts
+from testbed.record_part import INDEX_FILE, PartLog, merge_parts
 from testbed.request import Request
 from testbed.run_stats import RunStats
 from testbed.runtime.deployment import RunResult, build_mode, record_log
@@ -101,7 +101,7 @@ def run_split(cfg: RunConfig, requests: Iterable[Request], record_dir, groups: l
         for index, group in enumerate(groups):
             receive, send = fork.Pipe(duplex=False)
             child = fork.Process(target=_part, name=f"sim-part-{index}", daemon=True,
-                                 args=(cfg, requests, workers, groups[index], index, parts_dir / f"part-{index}",
+                                 args=(cfg, requests, workers, group, index, parts_dir / f"part-{index}",
                                        send, log))
             child.start()
             send.close()
@@ -163,7 +163,7 @@ def _part(cfg: RunConfig, requests: Iterable[Request], workers: list[str], group
         planner = runtime.mode.controller(runtime.workers, lambda worker_id, command: None, False)
         mine = _routed_to(requests, planner, set(group), index == 0, targets, arrivals)
         result = runtime.run(mine)
-        np.asarray(arrivals, dtype=np.int64).tofile(part_dir / "requests.index")
+        np.asarray(arrivals, dtype=np.int64).tofile(part_dir / INDEX_FILE)
         conn.send(("ok", {"worker_stats": result.worker_stats, "duration_s": result.duration_s,
                           "stats": records.stats}))
     except BaseException:
