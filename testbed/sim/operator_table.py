@@ -1,6 +1,6 @@
 """Reader of the measured operator tables the GPU presets are priced from
 (testbed/sim/vidur_tables/: Vidur's public A100/H100 profiles, condensed by
-experiments/tools/condense_vidur_tables.py; see the README there).
+testbed/analysis/condense_vidur_tables.py; see the README there).
 
 A compute table holds, per profiled model, the median time of every op of one
 transformer layer by num_tokens and TP degree. This module turns those rows
