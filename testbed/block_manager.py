@@ -1,4 +1,4 @@
-"""BlockManager: the paged KV cache's bookkeeping, torch-free (DESIGN.md, "Paged KV cache").
+"""BlockManager: the paged KV cache's bookkeeping, torch-free (README.md, "Architecture").
 
 The scheduler grows a request's block table before each step (`allocate`,
 which says False when memory is short; the policy then preempts), and after the step

@@ -47,7 +47,7 @@ def execute(cfg: RunConfig, out_dir: str | Path) -> dict:
     if cfg.runtime.name == "sim":         # the simulator pulls each request as its arrival comes
         requests = progress(requests, total=_expected_requests(cfg.workload), desc="requests arrived",
                             unit="req", enabled=cfg.progress)
-    result = run_workload(cfg, requests, request_counter(None, cfg.progress) if cfg.progress else None,
+    result = run_workload(cfg, requests, request_counter(cfg.progress) if cfg.progress else None,
                           record_dir=out)
     summary = result.log.summary(duration_s=result.duration_s or None)
     summary.update({

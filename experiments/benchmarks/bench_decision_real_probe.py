@@ -49,7 +49,7 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--tbt-ms", type=float, default=100.0)
     p.add_argument("--keep-slack", action="store_true",
-                   help="adaptive spends banked slack even though p99 TBT judges it (the study before s35)")
+                   help="adaptive spends banked slack even though p99 TBT judges it (the study's older setting)")
     p.add_argument("--set", action="append", default=[], help="a Hydra override of the run config (repeatable)")
     p.add_argument("--out", type=Path, required=True, help="where the records are kept")
     args = p.parse_args()

@@ -21,7 +21,6 @@ from pathlib import Path
 from testbed.sim.elementwise_kernels import elementwise_kernel
 
 TABLES_DIR = Path(__file__).resolve().parent / "vidur_tables"
-SOURCE = "microsoft/vidur@7d47513 data/profiling (MIT licence), median columns"
 
 GEMM_OPS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
 # per layer, except emb (once per iteration)
