@@ -22,6 +22,11 @@ from testbed.sim.table_pricing import TableElementwise, TableGemms, local_loglin
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _vidur_commit() -> str:
+    return next(line.split(": ", 1)[1] for line in (TABLES_DIR / "SOURCE").read_text().splitlines()
+                if line.startswith("commit: "))
+
+
 def test_tables_ship_inside_the_repository_with_their_licence():
     assert TABLES_DIR.resolve().is_relative_to(REPO)
     assert "MIT License" in (TABLES_DIR / "LICENSE").read_text()
