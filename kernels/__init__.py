@@ -1,1 +1,1 @@
-"""pd-testbed."""
+"""Attention backends (torch reference, Triton, flash-attn) and KV gather/scatter kernels."""

@@ -1,5 +1,5 @@
 """Triton copies between paged KV blocks and one contiguous buffer: the GPU
-side of KV hand-off (DESIGN.md, "Modes" and "Transports").
+side of KV hand-off (README.md, "Architecture").
 
 Data flow: a prefill worker gathers a request's blocks into one buffer (the
 unit a transport sends), the decode worker scatters the received buffer into

@@ -14,9 +14,8 @@ when `out` is a pinned buffer), because the payload's data is always on the CPU.
 segments, one per (layer, k/v, run of adjacent source blocks), sent zero-copy,
 and its checksum is left to the sender (`checksum=None`): zmq hashes each
 chunk as it goes and sends the digest after the data, so nothing precedes
-the first byte on the wire (the checksum first cost ~2-3 ms for 32 MiB here,
-gather + checksum 6-16 ms, 50+ ms into fresh staging memory:
-bench_two_node_phases.py). The blocks must not change until the receiver
+the first byte on the wire (what a checksum or a gather first costs:
+bench_two_node_phases.py, experiments/README.md "Two nodes"). The blocks must not change until the receiver
 has acknowledged the payload: the prefill worker holds them until `Release`
 (a lease that expires first frees them, and the receiver's checksum then
 fails a payload whose blocks were rewritten meanwhile).

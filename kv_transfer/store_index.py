@@ -1,5 +1,5 @@
-"""StoreIndex: the KV store's bookkeeping, torch-free (DESIGN.md, "Modes":
-kvstore). The real store process (store_service.py) keeps block bytes in it;
+"""StoreIndex: the KV store's bookkeeping, torch-free (mode=kvstore,
+README.md "Architecture"). The real store process (store_service.py) keeps block bytes in it;
 the simulator's modeled store node (testbed/runtime/sim_store.py) keeps only
 sizes. Both therefore admit, evict and count exactly alike, which is what lets
 a simulated hit rate equal a real one on the same workload.

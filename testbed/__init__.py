@@ -1,1 +1,1 @@
-"""pd-testbed."""
+"""pd-testbed: chunked-prefill colocation and prefill/decode disaggregation on one engine, real or simulated."""

@@ -1,5 +1,5 @@
 """The contracts between scheduler, executor and engine: a `Batch` of slices in,
-a `StepResult` out (DESIGN.md, "Core contracts")."""
+a `StepResult` out (README.md, "Architecture")."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

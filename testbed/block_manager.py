@@ -1,4 +1,4 @@
-"""BlockManager: the paged KV cache's bookkeeping, torch-free (DESIGN.md, "Paged KV cache").
+"""BlockManager: the paged KV cache's bookkeeping, torch-free (README.md, "Architecture").
 
 The scheduler grows a request's block table before each step (`allocate`,
 which says False when memory is short; the policy then preempts), and after the step
@@ -124,8 +124,8 @@ class BlockManager:
 
     def _digest(self):
         """hash_block as digest(tokens, parent_hash): xxh3 itself unless a
-        subclass hooks hash_block (tests do), a Python call fewer per block
-        (allocate + commit of 2,048-token chunks: ~0.8 µs a block, from ~1.0)."""
+        subclass hooks hash_block (tests do): a Python call fewer per block, on
+        the simulator's hottest path (bench_kvstore.py speed)."""
         if type(self).hash_block is BlockManager.hash_block:
             return xxhash.xxh3_64_intdigest
         hash_block = self.hash_block

@@ -1,6 +1,5 @@
 """Capacity: the highest request rate (`workload.rate`) a configuration serves
-within its SLOs, found by binary search over complete runs (DESIGN.md,
-"Metrics"). Works for runtime=sim and runtime=real alike: every probe is one
+within its SLOs, found by binary search over complete runs. Works for runtime=sim and runtime=real alike: every probe is one
 `testbed.run.execute` into its own sub-directory, and reads its summary.
 
 A probe meets the SLOs when every request finished, p99 TTFT <= slo.ttft_ms

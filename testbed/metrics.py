@@ -1,7 +1,7 @@
 """Metrics: per-request and per-iteration records, their JSON Lines files and
 the latency statistics the run summary (testbed/run_stats.py) is made of.
 
-Data flow (DESIGN.md "Metrics", "Outputs"): the frontend (real runtime) or the
+Data flow (README.md, "Architecture"): the frontend (real runtime) or the
 event loop (sim) turns each finished, failed or aborted Request into a
 `RequestRecord`; each engine step becomes an `IterationRecord`. They are written
 to `requests.jsonl` / `iterations.jsonl` as they come (testbed/record_log.py),

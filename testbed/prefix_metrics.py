@@ -1,4 +1,4 @@
-"""Prefix-reuse metrics of `mode=kvstore` (DESIGN.md, "Metrics").
+"""Prefix-reuse metrics of `mode=kvstore`.
 
 Per request (`metrics.KVStoreRequestRecord`, a RequestRecord with four more
 fields in requests.jsonl): the prompt tokens whose KV was reused, from the prefill

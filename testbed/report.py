@@ -2,7 +2,7 @@
 side-by-side table, a CSV, a TBT-over-time plot per run, and self-contained
 HTML pages.
 
-The end of the data flow (DESIGN.md "Outputs"): each run directory holds
+The end of the data flow (README.md, "Architecture"): each run directory holds
 summary.json, requests.jsonl, iterations.jsonl (metrics.py) and Hydra's
 .hydra/ folder. The table has one row per metric and one column per run; the
 plot shows every inter-token gap at the time its token arrived, above the

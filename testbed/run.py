@@ -13,6 +13,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from testbed.config import RunConfig, to_dict, validate
+from testbed.progress import progress, request_counter
 from testbed.runtime.build import sampled
 from testbed.runtime.deployment import num_gpus
 from testbed.workloads.build import iter_workload
@@ -43,8 +44,11 @@ def execute(cfg: RunConfig, out_dir: str | Path) -> dict:
         from testbed.experiments import run_experiment
         return run_experiment(cfg, out)
     requests = (sampled(cfg, r) for r in iter_workload(cfg.workload, cfg.model.vocab_size, cfg.seed))
-    progress = _progress_printer() if cfg.progress and sys.stderr.isatty() else None
-    result = run_workload(cfg, requests, progress, record_dir=out)
+    if cfg.runtime.name == "sim":         # the simulator pulls each request as its arrival comes
+        requests = progress(requests, total=_expected_requests(cfg.workload), desc="requests arrived",
+                            unit="req", enabled=cfg.progress)
+    result = run_workload(cfg, requests, request_counter(cfg.progress) if cfg.progress else None,
+                          record_dir=out)
     summary = result.log.summary(duration_s=result.duration_s or None)
     summary.update({
         "mode": cfg.mode, "runtime": cfg.runtime.name, "scheduler": cfg.scheduler, "model": cfg.model.name,
@@ -75,14 +79,12 @@ def _stderr(line: str) -> None:
     print(line, file=sys.stderr)
 
 
-def _progress_printer():
-    last = [-1]
-
-    def show(done: int, total: int) -> None:
-        if done != last[0]:
-            last[0] = done
-            print(f"\r  {done}/{total} requests done", end="" if done < total else "\n", file=sys.stderr, flush=True)
-    return show
+def _expected_requests(workload) -> int | None:
+    """A synthetic workload's request count (for the ETA); None for a trace or conversations."""
+    if workload.uses_trace or workload.conversation_turns:
+        return None
+    n = workload.num_requests if workload.max_requests is None else min(workload.num_requests, workload.max_requests)
+    return n + len(workload.inject_arrival_s)
 
 
 def print_summary(summary: dict, out: Path) -> None:

@@ -1,4 +1,4 @@
-"""The crossover arithmetic of issue 7: re-read and transfer bytes, the closed
+"""The crossover arithmetic: re-read and transfer bytes, the closed
 form L* = C·(1 + 2·hbm/link) against a scan, and the time-based crossover from
 the cost and link models."""
 import pytest

@@ -22,10 +22,15 @@ from testbed.sim.table_pricing import TableElementwise, TableGemms, local_loglin
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _vidur_commit() -> str:
+    return next(line.split(": ", 1)[1] for line in (TABLES_DIR / "SOURCE").read_text().splitlines()
+                if line.startswith("commit: "))
+
+
 def test_tables_ship_inside_the_repository_with_their_licence():
     assert TABLES_DIR.resolve().is_relative_to(REPO)
     assert "MIT License" in (TABLES_DIR / "LICENSE").read_text()
-    assert "7d47513" in (TABLES_DIR / "README.md").read_text()
+    assert "SOURCE" in (TABLES_DIR / "README.md").read_text() and "commit: " in (TABLES_DIR / "SOURCE").read_text()
     assert sum(p.stat().st_size for p in TABLES_DIR.rglob("*") if p.is_file()) < 3 * 2**20
     assert len(load_compute_table("h100")) == 6 and len(load_compute_table("a100")) == 8
 
@@ -175,7 +180,7 @@ def test_h200_memory_bound_gemms_move_with_the_bandwidth():
 def test_every_gpu_preset_names_its_sources():
     for name in ("h100-sxm", "h200", "a100-80gb-sxm", "a100-80gb-pcie"):
         hw = load_hardware_preset(name)
-        assert hw.gemm_table and hw.attention_kernel and "vidur@7d47513" in hw.provenance
+        assert hw.gemm_table and hw.attention_kernel and f"vidur@{_vidur_commit()}" in hw.provenance
         assert hw.token_budget_default == 2048 and hw.kv_blocks_default == 0
 
 

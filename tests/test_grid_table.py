@@ -1,4 +1,4 @@
-"""experiments/tools/grid_table.py: a decision sweep's summaries read back into
+"""testbed/analysis/grid_table.py: a decision sweep's summaries read back into
 one L* table, run as a user runs it (a subprocess on a sweep-shaped directory)."""
 import csv
 import gzip
@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-TOOL = Path(__file__).resolve().parents[1] / "experiments" / "tools" / "grid_table.py"
+TOOL = "testbed.analysis.grid_table"
 FIELDS = ("model", "hardware", "link", "num_gpus", "slo", "tbt_slo_ms", "context_len", "deployment", "family",
           "capacity_per_gpu", "steady", "source")
 
@@ -43,7 +43,7 @@ def _point(root: Path, name: str, crossovers: list[dict], rows: list[dict]) -> N
 
 
 def _table(*args: str) -> list[str]:
-    return subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", TOOL, *args], capture_output=True, text=True,
                           check=True).stdout.splitlines()
 
 
@@ -84,19 +84,24 @@ def test_the_table_groups_links_that_agree_and_names_those_that_differ(tmp_path)
     # its points read side by side, not those of a directory below it (full_grid/as_run)
     shutil.copytree(saved, saved / "as_run")
     assert _table(str(saved)) == [line for line in lines if not line.startswith("saved ")]
+    # the committed grid keeps its summaries gzipped: read the same
+    for summary in saved.glob("*_summary.json"):
+        summary.with_name(summary.name + ".gz").write_bytes(gzip.compress(summary.read_bytes()))
+        summary.unlink()
+    assert _table(str(saved)) == [line for line in lines if not line.startswith("saved ")]
 
 
 def test_save_refuses_two_points_of_one_model_and_hardware(tmp_path):
     crossover = _crossover("fast", None, {1024: 1.0}, {1024: 0.5})
     _point(tmp_path, "0-a", [crossover], _rows(crossover))
     _point(tmp_path, "1-a", [crossover], _rows(crossover))
-    done = subprocess.run([sys.executable, str(TOOL), str(tmp_path), "--save", str(tmp_path / "saved")],
+    done = subprocess.run([sys.executable, "-m", TOOL, str(tmp_path), "--save", str(tmp_path / "saved")],
                           capture_output=True, text=True)
     assert done.returncode != 0 and "2 points hold m_h" in done.stderr
     assert not (tmp_path / "saved").exists()
 
 
 def test_a_directory_without_summaries_is_refused_with_what_to_pass(tmp_path):
-    done = subprocess.run([sys.executable, str(TOOL), str(tmp_path)], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", TOOL, str(tmp_path)], capture_output=True, text=True)
     assert done.returncode != 0
     assert "no decision_summary.json under" in done.stderr and "decision sweep" in done.stderr

@@ -1,4 +1,4 @@
-"""mode=kvstore, issue 15's fault "a corrupted block: never used; recomputed",
+"""mode=kvstore, the fault "a corrupted block: never used; recomputed",
 caused for real in the store's disk tier. A real run (tiny model, fp32, one
 prefill worker over zmq, its own prefix cache off so that every reuse comes
 from the store) has a DRAM tier of 8 blocks and a disk tier behind it. The

@@ -1,4 +1,4 @@
-"""mode=kvstore, issue 15's fault "a block evicted between lookup and fetch:
+"""mode=kvstore, the fault "a block evicted between lookup and fetch:
 that part is recomputed", caused for real at the worker level. The prefill
 workers reach the real store process through a ZMQ relay (real sockets, a
 thread of this test); the first time a lookup (`contains`) finds blocks, the

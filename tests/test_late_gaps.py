@@ -1,17 +1,12 @@
-"""experiments/late_gaps.py: each late TBT gap of a run, matched with the
+"""testbed/analysis/late_gaps.py: each late TBT gap of a run, matched with the
 iteration that produced its second token on the request's worker (inferred
 from the token times: the records name no worker per request), and sorted
 into planned over / overran / between iterations. Constructed records with a
 known answer: two workers whose iterations interleave."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
+from testbed.analysis.late_gaps import late_gaps
 from testbed.metrics import IterationRecord, RequestRecord, write_jsonl
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-from late_gaps import late_gaps  # noqa: E402
 
 LAG = 0.002          # a token reaches the frontend this long after its iteration ended
 

@@ -1,4 +1,4 @@
-"""Liveness both ways, caused for real (issue 19): a worker that is alive but
+"""Liveness both ways, caused for real: a worker that is alive but
 no longer stepping (SIGSTOP) is found by the frontend's heartbeat within
 runtime.hang_timeout_s, killed, and its requests fail with a clear error while
 the other replica serves the rest; and a frontend killed with SIGKILL leaves

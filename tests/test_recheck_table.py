@@ -1,12 +1,11 @@
-"""experiments/tools/recheck_table.py: re-run cells set beside the saved grid's
+"""testbed/analysis/recheck_table.py: re-run cells set beside the saved grid's
 rows of the same cell, run as a user runs it (a subprocess on study directories)."""
 import subprocess
 import sys
-from pathlib import Path
 
 from testbed.experiments.study_files import write_csv
 
-TOOL = Path(__file__).resolve().parents[1] / "experiments" / "tools" / "recheck_table.py"
+TOOL = "testbed.analysis.recheck_table"
 FIELDS = ["model", "hardware", "link", "num_gpus", "slo", "tbt_slo_ms", "context_len", "deployment", "family",
           "capacity_per_gpu", "steady", "source", "first_failing_per_gpu"]
 
@@ -19,7 +18,7 @@ def _row(L: int, deployment: str, family: str, cap: float, steady: bool = True, 
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", TOOL, *args], capture_output=True, text=True)
 
 
 def test_each_length_of_a_cell_gets_the_grids_winner_and_the_reruns(tmp_path):

@@ -1,4 +1,4 @@
-"""experiments/tools/restate_steady.py on the decision study's constructed
+"""testbed/analysis/restate_steady.py on the decision study's constructed
 case (tests/decision_case.py), run as a user runs it."""
 import csv
 import json
@@ -12,11 +12,10 @@ from decision_case import constructed, read_rows  # noqa: E402  (tests/ on sys.p
 
 
 def test_restating_a_studys_rows_under_the_capacity_probe_rule_is_exact(tmp_path):
-    """experiments/tools/restate_steady.py re-derives each row's `steady` from
-    its capacity probe: on a study of this code it changes nothing; on rows
-    marked unsteady as the rule before s44 did (for a failing probe too short)
-    it gives back this code's rows and crossovers."""
-    tool = Path(__file__).resolve().parents[1] / "experiments" / "tools" / "restate_steady.py"
+    """restate_steady re-derives each row's `steady` from its capacity probe:
+    on a study of this code it changes nothing; on rows marked unsteady as the
+    older rule did (for a failing probe too short) it gives back this code's
+    rows and crossovers."""
     study = tmp_path / "study"
     study.mkdir()
     run_decision(constructed(), study, lambda *_: None)
@@ -24,7 +23,7 @@ def test_restating_a_studys_rows_under_the_capacity_probe_rule_is_exact(tmp_path
 
     def restated(src: Path) -> tuple[list[dict], dict, str]:
         out = tmp_path / f"re-{src.parent.name}"
-        done = subprocess.run([sys.executable, str(tool), str(src), "--out", str(out)], capture_output=True,
+        done = subprocess.run([sys.executable, "-m", "testbed.analysis.restate_steady", str(src), "--out", str(out)], capture_output=True,
                               text=True, check=True)
         return read_rows(out / "decision.csv"), json.loads((out / "decision_summary.json").read_text()), done.stdout
 

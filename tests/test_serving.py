@@ -151,7 +151,7 @@ class TerminalRun:
 
 @pytest.fixture
 def cpu_hog():
-    """Two busy loops, one per core, for the test's length (issue 19: a signal
+    """Two busy loops, one per core, for the test's length (a signal
     must stop the run in time on a loaded machine too)."""
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     yield
@@ -295,7 +295,7 @@ def test_ctrl_c_writes_what_was_measured_and_leaves_no_process(tmp_path, cpu_hog
     """`testbed run` in its own session with stderr on a pseudo-terminal (so it
     shows progress), two busy loops beside it; once 3 requests are done, SIGINT
     goes to its whole process group, as a terminal's Ctrl-C does, and the run
-    exits within 10 s (issue 19's bound; the seconds are printed for
+    exits within 10 s (the bound; the seconds are printed for
     experiments/benchmarks/repeat_ctrl_c.py)."""
     out = tmp_path / "run"
     with open(tmp_path / "stdout", "wb") as stdout_file:

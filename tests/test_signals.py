@@ -1,5 +1,5 @@
-"""SIGINT and SIGTERM at every phase of a real run, with a CPU hog beside it
-(issue 19): `testbed run` in its own session, stderr on a pseudo-terminal so
+"""SIGINT and SIGTERM at every phase of a real run, with a CPU hog beside it:
+`testbed run` in its own session, stderr on a pseudo-terminal so
 that it shows progress, and the signal sent to its whole process group, as a
 terminal's Ctrl-C or a job scheduler's SIGTERM is. In every phase the run
 exits within 10 s of the signal, with 128 + the signal's number (or 0 when

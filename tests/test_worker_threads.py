@@ -1,6 +1,6 @@
 """A real worker process runs the torch threads `torch_threads` gives it, and
 no more: on this 2-core machine two workers with more than one each would
-fight over the cores (experiments/README.md, "decision", issue 20). Counted
+fight over the cores (experiments/README.md, "decision"). Counted
 from /proc while the worker serves: at torch_threads=1 its threads are the
 engine's, the step watch's (runtime/step_watch.py), ZMQ's I/O and reaper
 threads and numpy's OpenBLAS server (cores - 1 of them: 5 here, seen with

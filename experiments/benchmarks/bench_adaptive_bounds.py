@@ -1,7 +1,7 @@
 """Upper bounds on what any scheduler can serve on bench_adaptive_capacity.py's
 workloads (llama3-8b on h100-sxm, one replica, its SLOs aside), from the cost
 model alone; printed beside the capacities that benchmark measured, and 1.2x
-the best fixed budget's (issue 16's target).
+the best fixed budget's (the adaptive study's target).
 
     python experiments/benchmarks/bench_adaptive_bounds.py
 

@@ -34,7 +34,7 @@ TBT_SLOS_MS = (50.0, 100.0)
 POLICIES = [("sarathi-256", 256), ("sarathi-512", 512), ("sarathi-1024", 1024), ("sarathi-2048", 2048),
             ("sarathi-4096", 4096), ("sarathi-auto", "auto"), ("adaptive", None)]
 # searched only when --only names it: adaptive without the TTFT rollout (always the largest budget that fits),
-# adaptive never deferring the decodes for fresh prompts (adaptive.prefill_first=false, the policy before s49),
+# adaptive never deferring the decodes for fresh prompts (adaptive.prefill_first=false, the policy without prefill_first),
 # and with the rollout pricing the prompts that arrive meanwhile (adaptive.rollout_arrivals)
 EXTRA = [("adaptive-largest", "largest"), ("adaptive-arrivals", "arrivals"), ("adaptive-nopf", "no_prefill_first")]
 COMMON = ["runtime=sim", "model=llama3-8b", "hardware=h100-sxm", "max_num_seqs=256", "num_kv_blocks=29206",

@@ -3,7 +3,7 @@ sarathi-512, in the simulator (bench_adaptive_capacity's set-up): TTFT p50
 and mean of sarathi-512, adaptive without the TTFT rollout
 (`adaptive.ttft_rollout=false`: always the largest budget the deadlines
 allow), adaptive without deferring the decodes for fresh prompts
-(`adaptive.prefill_first=false`, the policy before s49), adaptive, and
+(`adaptive.prefill_first=false`, the policy without prefill_first), adaptive, and
 adaptive with the rollout pricing the prompts that arrive meanwhile
 (`adaptive.rollout_arrivals=true`), over workload seeds;
 each one's TTFT quantiles against sarathi-512's, paired by seed (mean and

@@ -43,7 +43,7 @@ import numpy as np
 
 SLO_TBT_MS = 50.0
 # (label, scheduler, token_budget, adaptive overrides); adaptive-nopf (adaptive.prefill_first=false, the
-# policy before s49) runs only when --policies names it
+# policy without prefill_first) runs only when --policies names it
 POLICIES = [("adaptive", "adaptive", None, {}), ("adaptive-mean", "adaptive", None, {"tbt_quantile": None}),
             ("sarathi-1024", "sarathi", 1024, {}), ("sarathi-32", "sarathi", 32, {})]
 EXTRA = [("adaptive-nopf", "adaptive", None, {"prefill_first": False})]

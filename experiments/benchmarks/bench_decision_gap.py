@@ -1,4 +1,4 @@
-"""Where the real engine's capacity gap to the simulator comes from (issue 20):
+"""Where the real engine's capacity gap to the simulator comes from:
 one `experiment=decision-real` probe (tiny on this CPU, a colocated sarathi
 deployment at L = 1K, Poisson arrivals at a fixed rate) run on the real engine
 and, with the same requests, on the simulator priced by the cpu profile. Per
@@ -19,8 +19,8 @@ were oversubscribed.
 
 `--rate` is requests/s of the whole deployment (2.18 on 2 workers is the rate
 decision-real found failing p99 TBT). Figures: experiments/README.md,
-"decision" (issue 20); a timing run: under `flock /tmp/s26_timing.lock` on a
-shared machine."""
+"decision"; a timing run: under `flock` of a lock file the other timing jobs
+share, on a shared machine."""
 from __future__ import annotations
 
 import argparse

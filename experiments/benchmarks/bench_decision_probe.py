@@ -6,7 +6,7 @@ table pricing is not counted.
     python experiments/benchmarks/bench_decision_probe.py disagg-2P2D --context-len 4096 --rate 10 --requests 800
 
 Deployments are decision-full's at --num-gpus (`--list` names them). The
-figures in experiments/README.md ("s32", the simulator's decode runs) came
+figures in experiments/README.md ("Simulator speed") came
 from this, each code's tree as the working directory."""
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ deployment's worker processes on this CPU, the decision workload at L
 (prompts lognormal around L, answers of --output-len tokens, Poisson
 arrivals) at --rate requests/s of the deployment, judged as the study judges
 it (the steady window, p99 TTFT and p99 TBT), then where its late TBT gaps
-came from (experiments/late_gaps.py on the kept records).
+came from (testbed/analysis/late_gaps.py on the kept records).
 
     python experiments/benchmarks/bench_decision_real_probe.py adaptive --context-len 16384 --rate 0.0688 \\
         --requests 30 --output-len 32 --out /tmp/probe16k
@@ -25,6 +25,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from testbed.analysis.late_gaps import late_gaps_report
 from testbed.config import register_configs
 from testbed.experiments.decision_real import RealProbes, real_point
 from testbed.experiments.decision_search import isolated_s, judged_run, length_point, point_cfg
@@ -37,8 +38,6 @@ from testbed.sim.cost_model import CostModel
 from testbed.steady_state import SteadyRule
 from testbed.workloads.build import build_workload
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from late_gaps import late_gaps_report  # noqa: E402
 
 
 def main() -> int:
@@ -50,7 +49,7 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--tbt-ms", type=float, default=100.0)
     p.add_argument("--keep-slack", action="store_true",
-                   help="adaptive spends banked slack even though p99 TBT judges it (the study before s35)")
+                   help="adaptive spends banked slack even though p99 TBT judges it (the study's older setting)")
     p.add_argument("--set", action="append", default=[], help="a Hydra override of the run config (repeatable)")
     p.add_argument("--out", type=Path, required=True, help="where the records are kept")
     args = p.parse_args()

@@ -1,5 +1,5 @@
 """Whole vs chunked prefill on the real engine path: the chunk re-read tax
-(DESIGN.md) measured on one GPU with llama3-8b's architecture in bf16 and
+(experiments/README.md, "crossover") measured on one GPU with llama3-8b's architecture in bf16 and
 random weights.
 
 For each attention backend, prompt length L and chunk size C (0 = the whole

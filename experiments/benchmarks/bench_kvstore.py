@@ -129,7 +129,7 @@ def real(args) -> None:
     table(rows)
 
 
-# the simulator-speed runs (issue 15): a 12K-request trace with Mooncake's conversation statistics
+# the simulator-speed runs: a 12K-request trace with Mooncake's conversation statistics
 SPEED_TRACE = ["runtime=sim", "hardware=h100-sxm", "model=llama3-8b", "token_budget=2048", "enable_prefix_caching=true",
                "workload=azure_code", "workload.trace_format=mooncake", "workload.time_scale=1",
                "workload.max_prompt_len=200000", "workload.max_output_len=100000", "wandb.mode=disabled",

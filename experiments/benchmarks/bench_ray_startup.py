@@ -1,4 +1,4 @@
-"""Ray's start-up cost (issue 17): the time from launching a run to the first
+"""Ray's start-up cost: the time from launching a run to the first
 token of its first request, under `launcher=local` and under `launcher=ray`
 (no `ray.address`: a cold local cluster in a private loopback-only network
 namespace; and, with --join, `ray.address` pointing at a cluster already

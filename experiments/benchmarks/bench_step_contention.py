@@ -1,4 +1,4 @@
-"""The real engine's step time when worker processes share this CPU (issue 20):
+"""The real engine's step time when worker processes share this CPU:
 `--procs` processes at once, each a worker of its own (testbed/profiling/
 calibration.py's profiling_service: block manager, sarathi scheduler, KV
 cache, tiny) stepping the batches of a decision-real probe at L = 1K with

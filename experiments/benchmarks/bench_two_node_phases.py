@@ -20,7 +20,7 @@ spans minus the workers' loops and events.
 
     sudo python experiments/benchmarks/bench_two_node_phases.py [--rates 0 1 5] [--reps 5] [--transport zmq]
 
-Needs root. Figures go with the issue 17 rows in experiments/README.md."""
+Needs root. Figures: experiments/README.md, "Two nodes"."""
 from __future__ import annotations
 
 import argparse

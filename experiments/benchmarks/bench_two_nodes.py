@@ -43,7 +43,7 @@ thread (bench_curve_cpu.py), with the cores each needs at each --rates value.
 addresses: gloo's pairs and the TCPStore rendezvous are unauthenticated; the
 headers and acks still go over zmq under CURVE); zmq sends it over CURVE.
 
-Needs root (namespaces, tc). Targets (issue 17): transfer within 10% of R; sim
+Needs root (namespaces, tc). Targets: transfer within 10% of R; sim
 exposed within 15% of the measured exposed."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Raw pyzmq across the two-node veth, one factor at a time: what limits zmq
-+ CURVE below 5 Gb/s (issue 17)?
++ CURVE below 5 Gb/s?
 
 One process on node A sends 1 MiB messages (PUSH, copy=False) to one on node
 B (PULL, which only counts), testbed/launchers/netns_nodes.py, no Ray, no

@@ -1,5 +1,5 @@
-"""The Ctrl-C tests N times in a row (issue 19: "passes 20 times in a row
-with a CPU hog beside it"): each repeat is one pytest process running
+"""The Ctrl-C tests N times in a row (the target: 20 in a row with a CPU hog
+beside it): each repeat is one pytest process running
 tests/test_serving.py's Ctrl-C test and tests/test_signals.py's steady-state
 SIGINT test, each of which starts its own CPU hog (two busy loops) beside the
 run. Stops at the first failure and prints its output; prints every repeat's

@@ -1,7 +1,7 @@
 """ProbeCache: the decision study's simulated probes kept on disk
 (`experiment.probe_cache=DIR`), so that a grid cut short resumes where it
-stopped instead of starting over. `decision-full` is a day of this machine's
-cores; a sweep point killed at hour five, or re-run to add a link, replays
+stopped instead of starting over. `decision-full` takes many core-hours
+(experiments/README.md); a sweep point killed at hour five, or re-run to add a link, replays
 the probes it already ran from here and runs only the rest.
 
 The simulator is deterministic: the same run config gives the same records.

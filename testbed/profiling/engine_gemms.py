@@ -32,6 +32,7 @@ from testbed.model.config import ModelConfig
 from testbed.model.loader import load_model
 from testbed.request import Request
 from testbed.profiling.calibration import decode_service, profiling_service
+from testbed.progress import progress
 
 MAX_DECODE_BATCH = 64
 MIN_ROUNDS = 3
@@ -118,7 +119,8 @@ def measure_engine_gemms(model: ModelConfig, token_counts: list[int], min_time_s
             burst(m)
         needs = {m: min(MAX_ROUNDS, max(MIN_ROUNDS, math.ceil(min_time_s / max(spent[m], 1e-9))))
                  for m in token_counts}
-        for shapes in spread_rounds(needs)[1:]:
+        rounds = spread_rounds(needs)[1:]
+        for shapes in progress(rounds, total=len(rounds), desc="GEMM rounds", unit="round"):
             for m in shapes:
                 burst(m)
         rows = [[float(m), float(n), float(k), float(np.median(secs))] for (m, n, k), secs in samples.items()]

@@ -6,7 +6,7 @@ measures its tables in this process, so that they are the step times of one
 of N workers stepping at once on this machine, as a deployment of N real
 workers runs near its capacity: a step beside a busy core takes longer than
 beside an idle one (shared cache and memory bandwidth; measured in
-experiments/README.md, "decision", issue 20), which a profile measured
+experiments/README.md, "decision"), which a profile measured
 alone does not see."""
 from __future__ import annotations
 

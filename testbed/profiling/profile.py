@@ -45,6 +45,7 @@ from testbed.kernels.torch_backend import TorchAttentionBackend
 from testbed.model.config import ModelConfig, load_model_preset
 from testbed.sim.config import HardwareConfig
 from testbed.profiling.engine_gemms import measure_engine_gemms
+from testbed.progress import progress
 from testbed.sim.jitter import jitter_quantiles
 from testbed.sim.layer_shapes import layer_shapes
 from testbed.sim.timers import ATTENTION_COLUMNS, attention_features
@@ -125,9 +126,11 @@ def profile_attention(model: ModelConfig, plan: _Plan, block_size: int = 16) -> 
     # timings then span the whole measurement, and a slow few seconds on this
     # shared machine cannot make one part of the grid slow against the rest
     calls, secs = [forward(batch) for batch in batches], [float("inf")] * len(batches)
-    for _ in range(passes):
-        for i, fn in enumerate(calls):
-            secs[i] = min(secs[i], seconds_per_call(fn, plan.min_time_s / passes, repeats=1))
+    with progress(total=passes * len(calls), desc="attention shapes", unit="shape") as bar:
+        for _ in range(passes):
+            for i, fn in enumerate(calls):
+                secs[i] = min(secs[i], seconds_per_call(fn, plan.min_time_s / passes, repeats=1))
+                bar.update()
     return [[*attention_features(shape, batch, block_size, budget_tokens), s] for batch, s in zip(batches, secs)]
 
 

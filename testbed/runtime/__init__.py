@@ -1,1 +1,1 @@
-"""pd-testbed."""
+"""The two runtimes (real processes, discrete-event simulation) and what they share above the worker."""

@@ -1,5 +1,5 @@
 """Messages between the frontend (mode controller) and workers: one small
-dataclass per kind (DESIGN.md, "Two runtimes, one engine").
+dataclass per kind (README.md, "Architecture").
 
 The simulator hands these objects over in virtual-time order; the real runtime
 sends them over ZMQ in their one msgpack encoding (testbed/runtime/wire.py,

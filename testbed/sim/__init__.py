@@ -1,1 +1,1 @@
-"""pd-testbed."""
+"""The simulator's physics: cost model, GPU operator tables, link model, jitter."""

@@ -1,4 +1,4 @@
-"""The crossover arithmetic (issue 7): when does the chunk re-read tax of
+"""The crossover arithmetic: when does the chunk re-read tax of
 colocated chunked prefill overtake the transfer tax of shipping the prompt's KV
 to a decode pool?
 
@@ -90,7 +90,7 @@ def crossover_by_bytes(kv_bytes_per_token: int, chunk_size: int, hbm_bw: float, 
 
 @dataclass
 class CrossoverPoint:
-    """One row of crossover.csv (issue 7)."""
+    """One row of crossover.csv."""
     model: str
     hardware: str
     link: str

@@ -1,6 +1,6 @@
 """Reader of the measured operator tables the GPU presets are priced from
 (testbed/sim/vidur_tables/: Vidur's public A100/H100 profiles, condensed by
-experiments/tools/condense_vidur_tables.py; see the README there).
+testbed/analysis/condense_vidur_tables.py; see the README there).
 
 A compute table holds, per profiled model, the median time of every op of one
 transformer layer by num_tokens and TP degree. This module turns those rows
@@ -21,7 +21,6 @@ from pathlib import Path
 from testbed.sim.elementwise_kernels import elementwise_kernel
 
 TABLES_DIR = Path(__file__).resolve().parent / "vidur_tables"
-SOURCE = "microsoft/vidur@7d47513 data/profiling (MIT licence), median columns"
 
 GEMM_OPS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
 # per layer, except emb (once per iteration)

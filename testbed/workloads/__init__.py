@@ -1,5 +1,5 @@
-"""Workloads: which requests a run serves and when they arrive (DESIGN.md,
-"workload ──► frontend/router"). `build_workload(cfg, vocab_size, seed)` is the
+"""Workloads: which requests a run serves and when they arrive (the first
+step of README.md, "Architecture"). `build_workload(cfg, vocab_size, seed)` is the
 entry point; config.py holds WorkloadConfig, and arrivals, lengths, readers and
 tokens hold the policies it combines."""
 from testbed.workloads.build import build_workload
