@@ -20,7 +20,8 @@ from testbed.engine import Engine, WallClock                        # noqa: E402
 from testbed.kernels.attention import AttentionMetadata, DecodeMetadata  # noqa: E402
 from testbed.kernels.reference import ref_paged_attention           # noqa: E402
 from testbed.model.config import load_model_preset                  # noqa: E402
-from testbed.model.cuda_graphs import VLLM_CAPTURE_SIZES, padded_size  # noqa: E402
+from testbed.config import CUDA_GRAPH_SIZES as VLLM_CAPTURE_SIZES  # noqa: E402
+from testbed.model.cuda_graphs import padded_size                   # noqa: E402
 from testbed.model_executor import ModelExecutor                    # noqa: E402
 from testbed.request import Request                                 # noqa: E402
 from testbed.schedulers import SchedulerConfig, make_scheduler      # noqa: E402
@@ -157,3 +158,20 @@ def test_graph_replay_gives_the_eager_tokens_on_cuda():
     got, graph_steps, executor = generate(SIZES, "cuda", "triton")
     assert set(executor.graphs.graphs) == set(SIZES)            # captured, not run eagerly
     assert graph_steps == steps and got == expected
+
+
+def test_the_run_config_turns_graphs_on_for_cuda_only():
+    from testbed.config import RunConfig, validate
+    from testbed.runtime.build import cuda_graph_sizes
+    assert RunConfig().cuda_graphs and RunConfig().cuda_graph_sizes == VLLM_CAPTURE_SIZES
+    assert cuda_graph_sizes(RunConfig()) == []                          # the CPU: eager, nothing changes
+    on_gpu = RunConfig(device="cuda", attention_backend="triton", cuda_graph_sizes=[8, 1, 8, 4])
+    assert cuda_graph_sizes(on_gpu) == [1, 4, 8]
+    assert cuda_graph_sizes(RunConfig(device="cuda", cuda_graphs=False)) == []
+    assert cuda_graph_sizes(RunConfig(device="cuda", cuda_graph_sizes=[])) == []
+    # launcher=ray: the GPU is the worker nodes', not looked for here
+    with pytest.raises(ValueError, match="^cuda_graphs: attention_backend=torch cannot replay"):
+        validate(RunConfig(device="cuda", launcher="ray"))
+    validate(RunConfig(device="cuda", launcher="ray", cuda_graphs=False))
+    with pytest.raises(ValueError, match=r"^cuda_graph_sizes: decode batch sizes >= 1, got \[0, 8\]"):
+        validate(RunConfig(cuda_graph_sizes=[0, 8]))

@@ -27,9 +27,6 @@ import torch
 
 from testbed.kernels.attention import AttentionBackend, DecodeMetadata
 
-# vLLM's default capture sizes (decode batches of up to 512 sequences)
-VLLM_CAPTURE_SIZES = [1, 2, 4] + list(range(8, 513, 8))
-
 
 def padded_size(num_seqs: int, sizes: Sequence[int]) -> int | None:
     """The smallest of the (sorted) captured sizes that holds num_seqs decodes;
