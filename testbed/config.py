@@ -22,12 +22,11 @@ from testbed.modes.hybrid_config import HybridConfig
 from testbed.pool_config import POOLS, ParallelOverride, PoolConfig
 from testbed.schedulers.adaptive_config import AdaptiveConfig
 from testbed.sim.config import HardwareConfig, LinkConfig, ParallelConfig, load_hardware_preset, load_link_preset
+from testbed.sim.engine_overhead import VLLM_CUDA_GRAPH_SIZES
 from testbed.workloads.config import WorkloadConfig
 
 RUNTIMES = ("real", "sim")
 AUTO = "auto"
-# vLLM's default CUDA-graph capture sizes: decode batches of up to 512 sequences
-CUDA_GRAPH_SIZES = [1, 2, 4] + list(range(8, 513, 8))
 
 
 @dataclass
@@ -125,7 +124,7 @@ class RunConfig:
     # CUDA graph captured for the next of these batch sizes (testbed/model/cuda_graphs.py);
     # other steps, and every step on the CPU, run eagerly ([] or false: always eager)
     cuda_graphs: bool = True
-    cuda_graph_sizes: list[int] = field(default_factory=lambda: list(CUDA_GRAPH_SIZES))
+    cuda_graph_sizes: list[int] = field(default_factory=lambda: list(VLLM_CUDA_GRAPH_SIZES))
     torch_threads: int = 1         # per worker process; 2 cores here, so 1 each
     seed: int = 0
     temperature: float = 0.0

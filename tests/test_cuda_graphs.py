@@ -20,7 +20,7 @@ from testbed.engine import Engine, WallClock                        # noqa: E402
 from testbed.kernels.attention import AttentionMetadata, DecodeMetadata  # noqa: E402
 from testbed.kernels.reference import ref_paged_attention           # noqa: E402
 from testbed.model.config import load_model_preset                  # noqa: E402
-from testbed.config import CUDA_GRAPH_SIZES as VLLM_CAPTURE_SIZES  # noqa: E402
+from testbed.sim.engine_overhead import VLLM_CUDA_GRAPH_SIZES as VLLM_CAPTURE_SIZES  # noqa: E402
 from testbed.model.cuda_graphs import padded_size                   # noqa: E402
 from testbed.model_executor import ModelExecutor                    # noqa: E402
 from testbed.request import Request                                 # noqa: E402

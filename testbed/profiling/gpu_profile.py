@@ -32,11 +32,11 @@ import torch
 import yaml
 
 from testbed.batch import Batch, ScheduledSlice
-from testbed.config import CUDA_GRAPH_SIZES
 from testbed.experiments.prefill import RealBench
 from testbed.model.config import load_model_preset
 from testbed.sim.config import HardwareConfig, load_hardware_preset
 from testbed.sim.cost_model import CostModel
+from testbed.sim.engine_overhead import VLLM_CUDA_GRAPH_SIZES
 from testbed.sim.layer_shapes import layer_shapes
 
 # the engine's terms, written to the engine preset and left out of the hardware preset
@@ -197,7 +197,7 @@ def profile_gpu(hardware_out: str | Path, engine_out: str | Path, model_name: st
     device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     base = base or base_preset(device_name)
     name = name or Path(hardware_out).stem
-    sizes = sorted(set(CUDA_GRAPH_SIZES if sizes is None else sizes))
+    sizes = sorted(set(VLLM_CUDA_GRAPH_SIZES if sizes is None else sizes))
     dtype = "bfloat16" if dev.type == "cuda" else "float32"
     model = load_model_preset(model_name, dtype=dtype)
     min_time_s = 0.005 if quick else 0.05
