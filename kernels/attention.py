@@ -4,6 +4,11 @@ mixed batch (decodes and prefill chunks) against the paged KV cache.
 Data flow: the model layer writes the new tokens' K/V into the cache through
 `slot_mapping` (kernels/kv_ops.py), then calls `backend.forward`. Backends are
 policies chosen by name (`attention_backend=torch|triton|flash_attn`).
+
+A decode-only step replayed as a CUDA graph (testbed/model/cuda_graphs.py)
+comes as `DecodeMetadata` instead: device tensors of a fixed batch size that
+the graph's static buffers hold, read by `backend.forward_decode` without a
+host sync or a shape that depends on the step.
 """
 from __future__ import annotations
 
@@ -50,6 +55,25 @@ class AttentionMetadata:
         return torch.from_numpy(self.padded_block_table_array()).to(device)
 
 
+@dataclass
+class DecodeMetadata:
+    """A decode-only step of a fixed batch size as device tensors: one query
+    per sequence (row b of q is sequence b). Padding rows (a batch padded up to
+    a captured size) have seq_len 1 and a block table of the scratch block, so
+    they read and write nothing a request owns."""
+    seq_lens: torch.Tensor          # [B] int32, context length including this step's token
+    block_tables: torch.Tensor      # [B, max_blocks] int32
+    slot_mapping: torch.Tensor      # [B] int64
+    query_start_loc: torch.Tensor   # [B + 1] int32: 0, 1, ..., B
+    first_query: torch.Tensor       # [B] int32 zeros: each sequence's one query is its first
+    block_size: int
+
+    @property
+    def max_seq_len(self) -> int:
+        """A static bound on every seq_len (the block tables' width in tokens): kernels size by it."""
+        return self.block_tables.shape[1] * self.block_size
+
+
 class AttentionBackend(ABC):
     name: ClassVar[str]
 
@@ -58,6 +82,12 @@ class AttentionBackend(ABC):
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim]; k_cache/v_cache: [num_blocks,
         block_size, num_kv_heads, head_dim]; returns [num_tokens, num_heads, head_dim]."""
+
+    @abstractmethod
+    def forward_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       meta: DecodeMetadata, scale: float) -> torch.Tensor:
+        """forward() of a decode-only step given as DecodeMetadata, safe to capture
+        in a CUDA graph: no host sync, no shape taken from the tensors' values."""
 
 
 _BACKENDS: dict[str, str] = {

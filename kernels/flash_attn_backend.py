@@ -7,16 +7,18 @@ Upstream flash-attn reads paged KV directly (`block_table`) only when a block
 holds a multiple of 256 tokens; with smaller blocks (the engine's usual 16)
 each step first gathers every sequence's KV into one contiguous varlen
 buffer, a copy the timings then include. Both paths use flash-attn's causal
-mask, which is bottom-right aligned like AttentionMetadata's."""
+mask, which is bottom-right aligned like AttentionMetadata's. A DecodeMetadata
+step (a CUDA graph's) calls flash_attn_with_kvcache on the block tables
+directly, which needs the same block multiple."""
 from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
 
 import torch
-from flash_attn import flash_attn_varlen_func
+from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
-from testbed.kernels.attention import AttentionBackend, AttentionMetadata
+from testbed.kernels.attention import AttentionBackend, AttentionMetadata, DecodeMetadata
 
 PAGED_BLOCK_MULTIPLE = 256     # flash-attn 2.x: "Paged KV cache block size must be divisible by 256"
 
@@ -62,11 +64,26 @@ class FlashAttnBackend(AttentionBackend):
         self._planned_for = (meta, key)
         return self._plan
 
-    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    @staticmethod
+    def _check(q: torch.Tensor) -> None:
         if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"attention_backend=flash_attn needs CUDA float16/bfloat16 tensors, got {q.dtype} "
                              f"on {q.device}; choose attention_backend=triton or torch")
+
+    def forward_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       meta: DecodeMetadata, scale: float) -> torch.Tensor:
+        self._check(q)
+        if meta.block_size % PAGED_BLOCK_MULTIPLE:
+            raise ValueError(f"block_size={meta.block_size}: CUDA-graph decodes with attention_backend=flash_attn "
+                             f"need a multiple of {PAGED_BLOCK_MULTIPLE}; choose attention_backend=triton "
+                             f"or cuda_graphs=false")
+        out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens,
+                                      block_table=meta.block_tables, softmax_scale=scale, causal=True)
+        return out.squeeze(1)                                              # [B, Hq, D]
+
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        self._check(q)
         p = self.plan(meta, q.device)
         if p.block_table is not None:
             k, v = k_cache, v_cache

@@ -4,7 +4,10 @@ scaled_dot_product_attention. The CPU default and the engine's reference path.
 Decodes (one query each) are padded into batched SDPA calls, grouped by
 length (padding at most doubles a group's work; on the CPU a few MB of KV per
 call, so the gathered blocks are still in cache for SDPA); prefill
-chunks run one sequence at a time with a bottom-right causal mask."""
+chunks run one sequence at a time with a bottom-right causal mask. A
+DecodeMetadata step (CUDA-graph shape) pads every decode to the block tables'
+whole width: memory grows with that width, which suits the CPU tests of the
+graph path and short contexts, not a GPU serving long ones."""
 from __future__ import annotations
 
 import math
@@ -12,7 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from testbed.kernels.attention import AttentionBackend, AttentionMetadata
+from testbed.kernels.attention import AttentionBackend, AttentionMetadata, DecodeMetadata
 from testbed.kernels.decode_groups import decode_groups
 
 
@@ -53,6 +56,18 @@ class TorchAttentionBackend(AttentionBackend):
             if b not in decodes:
                 self._one(q, k_cache, v_cache, meta, scale, b, out, gqa)
         return out
+
+    def forward_decode(self, q, k_cache, v_cache, meta: DecodeMetadata, scale: float) -> torch.Tensor:
+        num_seqs, width = meta.block_tables.shape
+        num_kv_heads, head_dim = k_cache.shape[2:]
+        idx = meta.block_tables.reshape(-1).long()
+        k = k_cache.index_select(0, idx).view(num_seqs, width * meta.block_size, num_kv_heads, head_dim)
+        v = v_cache.index_select(0, idx).view(num_seqs, width * meta.block_size, num_kv_heads, head_dim)
+        keys = torch.arange(width * meta.block_size, device=q.device)
+        mask = (keys.unsqueeze(0) < meta.seq_lens.unsqueeze(1))[:, None, None, :]       # [B, 1, 1, max_len]
+        qd = q.view(num_seqs, num_kv_heads, -1, head_dim)                               # [B, Hkv, group, D]
+        o = F.scaled_dot_product_attention(qd, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
+        return o.reshape(num_seqs, -1, head_dim)
 
     def _one(self, q, k_cache, v_cache, meta, scale, b, out, gqa) -> None:
         seq_len = meta.seq_lens[b]

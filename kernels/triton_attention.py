@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from testbed.kernels.attention import AttentionMetadata
+from testbed.kernels.attention import AttentionMetadata, DecodeMetadata
 from testbed.kernels.triton_interpret import check_runnable, interpret_without_gpu
 
 interpret_without_gpu()
@@ -303,6 +303,23 @@ def plan_attention(meta: AttentionMetadata, num_heads: int, num_kv_heads: int,
     qsl_t, seq_t, ws_t, wq_t, bt_t = torch.split(flat, cuts)
     splits = tile.num_splits or choose_num_splits(n * num_kv_heads, items[0][0] if items else 0, device)
     return AttentionPlan(qsl_t, seq_t, bt_t.view(num_seqs, width), ws_t, wq_t, bs, qsl[-1], group, tile, splits)
+
+
+def plan_decode(meta: DecodeMetadata, num_heads: int, num_kv_heads: int,
+                tile: TileConfig | None = None) -> AttentionPlan:
+    """The plan of a decode-only step from its device tensors alone, safe to
+    capture in a CUDA graph: one query tile per sequence in batch order, and
+    key splits chosen from the batch size and the static bound on the context
+    (a split past a sequence's end does no work and weighs 0 in the merge)."""
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    group, device, num_seqs = num_heads // num_kv_heads, meta.seq_lens.device, meta.seq_lens.shape[0]
+    tile = tile or default_tile(1, group, device)
+    if group > tile.block_m:
+        raise ValueError(f"TileConfig.block_m={tile.block_m} is smaller than the GQA group {group}")
+    splits = tile.num_splits or choose_num_splits(num_seqs * num_kv_heads, meta.max_seq_len, device)
+    return AttentionPlan(meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.query_start_loc[:-1],
+                         meta.first_query, meta.block_size, num_seqs, group, tile, splits)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan,

@@ -3,13 +3,16 @@
 
 Every layer of a step receives the same AttentionMetadata; the backend turns
 it into device tensors and a work list once (the plan) and reuses that plan
-for the other layers, so the per-layer cost is one kernel launch."""
+for the other layers, so the per-layer cost is one kernel launch. A
+DecodeMetadata step (a CUDA graph's) is planned from its device tensors
+alone, every layer: no host work to reuse, nothing to sync."""
 from __future__ import annotations
 
 import torch
 
-from testbed.kernels.attention import AttentionBackend, AttentionMetadata
-from testbed.kernels.triton_attention import AttentionPlan, TileConfig, paged_attention, plan_attention
+from testbed.kernels.attention import AttentionBackend, AttentionMetadata, DecodeMetadata
+from testbed.kernels.triton_attention import (AttentionPlan, TileConfig, paged_attention, plan_attention,
+                                            plan_decode)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -35,3 +38,7 @@ class TritonAttentionBackend(AttentionBackend):
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         plan = self.plan(meta, q.shape[1], k_cache.shape[2], q.device)
         return paged_attention(q, k_cache, v_cache, plan, scale)
+
+    def forward_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       meta: DecodeMetadata, scale: float) -> torch.Tensor:
+        return paged_attention(q, k_cache, v_cache, plan_decode(meta, q.shape[1], k_cache.shape[2], self.tile), scale)

@@ -22,6 +22,7 @@ from testbed.modes.hybrid_config import HybridConfig
 from testbed.pool_config import POOLS, ParallelOverride, PoolConfig
 from testbed.schedulers.adaptive_config import AdaptiveConfig
 from testbed.sim.config import HardwareConfig, LinkConfig, ParallelConfig, load_hardware_preset, load_link_preset
+from testbed.sim.engine_overhead import VLLM_CUDA_GRAPH_SIZES
 from testbed.workloads.config import WorkloadConfig
 
 RUNTIMES = ("real", "sim")
@@ -119,6 +120,11 @@ class RunConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "torch"
     device: str = "cpu"
+    # runtime=real on CUDA: decode-only steps of up to max(cuda_graph_sizes) requests replay a
+    # CUDA graph captured for the next of these batch sizes (testbed/model/cuda_graphs.py);
+    # other steps, and every step on the CPU, run eagerly ([] or false: always eager)
+    cuda_graphs: bool = True
+    cuda_graph_sizes: list[int] = field(default_factory=lambda: list(VLLM_CUDA_GRAPH_SIZES))
     torch_threads: int = 1         # per worker process; 2 cores here, so 1 each
     seed: int = 0
     temperature: float = 0.0
@@ -244,6 +250,15 @@ def _check_device(device: str, launcher: str) -> None:
                              "use device=cpu")
 
 
+def _check_cuda_graphs(cfg: RunConfig) -> None:
+    if any(not isinstance(n, int) or n < 1 for n in cfg.cuda_graph_sizes):
+        raise ValueError(f"cuda_graph_sizes: decode batch sizes >= 1, got {list(cfg.cuda_graph_sizes)}")
+    if cfg.cuda_graphs and cfg.cuda_graph_sizes and cfg.device != "cpu" and cfg.attention_backend == "torch":
+        # its graph path pads every decode to the whole cache (kernels/torch_backend.py)
+        raise ValueError("cuda_graphs: attention_backend=torch cannot replay decodes on a GPU; choose "
+                         "attention_backend=triton (or flash_attn), or cuda_graphs=false")
+
+
 def _check_local_paths(cfg: RunConfig) -> None:
     """What the worker and store processes will read or make on this machine
     (launcher=local; under Ray the paths are the worker nodes'), checked before
@@ -278,6 +293,7 @@ def validate(cfg: RunConfig) -> None:
         from testbed.kernels.attention import attention_backend_names
         _one_of("attention_backend", cfg.attention_backend, attention_backend_names())
         _check_device(cfg.device, cfg.launcher)
+        _check_cuda_graphs(cfg)
         if cfg.launcher == "local":
             _check_local_paths(cfg)
     _one_of("wandb.mode", cfg.wandb.mode, ("offline", "online", "disabled"))

@@ -18,10 +18,16 @@ positions are timed and the rest interpolated linearly between them (a
 chunk's time is smooth in its offset: weights plus a prefix read growing
 linearly), and `chunks_timed` says how many were. Every step time is the
 median of --repeats runs after a warm-up. The simulator prices the same shapes
-with --hardware (CostModel.iteration_time_s), and `sim_over_measured` is the
-ratio of the two taxes in ms.
+with --hardware (CostModel.iteration_time_s; a preset name or a .yaml path,
+e.g. the one `testbed profile --device cuda` wrote) and, with --engine, the
+engine preset's terms (gpu_profile.with_engine); `sim_over_measured` is the
+ratio of the two taxes in ms. With --cuda-graph-sizes the decode-only steps
+(t(B decodes)) replay CUDA graphs, as the engine serves them; steps with a
+chunk run eagerly either way.
 
     python experiments/benchmarks/bench_gpu_piggyback.py --out DIR [--budget-s 120]
+    python experiments/benchmarks/bench_gpu_piggyback.py --out DIR --hardware OUT/h200-measured.yaml \
+        --engine OUT/engine-testbed.yaml --cuda-graph-sizes 8,32,128 --backend triton     # graphs vs engine=testbed
     python experiments/benchmarks/bench_gpu_piggyback.py --out DIR --device cpu --model tiny \\
         --prompts 512,1024 --chunks 128 --decodes 0,4 --decode-context 128 --hardware cpu   # smoke check here
 
@@ -44,8 +50,9 @@ from testbed.experiments.prefill import RealBench
 from testbed.sim.config import load_hardware_preset
 from testbed.sim.cost_model import CostModel
 from testbed.sim.crossover import chunk_slices, piggyback_tax_s
+from testbed.profiling.gpu_profile import load_engine_preset, with_engine
 
-FIELDS = ["model", "layers", "device", "hardware", "prompt_len", "chunk", "decodes", "decode_context",
+FIELDS = ["model", "layers", "device", "hardware", "engine", "graphs", "prompt_len", "chunk", "decodes", "decode_context",
           "chunks_timed", "whole_ms", "base_ms", "added_mean_ms", "tax_ms", "sim_whole_ms", "sim_tax_ms", "sim_over_measured", "status"]
 
 
@@ -116,7 +123,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--backend", default="torch", help="the attention backend (torch, triton, flash_attn)")
-    ap.add_argument("--hardware", default="h200", help="the simulator's preset to compare against")
+    ap.add_argument("--hardware", default="h200", help="the simulator's preset to compare against (name or .yaml)")
+    ap.add_argument("--engine", default=None, help="an engine preset .yaml whose terms the simulator adds")
+    ap.add_argument("--cuda-graph-sizes", default="", help="decode batch sizes replayed as CUDA graphs ('': eager)")
     ap.add_argument("--prompts", default="4096,8192,16384,32768,65536,131072")
     ap.add_argument("--chunks", default="2048,512")
     ap.add_argument("--decodes", default="0,8,32,128")
@@ -139,8 +148,15 @@ def main() -> None:
 
     t0 = time.perf_counter()
     capacity = max(prompts) + max(max(decodes), 1) * (args.decode_context + args.block_size)
-    bench = RealBench(args.model, capacity, args.block_size, 0, dtype, args.device, args.backend, **overrides)
-    cost = CostModel(bench.model_cfg, load_hardware_preset(args.hardware))
+    graph_sizes = tuple(int(x) for x in args.cuda_graph_sizes.split(",") if x)
+    bench = RealBench(args.model, capacity, args.block_size, 0, dtype, args.device, args.backend, graph_sizes,
+                      **overrides)
+    hardware = load_hardware_preset(args.hardware)
+    engine_name = ""
+    if args.engine:
+        engine = load_engine_preset(args.engine)
+        hardware, engine_name = with_engine(hardware, engine), engine["name"]
+    cost = CostModel(bench.model_cfg, hardware)
     running = bench.decodes(max(max(decodes), 1), args.decode_context)
     timer = Timer(bench, args.repeats)
     warm = Timer(bench, 1)                                                            # warm-up off the clock
@@ -162,7 +178,8 @@ def main() -> None:
         for c in chunks:
             for b in decodes:
                 row = {"model": bench.model_cfg.name, "layers": bench.model_cfg.num_layers, "device": args.device,
-                       "hardware": args.hardware, "prompt_len": L, "chunk": c, "decodes": b,
+                       "hardware": hardware.name, "engine": engine_name, "graphs": args.cuda_graph_sizes,
+                       "prompt_len": L, "chunk": c, "decodes": b,
                        "decode_context": args.decode_context}
                 predicted = last[(c, b)][1] * (L / last[(c, b)][0]) ** 2 if (c, b) in last else 0.0
                 elapsed = time.perf_counter() - start
@@ -188,7 +205,7 @@ def main() -> None:
                                    sim_whole_ms=round(sim_whole * 1e3, 3), sim_tax_ms=round(sim_tax * 1e3, 3),
                                    sim_over_measured=round(sim_tax / tax, 3) if tax else "", status="ok")
                 rows.append(row)
-                print("  ".join(f"{k}={row.get(k, '')}" for k in FIELDS[4:]), flush=True)
+                print("  ".join(f"{k}={row.get(k, '')}" for k in FIELDS[6:]), flush=True)
                 write()
     write()
 

@@ -10,6 +10,8 @@ times (TTFT without queueing), the slowdown against the whole prompt, and the
 KV bytes attention read (the re-read accounting the executor reports).
 
     python experiments/benchmarks/bench_gpu_prefill.py --out DIR [--budget-s 170]
+    python experiments/benchmarks/bench_gpu_prefill.py --out DIR --device cpu --model tiny --prompts 256,512 \
+        --chunks 0,128 --backends torch                                     # smoke check here
 
 writes DIR/prefill.csv, one row after each measurement so that a timeout
 keeps what ran. Prompts run shortest first; a measurement predicted to
@@ -77,19 +79,21 @@ def main() -> None:
                     help="NAME[:MAX_PROMPT],...; backends that cannot load (flash_attn missing) are skipped")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--budget-s", type=float, default=170.0, help="measurement time, model build excluded")
+    ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench_gpu_prefill needs a CUDA GPU")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit("bench_gpu_prefill: --device cuda needs a CUDA GPU (use --device cpu --model tiny for a smoke check)")
     args.out.mkdir(parents=True, exist_ok=True)
     prompts = sorted(int(x) for x in args.prompts.split(","))
     chunks = [int(x) for x in args.chunks.split(",")]
 
-    cfg = load_model_preset(args.model, dtype="bfloat16")
+    cfg = load_model_preset(args.model, dtype="bfloat16" if args.device.startswith("cuda") else "float32")
     num_blocks = -(-max(prompts) // args.block_size) + 16
     tables: dict[str, list[int]] = {}
     t0 = time.perf_counter()
-    executor = ModelExecutor(cfg, num_blocks, args.block_size, tables.__getitem__, "torch", "cuda")
-    print(f"{cfg.name}: built on {torch.cuda.get_device_name()} in {time.perf_counter() - t0:.1f}s; KV cache "
+    executor = ModelExecutor(cfg, num_blocks, args.block_size, tables.__getitem__, "torch", args.device)
+    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
+    print(f"{cfg.name}: built on {where} in {time.perf_counter() - t0:.1f}s; KV cache "
           f"{executor.kv_cache.numel() * executor.kv_cache.element_size() / 2**30:.1f} GiB "
           f"({num_blocks} blocks of {args.block_size})", flush=True)
 
@@ -110,7 +114,7 @@ def main() -> None:
             print(f"skip {backend_name}: {e}", flush=True)
             continue
         for c in chunks:                                   # compile kernels / pick cuBLAS algorithms off the clock
-            prefill(executor, tables, 4096, c, "warmup")
+            prefill(executor, tables, min(4096, prompts[0]), c, "warmup")
         last: dict[int, tuple[int, float]] = {}            # chunk -> (prompt_len, seconds) of the last run
         whole: dict[int, float] = {}
         for L in prompts:

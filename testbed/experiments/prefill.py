@@ -48,14 +48,15 @@ class RealBench:
     blocks, so a batch can hold a decode at any context or a chunk at any offset."""
 
     def __init__(self, model: str, max_tokens: int, block_size: int, seed: int, dtype: str = "float32",
-                 device: str = "cpu", attention_backend: str = "torch", **model_overrides):
+                 device: str = "cpu", attention_backend: str = "torch", cuda_graph_sizes: tuple[int, ...] = (),
+                 **model_overrides):
         from testbed.block_manager import BlockManager
         from testbed.model_executor import ModelExecutor
         self.model_cfg = load_model_preset(model, dtype=dtype, **model_overrides)
         num_blocks = -(-max_tokens // block_size) + 1
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.executor = ModelExecutor(self.model_cfg, num_blocks, block_size, self.bm.block_table,
-                                      attention_backend, device)
+                                      attention_backend, device, cuda_graph_sizes)
         self.gen = torch.Generator().manual_seed(seed)
         self._next_id = 0
         self.cpu_clock = device == "cpu" and torch.get_num_threads() == 1

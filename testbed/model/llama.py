@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from testbed.kernels.attention import AttentionBackend, AttentionMetadata
+from testbed.kernels.attention import AttentionBackend, AttentionMetadata, DecodeMetadata
 from testbed.kernels.kv_ops import write_kv
 from testbed.model.config import ModelConfig
 
@@ -70,7 +70,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = 1.0 / math.sqrt(self.head_dim)
 
-    def forward(self, x, cos, sin, kv_layer: torch.Tensor, meta: AttentionMetadata,
+    def forward(self, x, cos, sin, kv_layer: torch.Tensor, meta: AttentionMetadata | DecodeMetadata,
                 backend: AttentionBackend) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -79,7 +79,8 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_layer[0], kv_layer[1]                     # [num_blocks, block_size, Hkv, D]
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = backend.forward(q, k_cache, v_cache, meta, self.scale)    # [num_tokens, Hq, D]
+        attend = backend.forward_decode if isinstance(meta, DecodeMetadata) else backend.forward
+        out = attend(q, k_cache, v_cache, meta, self.scale)             # [num_tokens, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -126,7 +127,7 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, backend: AttentionBackend,
+                meta: AttentionMetadata | DecodeMetadata, backend: AttentionBackend,
                 on_layer_done=None) -> torch.Tensor:
         """input_ids, positions: [num_tokens]; kv_cache: [num_layers, 2, num_blocks,
         block_size, Hkv, D]. Returns the final-normed hidden states [num_tokens, hidden].

@@ -24,7 +24,8 @@ Measures, with one torch thread per worker as the real engine runs:
   frontend_hop_ms; the frontend routing and sending commands ->
   frontend_message_ms.
 
-`testbed profile [--quick] [--out PATH] [--model NAME]` runs it (profile_main)."""
+`testbed profile [--quick] [--out PATH] [--model NAME]` runs it (profile_main);
+`testbed profile --device cuda` measures the GPU instead (gpu_profile.py)."""
 from __future__ import annotations
 
 import argparse
@@ -230,6 +231,47 @@ def calibrate_overhead(model, hardware: HardwareConfig, quick: bool, log) -> str
             f"served (testbed.profiling.calibration)")
 
 
+def _check_writable(parser: argparse.ArgumentParser, flag: str, out: Path) -> None:
+    """Said before minutes of measuring, not after: the directory is made (as writing would) and tried."""
+    if out.is_dir():
+        parser.error(f"{flag}: cannot write {out} (a directory); name a .yaml file where you may write")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out.parent).close()
+    except OSError as e:
+        parser.error(f"{flag}: cannot write {out} ({e.strerror or e}); name a .yaml file where you may write")
+
+
+def _profile_gpu_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from testbed.model.config import CONF_DIR
+    from testbed.profiling.gpu_profile import base_preset, profile_gpu
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device: '{args.device}', but torch {torch.__version__} sees no CUDA GPU here; "
+                     "profile this CPU with --device cpu")
+    try:
+        base = args.base or base_preset(torch.cuda.get_device_name(args.device) if args.device != "cpu" else "cpu")
+    except ValueError as e:
+        parser.error(str(e))
+    out = Path(args.out or CONF_DIR / "hardware" / f"{base}-measured.yaml")
+    engine_out = Path(args.engine_out or CONF_DIR / "engine" / "testbed.yaml")
+    _check_writable(parser, "--out", out)
+    _check_writable(parser, "--engine-out", engine_out)
+    t0 = time.perf_counter()
+    try:
+        # the torch backend's graph path pads to the whole cache: fine for a CPU rehearsal only
+        hw, engine = profile_gpu(out, engine_out, args.model or "llama3-8b", args.device, base, args.name,
+                                 args.quick, attention_backend="triton" if args.device != "cpu" else "torch",
+                                 log=print)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} and {engine_out} in {time.perf_counter() - t0:.0f} s: {len(hw.gemm_profile)} GEMM rows, "
+          f"memory efficiency {hw.memory_efficiency:.2f}; engine overhead {engine['overhead_ms']:.3f} ms "
+          f"+ {engine['overhead_per_seq_ms']:.4f} ms/seq + {engine['overhead_per_token_ms'] * 1e3:.2f} us/token, "
+          f"{engine['kernel_launch_us']:.2f} us per eager launch")
+    return 0
+
+
 def profile_main(argv: list[str]) -> int:
     """`testbed profile [--quick] [--out PATH] [--model NAME]`."""
     from testbed.model.config import CONF_DIR
@@ -237,9 +279,18 @@ def profile_main(argv: list[str]) -> int:
         "Measure this machine (GEMMs, attention, memory bandwidth, the real engine's per-iteration "
         "overhead) and write the hardware config that `runtime=sim hardware=cpu` reads."))
     parser.add_argument("--quick", action="store_true", help="a small grid (seconds, for tests); default: full")
-    parser.add_argument("--out", default=str(CONF_DIR / "hardware" / "cpu.yaml"),
-                        help="where to write the YAML (default: conf/hardware/cpu.yaml)")
-    parser.add_argument("--model", default="tiny", help="the model preset whose shapes to measure (default: tiny)")
+    parser.add_argument("--out", default=None,
+                        help="where to write the YAML (default: conf/hardware/cpu.yaml; with --device cuda "
+                             "conf/hardware/BASE-measured.yaml)")
+    parser.add_argument("--model", default=None,
+                        help="the model preset whose shapes to measure (default: tiny; with --device cuda llama3-8b)")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu, or cuda: measure this GPU and write a hardware and an engine preset")
+    parser.add_argument("--engine-out", default=None,
+                        help="where the engine preset goes (default with --device cuda: conf/engine/testbed.yaml); "
+                             "given with --device cpu, the GPU profile's code runs here (a rehearsal)")
+    parser.add_argument("--base", default=None,
+                        help="with the engine preset: the stated preset of this chip (default: from the GPU's name)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, as each worker process uses (1)")
     parser.add_argument("--workers", type=int, default=1,
                         help="worker processes stepping at once, as a deployment of that many real workers "
@@ -250,15 +301,11 @@ def profile_main(argv: list[str]) -> int:
         parser.error(f"--threads: must be >= 1, got {args.threads}")
     if args.workers < 1:
         parser.error(f"--workers: must be >= 1, got {args.workers}")
-    out = Path(args.out)
-    # said before minutes of measuring, not after: the directory is made (as writing would) and tried
-    if out.is_dir():
-        parser.error(f"--out: cannot write {out} (a directory); name a .yaml file where you may write")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=out.parent).close()
-    except OSError as e:
-        parser.error(f"--out: cannot write {out} ({e.strerror or e}); name a .yaml file where you may write")
+    if args.device != "cpu" or args.engine_out:
+        return _profile_gpu_main(parser, args)
+    out = Path(args.out or CONF_DIR / "hardware" / "cpu.yaml")
+    args.model = args.model or "tiny"
+    _check_writable(parser, "--out", out)
     t0 = time.perf_counter()
     try:
         hw = profile_cpu(out, args.model, args.quick, args.name or out.stem, args.threads, log=print,

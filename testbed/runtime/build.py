@@ -69,6 +69,14 @@ def scheduler_context(cfg: RunConfig, clock: Clock) -> SchedulerContext:
     return SchedulerContext(clock, cfg.slo.ttft_ms, cfg.slo.tpot_ms, predictor(cfg) if needs else None)
 
 
+def cuda_graph_sizes(cfg: RunConfig) -> list[int]:
+    """The decode batch sizes the real executor captures as CUDA graphs: the one
+    place that reads cfg.cuda_graphs and cfg.cuda_graph_sizes. [] (eager) on the CPU."""
+    if not cfg.cuda_graphs or cfg.device == "cpu":
+        return []
+    return sorted(set(cfg.cuda_graph_sizes))
+
+
 def build_engine(cfg: RunConfig, role: str, clock: Clock, executor_factory=None) -> Engine:
     """`executor_factory(block_table_fn) -> Executor`; default: the real model.
     The role's class says whether its blocks are hashed for prefix reuse and
@@ -80,7 +88,7 @@ def build_engine(cfg: RunConfig, role: str, clock: Clock, executor_factory=None)
     if executor_factory is None:
         from testbed.model_executor import ModelExecutor
         executor: Executor = ModelExecutor(cfg.model, cfg.num_kv_blocks, cfg.block_size, bm.block_table,
-                                           cfg.attention_backend, cfg.device)
+                                           cfg.attention_backend, cfg.device, cuda_graph_sizes(cfg))
     else:
         executor = executor_factory(bm.block_table)
     return Engine(scheduler, executor, clock, prefill_only=worker_cls.prefill_only)

@@ -19,6 +19,10 @@ from dataclasses import dataclass
 from testbed.sim.config import HardwareConfig, ParallelConfig
 from testbed.sim.layer_shapes import LayerShapes
 
+# vLLM's default CUDA-graph capture sizes: decode batches of up to 512 sequences
+# (the real engine's default cuda_graph_sizes, testbed/model/cuda_graphs.py)
+VLLM_CUDA_GRAPH_SIZES = [1, 2, 4] + list(range(8, 513, 8))
+
 # per layer besides its GEMMs: two norms, rope, attention, the activation, the residual add
 _OTHER_KERNELS_PER_LAYER = 6
 
