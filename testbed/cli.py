@@ -4,6 +4,7 @@
   testbed report RUN_DIR...          tables and plots from run directories
   testbed profile [--quick] [--out]  measure this machine for runtime=sim
   testbed capacity [hydra overrides] highest workload.rate meeting slo.* (binary search)
+  testbed data list|fetch|import     public datasets by name (testbed data -h)
 """
 from __future__ import annotations
 
@@ -129,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "capacity":
         from testbed.capacity import capacity_main
         return capacity_main(rest)
+    if cmd == "data":
+        from testbed.data.cli import data_main
+        return data_main(rest)
     print(f"testbed: unknown command '{cmd}'\n{USAGE}", file=sys.stderr)
     return 2
 

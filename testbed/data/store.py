@@ -94,7 +94,7 @@ def dataset_dir(name: str, needed_by: str, data_dir: str | os.PathLike | None = 
     return root / name
 
 
-def _disk_error(e: OSError, where: Path) -> DataError:
+def disk_error(e: OSError, where: Path) -> DataError:
     if e.errno == errno.ENOSPC:
         return DataError(f"the data directory's disk is full ({where}); free space there or set ${ENV} "
                          "to a directory with room")
@@ -114,7 +114,7 @@ def install(manifest: Manifest, root: Path, put_file) -> Path:
         staging = root / f".staging-{manifest.name}-{uuid.uuid4().hex[:8]}"
         staging.mkdir()
     except OSError as e:
-        raise _disk_error(e, root) from None
+        raise disk_error(e, root) from None
     try:
         for f in manifest.files:
             dest = staging / f.path
@@ -135,6 +135,6 @@ def install(manifest: Manifest, root: Path, put_file) -> Path:
             staging.rename(final)
         return final
     except OSError as e:
-        raise _disk_error(e, root) from None
+        raise disk_error(e, root) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
