@@ -16,6 +16,7 @@ MULTIRUN_FLAGS = ("-m", "--multirun")
 
 def _hydra_run(argv: list[str]) -> int:
     from testbed.cli_errors import hydra_raises, override_error, refused_override
+    from testbed.output_faults import output_fault
     # Hydra's parser takes -m only before the overrides ("unrecognized arguments" after them)
     argv = [a for a in argv if a in MULTIRUN_FLAGS] + [a for a in argv if a not in MULTIRUN_FLAGS]
     refused = refused_override(argv)
@@ -59,8 +60,11 @@ def _hydra_run(argv: list[str]) -> int:
                 print(f"interrupted: partial results in {out_dir}", file=sys.stderr)
                 raise SystemExit(signals.exit_code)
             return summary
-        except (ValueError, TimeoutError, RuntimeError) as e:
-            print(f"error: {e}", file=sys.stderr)
+        except (ValueError, TimeoutError, RuntimeError, OSError) as e:
+            message = str(e) if isinstance(e, (ValueError, TimeoutError, RuntimeError)) else output_fault(e, out_dir)
+            if message is None:
+                raise
+            print(f"error: {message}", file=sys.stderr)
             if not multirun:
                 raise SystemExit(2)
             # a failed sweep point is recorded and the sweep goes on
