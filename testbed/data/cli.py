@@ -34,7 +34,8 @@ def list_lines(root: Path) -> list[str]:
             bad = altered_file(manifest, root / name)
             state = f"ALTERED: {bad}" if bad else f"present, {root / name}"
         mine = ", registered" if manifest.registered else ""
-        lines += [f"{name} ({manifest.kind}{mine}, {len(manifest.files)} file{"s" if len(manifest.files) != 1 else ""}, {_size(manifest.size)}): {state}",
+        files = f"{len(manifest.files)} file" + ("s" if len(manifest.files) != 1 else "")
+        lines += [f"{name} ({manifest.kind}{mine}, {files}, {_size(manifest.size)}): {state}",
                   f"  {manifest.title}",
                   f"  licence: {manifest.licence}",
                   f"  cite: {manifest.citation}"]

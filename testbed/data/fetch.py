@@ -35,9 +35,6 @@ def _download(manifest: Manifest, entry: DataFile, dest: Path, timeout_s: float)
     except urllib.error.HTTPError as e:
         raise DataError(f"fetch {name}: {url} answered HTTP {e.code} {e.reason} (the file is not at its source); "
                         f"{_import_hint(name)}") from None
-    except http.client.IncompleteRead as e:
-        raise DataError(f"fetch {name}: the download of {url} broke off after {len(e.partial)} more bytes "
-                        f"(truncated); run fetch again, or {_import_hint(name)}; nothing was installed") from None
     except urllib.error.URLError as e:
         reason = getattr(e.reason, "strerror", None) or e.reason
         raise DataError(f"fetch {name}: cannot reach {url} ({reason}); without network, {_import_hint(name)}") from None
