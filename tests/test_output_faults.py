@@ -1,0 +1,99 @@
+"""A run's output that cannot be written, caused for real: the run
+directory's disk full (a small tmpfs, written by this process and by the
+record writer process), a read-only file system, a path under a regular
+file. Each ends in one line naming the path and the fix; what was written
+before stays readable, a last line cut off mid-write dropped by the readers."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from testbed.metrics import read_iterations, read_requests
+
+
+@pytest.fixture
+def mount(tmp_path):
+    """mount(size, read_only) -> a fresh tmpfs of `size` under tmp_path (needs root)."""
+    mounted = []
+
+    def make(size: str, read_only: bool = False, mkdir: str | None = None) -> Path:
+        where = tmp_path / f"fs{len(mounted)}"
+        where.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}); the fault needs root")
+        mounted.append(where)
+        if mkdir:
+            (where / mkdir).mkdir()
+        if read_only:
+            subprocess.run(["mount", "-o", "remount,ro", str(where)], check=True)
+        return where
+
+    yield make
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def run(tmp_path: Path, run_dir: Path, *overrides: str) -> tuple[int, list[str]]:
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+    p = subprocess.run([sys.executable, "-m", "testbed.cli", "run", "runtime=sim", "model=llama3-8b",
+                        "hardware=h100-sxm", "seed=1", f"hydra.run.dir={run_dir}", *overrides],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:") or "Traceback" in ln]
+    return p.returncode, errors
+
+
+@pytest.mark.parametrize("size, writer_after", [("48k", "null"), ("256k", "10")],
+                         ids=["this-process", "record-writer-process"])
+def test_a_full_disk_ends_in_one_line_and_the_records_stay_readable(tmp_path, mount, size, writer_after):
+    run_dir = mount(size) / "run"
+    code, errors = run(tmp_path, run_dir, "workload.num_requests=2000", f"runtime.record_writer_after={writer_after}")
+    assert code == 2 and len(errors) == 1
+    full = next(run_dir / f for f in ("iterations.jsonl", "requests.jsonl") if str(run_dir / f) in errors[0])
+    assert errors == [f"error: the disk holding {full} is full (No space left on device); free space there or set "
+                      "hydra.run.dir (hydra.sweep.dir for -m) to a disk with room; the records written before it "
+                      f"are in {run_dir}"]
+    assert not (run_dir / "summary.json").exists()
+    text = full.read_text()
+    assert text.count("\n") > 0 and not text.endswith("\n")          # cut off mid-line
+    assert len(read_iterations(run_dir / "iterations.jsonl")) == (run_dir / "iterations.jsonl").read_text().count("\n")
+    assert len(read_requests(run_dir / "requests.jsonl")) == (run_dir / "requests.jsonl").read_text().count("\n")
+
+
+def test_a_read_only_output_directory_ends_in_one_line(tmp_path, mount):
+    run_dir = mount("64k", read_only=True, mkdir="run") / "run"
+    code, errors = run(tmp_path, run_dir, "workload.num_requests=2")
+    assert code == 2
+    assert errors == [f"error: cannot write '{run_dir / 'cli.log'}' (Read-only file system); set hydra.run.dir "
+                      "(hydra.sweep.dir for -m) to a writable path whose names are each at most 255 bytes"]
+
+
+def test_an_output_directory_that_cannot_be_made_ends_in_one_line(tmp_path, mount):
+    for run_dir in (tmp_path / "a-file" / "run", mount("64k", read_only=True) / "run"):
+        (tmp_path / "a-file").touch()
+        code, errors = run(tmp_path, run_dir, "workload.num_requests=2")
+        why = "Not a directory" if "a-file" in str(run_dir) else "Read-only file system"
+        assert code == 2
+        assert errors == [f"error: cannot create the output directory '{run_dir}' ({why}); set hydra.run.dir "
+                          "(hydra.sweep.dir for -m) to a writable path whose names are each at most 255 bytes"]
+
+
+def test_readers_drop_only_an_unterminated_last_line(tmp_path):
+    run_dir = tmp_path / "run"
+    code, errors = run(tmp_path, run_dir, "workload.num_requests=3")
+    assert code == 0, errors
+    path = run_dir / "iterations.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:-1]) + lines[-1][:25])
+    assert len(read_iterations(path)) == len(lines) - 1
+    path.write_text("".join(lines[:-1]) + lines[-1][:25] + "\n")      # terminated: a bad line, not a cut one
+    with pytest.raises(ValueError, match=f"^{path}:{len(lines)}: not valid JSON"):
+        read_iterations(path)
+    path.write_text(lines[0][:25] + "\n" + "".join(lines[1:]))        # a bad line before others
+    with pytest.raises(ValueError, match=f"^{path}:1: not valid JSON"):
+        read_iterations(path)
