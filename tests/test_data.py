@@ -336,3 +336,11 @@ def test_condensed_tables_are_derived_once_and_keyed_by_the_sources_checksum(tmp
     mine = tables_dir("my-profile", "a test")
     assert mine.parent.parent.name == "my-profile" and mine != first
     assert sorted(p.name for p in (mine / "compute").iterdir()) == ["h100"]
+
+
+def test_a_preset_with_tables_but_no_dataset_named_is_refused():
+    from testbed.sim.config import load_hardware_preset
+    with pytest.raises(ValueError) as e:
+        load_hardware_preset("cpu", gemm_table="h100")
+    assert str(e.value) == ("hardware.operator_tables: not set, but gemm_table or allreduce_table is; name the "
+                            "profile dataset they come from, e.g. hardware.operator_tables=vidur-profiles")
