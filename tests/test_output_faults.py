@@ -1,8 +1,9 @@
-"""A run's output that cannot be written, caused for real: the run
-directory's disk full (a small tmpfs, written by this process and by the
-record writer process), a read-only file system, a path under a regular
-file. Each ends in one line naming the path and the fix; what was written
-before stays readable, a last line cut off mid-write dropped by the readers."""
+"""Files that cannot be written, caused for real: a run's output (the run
+directory's disk full on a small tmpfs, written by this process and by the
+record writer process; a read-only file system; a path under a regular
+file) and the data directory (full, read-only). Each ends in one line naming
+the path and the fix; what a run wrote before stays readable, a last line
+cut off mid-write dropped by the readers."""
 from __future__ import annotations
 
 import os
@@ -97,3 +98,20 @@ def test_readers_drop_only_an_unterminated_last_line(tmp_path):
     path.write_text(lines[0][:25] + "\n" + "".join(lines[1:]))        # a bad line before others
     with pytest.raises(ValueError, match=f"^{path}:1: not valid JSON"):
         read_iterations(path)
+
+
+def test_a_data_directory_without_room_or_write_access_is_one_line_and_left_clean(tmp_path, mount):
+    from testbed.data import DataError
+    from testbed.data.importer import import_dataset
+    src = Path(__file__).resolve().parents[2] / "shared" / "data" / "vidur-profiles"
+    full = mount("1m")
+    with pytest.raises(DataError) as e:
+        import_dataset("vidur-profiles", src, data_dir=full)
+    assert str(e.value) == (f"the data directory's disk is full ({full}); free space there or set $TESTBED_DATA "
+                            "to a directory with room")
+    assert list(full.iterdir()) == []
+    read_only = mount("64k", read_only=True)
+    with pytest.raises(DataError) as e:
+        import_dataset("vidur-profiles", src, data_dir=read_only / "data")
+    assert str(e.value) == (f"cannot write the data directory ({read_only / 'data'}: Read-only file system); set "
+                            "$TESTBED_DATA to a writable directory")
