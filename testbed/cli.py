@@ -28,6 +28,7 @@ def _hydra_run(argv: list[str]) -> int:
     from omegaconf import DictConfig, OmegaConf
 
     from testbed.config import RunConfig, register_configs
+    from testbed.data.config import use_data_dir
     from testbed.interrupts import Interrupts
     from testbed.model.config import CONF_DIR
     from testbed.run import execute
@@ -44,6 +45,7 @@ def _hydra_run(argv: list[str]) -> int:
         multirun = hc.mode.name == "MULTIRUN"
         out_dir = hc.runtime.output_dir
         try:
+            use_data_dir(dcfg.data.dir)
             cfg: RunConfig = OmegaConf.to_object(dcfg)
             if multirun:
                 _name_sweep_point(cfg, hc, argv)

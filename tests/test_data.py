@@ -97,7 +97,7 @@ def test_a_missing_dataset_is_one_line_naming_the_preset_and_both_commands(tmp_p
         dataset_dir("vidur-profiles", "hardware=h100-sxm", data_dir=tmp_path)
     assert str(e.value) == (
         f"hardware=h100-sxm needs the dataset 'vidur-profiles', not in the data directory {tmp_path} "
-        "($TESTBED_DATA, default ~/.cache/pd-testbed); bring it with `testbed data fetch vidur-profiles` or, "
+        "(data.dir or $TESTBED_DATA, default ~/.cache/pd-testbed); bring it with `testbed data fetch vidur-profiles` or, "
         "from a local copy, `testbed data import vidur-profiles DIR`")
 
 
@@ -141,6 +141,59 @@ def test_a_file_damaged_after_import_is_named_in_one_line(tmp_path, damage):
     assert code == 2 and err == [
         f"error: dataset 'azure-code-2023' (needed by workload=azure_code): {why}; bring it again with "
         "`testbed data fetch azure-code-2023` or, from a local copy, `testbed data import azure-code-2023 DIR`"]
+
+
+# ---- data.dir in the run config ---------------------------------------------------
+
+def azure_lengths(csv: Path, n: int, max_prompt: int, max_output: int) -> list[tuple[int, int]]:
+    rows = csv.read_text().splitlines()[1:n + 1]
+    return [(min(int(r.split(",")[1]), max_prompt), min(int(r.split(",")[2]), max_output)) for r in rows]
+
+
+def test_a_run_reads_azure_code_from_the_data_dir_given_only_by_data_dir(tmp_path):
+    """$TESTBED_DATA names an empty directory: data.dir wins over it."""
+    mine = tmp_path / "my data"
+    import_dataset("azure-code-2023", SHARED_DATA, data_dir=mine)
+    code, err = run_cli(["run", "runtime=sim", "workload=azure_code", "workload.max_requests=4",
+                         f"data.dir={mine}", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path / "empty", tmp_path)
+    assert code == 0, err
+    got = [(r["prompt_len"], len(r["output_token_ids"])) for r in
+           map(json.loads, (tmp_path / "run" / "requests.jsonl").read_text().splitlines())]
+    assert got == azure_lengths(mine / "azure-code-2023" / "AzureLLMInferenceTrace_code.csv", 4, 1024, 256)
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["num_requests"] == 4
+    assert not (tmp_path / "empty").exists()
+
+
+def test_a_dataset_missing_under_data_dir_is_one_line_naming_that_directory(tmp_path, data_dir):
+    """$TESTBED_DATA holds the dataset, data.dir does not: the run stops, naming data.dir's directory."""
+    empty = tmp_path / "empty"
+    code, err = run_cli(["run", "runtime=sim", "workload=azure_code", f"data.dir={empty}",
+                         f"hydra.run.dir={tmp_path / 'run'}"], data_dir, tmp_path)
+    assert code == 2 and err == [
+        f"error: workload=azure_code needs the dataset 'azure-code-2023', not in the data directory {empty} "
+        "(data.dir or $TESTBED_DATA, default ~/.cache/pd-testbed); bring it with `testbed data fetch "
+        "azure-code-2023` or, from a local copy, `testbed data import azure-code-2023 DIR`"]
+    assert not (tmp_path / "run" / "requests.jsonl").exists()
+
+
+def test_real_worker_processes_price_from_the_data_dir_given_only_by_data_dir(tmp_path, data_dir):
+    """runtime=real on a GPU preset: every worker process rebuilds the
+    hardware preset, which checks its operator tables, from data.dir."""
+    code, err = run_cli(["run", "runtime=real", "mode=disagg", "hardware=h100-sxm", "num_kv_blocks=64",
+                         "token_budget=64", "workload.num_requests=2", "workload.prompt_dist=fixed",
+                         "workload.prompt_len=8", "workload.output_dist=fixed", "workload.output_len=2",
+                         f"data.dir={data_dir}", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path / "empty", tmp_path)
+    assert code == 0, err
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["num_requests"] == 2
+
+
+def test_data_dir_naming_a_file_is_one_line(tmp_path):
+    (tmp_path / "f").write_text("")
+    code, err = run_cli(["run", "runtime=sim", f"data.dir={tmp_path / 'f'}", f"hydra.run.dir={tmp_path / 'run'}"],
+                        tmp_path / "empty", tmp_path)
+    assert code == 2 and err == [f"error: data.dir: '{tmp_path / 'f'}' is a file, not a directory; name the data "
+                                 "directory (`testbed data list --dir DIR` shows what one holds) or leave it unset "
+                                 "for $TESTBED_DATA"]
 
 
 # ---- import ---------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Public datasets by name. None is part of the repository: a user fetches
 one (`testbed data fetch NAME`) or imports a local copy (`testbed data import
-NAME DIR`) into the data directory ($TESTBED_DATA, default
+NAME DIR`) into the data directory (data.dir in the run config, else $TESTBED_DATA, default
 ~/.cache/pd-testbed), and a consumer asks for it by name with `dataset_dir`,
 which names the preset that needs it and the commands that bring it when it
 is missing."""

@@ -86,7 +86,7 @@ def dataset_dir(name: str, needed_by: str, data_dir: str | os.PathLike | None = 
                                  f"register your own with `testbed data import {name} DIR --as-profile` "
                                  "(or --as-trace)")
         raise MissingDataset(f"{needed_by} needs the dataset '{name}', not in the data directory {root} "
-                             f"(${ENV}, default {DEFAULT_DIR}); bring it with {bring_commands(name)}")
+                             f"(data.dir or ${ENV}, default {DEFAULT_DIR}); bring it with {bring_commands(name)}")
     bad = altered_file(manifest, root / name)
     if bad:
         raise DataError(f"dataset '{name}' (needed by {needed_by}): {bad}; bring it again with "
