@@ -1,14 +1,19 @@
 """Files that cannot be written, caused for real: a run's output (the run
 directory's disk full on a small tmpfs, written by this process and by the
 record writer process; a read-only file system; a path under a regular
-file) and the data directory (full, read-only). Each ends in one line naming
-the path and the fix; what a run wrote before stays readable, a last line
+file), the data directory (full, read-only), and a port another process
+holds where ray.address points. Each ends in one line naming the path or
+port and the fix; what a run wrote before stays readable, a last line
 cut off mid-write dropped by the readers."""
 from __future__ import annotations
 
+import http.server
+import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -116,3 +121,47 @@ def test_a_data_directory_without_room_or_write_access_is_one_line_and_left_clea
         import_dataset("vidur-profiles", src, data_dir=read_only / "data")
     assert str(e.value) == (f"cannot write the data directory ({read_only / 'data'}: Read-only file system); set "
                             "$TESTBED_DATA to a writable directory")
+
+
+# ---- a port already taken ---------------------------------------------------------
+
+class _Http1(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_error(404)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(params=["silent", "http"])
+def taken_port(request):
+    """A port on 127.0.0.1 held by a process that is not a Ray head: a socket
+    that listens and never answers, or an HTTP/1.1 server (as the dashboard's
+    port, a usual mistake for the head's)."""
+    if request.param == "silent":
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(8)
+        yield sock.getsockname()[1]
+        sock.close()
+        return
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Http1)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield httpd.server_address[1]
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_ray_address_on_a_port_another_process_holds_is_one_line_and_leaves_nothing(tmp_path, taken_port):
+    """Ray itself retried such an address for minutes, printing GCS time-outs."""
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, str(Path(__file__).parent / "reaped.py"), sys.executable, "-m", "testbed.cli",
+                        "run", "launcher=ray", "mode=disagg", f"ray.address=127.0.0.1:{taken_port}",
+                        "workload.num_requests=2", f"hydra.run.dir={tmp_path / 'run'}"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        f"error: ray.address: port {taken_port} on 127.0.0.1 is taken by a process that is not a Ray head (it does "
+        "not answer as Ray's GCS); give the port `ray start --head` printed (6379 by default; not the dashboard's "
+        f"8265), or free port {taken_port}, or leave ray.address unset for a local cluster"]
+    assert json.loads(p.stdout.strip().splitlines()[-1])["leftover"] == []      # no Ray daemon, no worker
+    assert (tmp_path / "run" / "requests.jsonl").read_text() == "" and not (tmp_path / "run" / "summary.json").exists()
