@@ -214,6 +214,7 @@ def capacity_main(argv: list[str]) -> int:
     if bad:
         parser.error(f"unknown option(s) {bad}; Hydra overrides look like key=value")
     from testbed.cli_errors import override_error, refused_override
+    from testbed.data.config import use_data_dir
     refused = refused_override(overrides)
     if refused:
         print(f"error: {refused}", file=sys.stderr)
@@ -221,7 +222,9 @@ def capacity_main(argv: list[str]) -> int:
     register_configs()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            cfg: RunConfig = OmegaConf.to_object(compose("config", overrides))
+            dcfg = compose("config", overrides)
+            use_data_dir(dcfg.data.dir)
+            cfg: RunConfig = OmegaConf.to_object(dcfg)
     except Exception as e:          # composing is all Hydra's: whatever it raises is a bad override
         print(f"error: {override_error(e, task_started=False)}", file=sys.stderr)
         return 2

@@ -4,6 +4,7 @@
   testbed report RUN_DIR...          tables and plots from run directories
   testbed profile [--quick] [--out]  measure this machine for runtime=sim
   testbed capacity [hydra overrides] highest workload.rate meeting slo.* (binary search)
+  testbed data list|fetch|import     public datasets by name (testbed data -h)
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ MULTIRUN_FLAGS = ("-m", "--multirun")
 
 def _hydra_run(argv: list[str]) -> int:
     from testbed.cli_errors import hydra_raises, override_error, refused_override
+    from testbed.output_faults import output_fault
     # Hydra's parser takes -m only before the overrides ("unrecognized arguments" after them)
     argv = [a for a in argv if a in MULTIRUN_FLAGS] + [a for a in argv if a not in MULTIRUN_FLAGS]
     refused = refused_override(argv)
@@ -26,6 +28,7 @@ def _hydra_run(argv: list[str]) -> int:
     from omegaconf import DictConfig, OmegaConf
 
     from testbed.config import RunConfig, register_configs
+    from testbed.data.config import use_data_dir
     from testbed.interrupts import Interrupts
     from testbed.model.config import CONF_DIR
     from testbed.run import execute
@@ -42,6 +45,7 @@ def _hydra_run(argv: list[str]) -> int:
         multirun = hc.mode.name == "MULTIRUN"
         out_dir = hc.runtime.output_dir
         try:
+            use_data_dir(dcfg.data.dir)
             cfg: RunConfig = OmegaConf.to_object(dcfg)
             if multirun:
                 _name_sweep_point(cfg, hc, argv)
@@ -58,8 +62,11 @@ def _hydra_run(argv: list[str]) -> int:
                 print(f"interrupted: partial results in {out_dir}", file=sys.stderr)
                 raise SystemExit(signals.exit_code)
             return summary
-        except (ValueError, TimeoutError, RuntimeError) as e:
-            print(f"error: {e}", file=sys.stderr)
+        except (ValueError, TimeoutError, RuntimeError, OSError) as e:
+            message = str(e) if isinstance(e, (ValueError, TimeoutError, RuntimeError)) else output_fault(e, out_dir)
+            if message is None:
+                raise
+            print(f"error: {message}", file=sys.stderr)
             if not multirun:
                 raise SystemExit(2)
             # a failed sweep point is recorded and the sweep goes on
@@ -129,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "capacity":
         from testbed.capacity import capacity_main
         return capacity_main(rest)
+    if cmd == "data":
+        from testbed.data.cli import data_main
+        return data_main(rest)
     print(f"testbed: unknown command '{cmd}'\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -195,6 +195,13 @@ def _one_line(text: str) -> str:
     return "; ".join(ln for ln in lines if ln and not ln.startswith("See https://hydra.cc"))
 
 
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError behind `exc` (Hydra's log set-up wraps one in a ValueError)."""
+    while exc is not None and not isinstance(exc, OSError):
+        exc = exc.__cause__ or exc.__context__
+    return exc
+
+
 def override_error(exc: BaseException, task_started: bool) -> str | None:
     """One line for what Hydra or OmegaConf raised while composing the config;
     None for an error of the run itself (it keeps its traceback)."""
@@ -222,9 +229,11 @@ def override_error(exc: BaseException, task_started: bool) -> str | None:
         if "No match in the defaults list" in message or "Could not override" in message:
             message += f"; preset groups are {', '.join(_groups())} (and hydra/...)"
         return message
-    if isinstance(exc, OSError) and exc.filename and not task_started:
-        # Hydra makes the output directory before the task: a name too long, a read-only place
-        return (f"cannot create the output directory '{exc.filename}' ({exc.strerror}); set hydra.run.dir "
+    cause = _os_error(exc)
+    if cause is not None and cause.filename and not task_started:
+        # Hydra makes the output directory and its log file before the task: a name too long, a read-only place
+        what = "write" if Path(cause.filename).suffix else "create the output directory"     # a log file, or a directory
+        return (f"cannot {what} '{cause.filename}' ({cause.strerror}); set hydra.run.dir "
                 "(hydra.sweep.dir for -m) to a writable path whose names are each at most 255 bytes")
     if not task_started:
         # raised by Hydra's override parser before any config existed (e.g. `=3`)

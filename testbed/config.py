@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 
+from testbed.data.config import DataConfig
 from testbed.experiments.config import ExperimentConfig
 from testbed.kv_transfer.config import TransferConfig, timeout_problem
 from testbed.kv_transfer.store_config import KVStoreConfig
@@ -161,6 +162,9 @@ class RunConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     ray: RayConfig = field(default_factory=RayConfig)      # launcher=ray
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
+    # where datasets are read from (testbed/data/); the command line applies it before the
+    # config objects are built (testbed.data.config.use_data_dir)
+    data: DataConfig = field(default_factory=DataConfig)
 
     def __post_init__(self) -> None:
         for name in POOLS:
@@ -310,7 +314,7 @@ def validate(cfg: RunConfig) -> None:
     if not 0.0 < cfg.top_p <= 1.0:
         raise ValueError(f"top_p: must be in (0, 1], got {cfg.top_p}")
     for sub in (cfg.runtime, cfg.model, cfg.workload, cfg.transfer, cfg.kvstore, cfg.hardware, cfg.link,
-                cfg.parallel, cfg.experiment, cfg.adaptive, cfg.ray, cfg.hybrid, cfg.slo):
+                cfg.parallel, cfg.experiment, cfg.adaptive, cfg.ray, cfg.hybrid, cfg.slo, cfg.data):
         sub.validate()
     if cfg.transfer.lease_s <= 2 * cfg.runtime.heartbeat_s:
         # the heartbeat renews the leases of what the frontend still counts on

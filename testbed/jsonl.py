@@ -19,25 +19,45 @@ from pathlib import Path
 from testbed.text_lines import MAX_LINE_BYTES, text_lines
 
 
-def jsonl_objects(path: str | Path, limit: int | None = None,
-                  max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[int, dict]]:
-    """(line number, dict) for each non-blank line, at most `limit` of them."""
+def _ends_unterminated(path: str | Path) -> bool:
+    with open(path, "rb") as f:
+        f.seek(0, 2)
+        if f.tell() == 0:
+            return False
+        f.seek(-1, 2)
+        return f.read(1) != b"\n"
+
+
+def jsonl_objects(path: str | Path, limit: int | None = None, max_line_bytes: int = MAX_LINE_BYTES,
+                  cut_tail: bool = False) -> Iterator[tuple[int, dict]]:
+    """(line number, dict) for each non-blank line, at most `limit` of them.
+    `cut_tail`: a last line without its line ending that is not whole JSON
+    (a writer stopped mid-line: a full disk, a kill) is dropped, not an error."""
     count = 0
+    cut: ValueError | None = None          # a bad line, forgiven only if it is the file's unterminated last
     for line_no, text in text_lines(path, max_line_bytes):
         if not text.strip():
             continue
+        if cut is not None:
+            raise cut
         if limit is not None and count >= limit:
             return
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg} at column {e.colno})") from None
+            error = ValueError(f"{path}:{line_no}: not valid JSON ({e.msg} at column {e.colno})")
+            if cut_tail:
+                cut = error
+                continue
+            raise error from None
         except RecursionError:
             raise ValueError(f"{path}:{line_no}: JSON nested too deeply to be a request") from None
         if not isinstance(obj, dict):
             raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(obj).__name__}")
         count += 1
         yield line_no, obj
+    if cut is not None and not _ends_unterminated(path):
+        raise cut
 
 
 def jsonl_text(names: Sequence[str], columns: Sequence[list]) -> str:

@@ -215,7 +215,7 @@ def _read_jsonl(path: str | Path, cls: type) -> list:
 
 def _iter_jsonl(path: str | Path, cls: type) -> Iterator:
     known = {f.name for f in fields(cls)}
-    for line_no, obj in jsonl_objects(path):
+    for line_no, obj in jsonl_objects(path, cut_tail=True):
         where = f"{path}:{line_no}"
         unknown = sorted(set(obj) - known)
         if unknown:
@@ -234,7 +234,7 @@ def read_requests(path: str | Path) -> list[RequestRecord]:
 
 def iter_requests(path: str | Path) -> Iterator[RequestRecord]:
     """read_requests one record at a time, in file order."""
-    first = next(iter(jsonl_objects(path)), None)
+    first = next(iter(jsonl_objects(path, cut_tail=True)), None)
     cls = RequestRecord
     if first is not None:
         keys = set(first[1])

@@ -25,6 +25,7 @@ closes the pipe (the child's end).
 """
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -33,7 +34,9 @@ from collections.abc import Iterable
 import msgpack
 
 from testbed.jsonl import jsonl_text
+from testbed.output_faults import named
 
+_OS_ERROR = 3                   # the child's exit code when its file refused a write
 _COLUMNS, _TEXT = 0, 1          # a frame: [_COLUMNS, kind, names, columns] or [_TEXT, kind, ascii bytes]
 
 
@@ -46,18 +49,27 @@ class InlineWriter:
 
     def write(self, kind: str, chunks: Iterable[tuple[list[str], list[list]]]) -> None:
         f = self._files[kind]
-        for names, columns in chunks:
-            f.write(jsonl_text(names, columns))
+        try:
+            for names, columns in chunks:
+                f.write(jsonl_text(names, columns))
+        except OSError as e:
+            raise named(e, f.name) from None
 
     def write_bytes(self, kind: str, data: bytes) -> None:
         """Append lines already encoded (ASCII, as jsonl_text writes them)."""
         f = self._files[kind]
-        f.flush()
-        f.buffer.write(data)
+        try:
+            f.flush()
+            f.buffer.write(data)
+        except OSError as e:
+            raise named(e, f.name) from None
 
     def flush(self) -> None:
         for f in self._files.values():
-            f.flush()
+            try:
+                f.flush()
+            except OSError as e:
+                raise named(e, f.name) from None
 
     def close(self) -> None:
         for f in self._files.values():
@@ -109,13 +121,17 @@ class RecordWriter:
         if self._proc.wait() != 0:
             raise self._died()
 
-    def _died(self) -> RecordWriterError:
+    def _died(self) -> Exception:
+        """RecordWriterError, or the OSError the child's file raised (a full disk)."""
         try:
             self._proc.stdin.close()
         except BrokenPipeError:
             pass
         rc = self._proc.wait()
         said = self._proc.stderr.read().decode(errors="replace").strip().splitlines()[-5:]
+        if rc == _OS_ERROR and said:
+            code, _, path = said[-1].partition(" ")
+            return OSError(int(code), os.strerror(int(code)), path)      # the run's output fault, named
         return RecordWriterError(f"the record writer process (pid {self._proc.pid}) exited with {rc}"
                                  + (f": {' | '.join(said)}" if said else "") + "; the run's records are incomplete")
 
@@ -138,8 +154,12 @@ def main(argv: list[str]) -> int:
             _, kind, data = frame
             text = data.decode("ascii")
         f = files[kind]
-        f.write(text)
-        f.flush()
+        try:
+            f.write(text)
+            f.flush()
+        except OSError as e:           # told to the parent as "ERRNO PATH" (a full disk, a file gone read-only)
+            print(f"{e.errno} {f.name}", file=sys.stderr, flush=True)
+            return _OS_ERROR
     for f in files.values():
         f.close()
     return 0

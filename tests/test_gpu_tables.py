@@ -1,5 +1,5 @@
-"""The GPU presets' measured operator tables: they ship in the repository, the
-shape model predicts a model it never saw (leave one model out), unprofiled
+"""The GPU presets' measured operator tables: condensed from the imported
+vidur-profiles dataset into the data directory, the shape model predicts a model it never saw (leave one model out), unprofiled
 architectures get prices, all-reduces follow their table, and the roofline
 ratio carries a table to another chip. Figures: experiments/benchmarks/bench_gpu_presets.py."""
 import math
@@ -12,8 +12,8 @@ from testbed.model.config import load_model_preset
 from testbed.sim.collectives import AllReduceTable
 from testbed.sim.config import ParallelConfig, load_hardware_preset
 from testbed.sim.cost_model import CostModel
-from testbed.sim.operator_table import (GEMM_OPS, TABLES_DIR, elementwise_samples, gemm_samples, load_allreduce_table,
-                                        load_compute_table)
+from testbed.sim import operator_table
+from testbed.sim.operator_table import GEMM_OPS, elementwise_samples, gemm_samples, tables_dir
 from testbed.sim.elementwise_kernels import elementwise_kernel
 from testbed.sim.gpu_tables import elementwise_ops
 from testbed.sim.layer_shapes import layer_shapes
@@ -22,17 +22,24 @@ from testbed.sim.table_pricing import TableElementwise, TableGemms, local_loglin
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _vidur_commit() -> str:
-    return next(line.split(": ", 1)[1] for line in (TABLES_DIR / "SOURCE").read_text().splitlines()
-                if line.startswith("commit: "))
+def load_compute_table(gpu: str):
+    return operator_table.load_compute_table(tables_dir("vidur-profiles", "test_gpu_tables"), gpu)
 
 
-def test_tables_ship_inside_the_repository_with_their_licence():
-    assert TABLES_DIR.resolve().is_relative_to(REPO)
-    assert "MIT License" in (TABLES_DIR / "LICENSE").read_text()
-    assert "SOURCE" in (TABLES_DIR / "README.md").read_text() and "commit: " in (TABLES_DIR / "SOURCE").read_text()
-    assert sum(p.stat().st_size for p in TABLES_DIR.rglob("*") if p.is_file()) < 3 * 2**20
+def load_allreduce_table(topology: str):
+    return operator_table.load_allreduce_table(tables_dir("vidur-profiles", "test_gpu_tables"), topology)
+
+
+def allreduce_table(topology: str, world_size: int) -> AllReduceTable:
+    return AllReduceTable(tables_dir("vidur-profiles", "test_gpu_tables"), topology, world_size)
+
+
+def test_tables_are_condensed_into_the_data_directory_not_the_repository(data_dir):
+    tables = tables_dir("vidur-profiles", "test_gpu_tables")
+    assert tables.is_relative_to(data_dir / "derived" / "vidur-profiles") and not tables.is_relative_to(REPO)
+    assert sorted(p.name for p in (tables / "compute").iterdir()) == ["a100", "h100"]
     assert len(load_compute_table("h100")) == 6 and len(load_compute_table("a100")) == 8
+    assert tables_dir("vidur-profiles", "again") == tables      # made once, then found
 
 
 def _held_out(gpu: str, name: str):
@@ -152,18 +159,18 @@ def test_unprofiled_models_get_prices_that_grow_with_the_batch(model, tp):
 def test_allreduce_follows_its_table_and_grows_with_size_past_it():
     rows = [r for r in load_allreduce_table("h100_dgx") if r[0] == 8 and r[1] == 8]
     largest = max(size for _, _, size, _ in rows)
-    table = AllReduceTable("h100_dgx", 8)
+    table = allreduce_table("h100_dgx", 8)
     assert table.seconds(2 * largest) == pytest.approx(2 * table.seconds(largest), rel=1e-12)
     sizes = [2**20, 2**22, 2**24, 2**26]
     assert [table.seconds(s) for s in sizes] == sorted(table.seconds(s) for s in sizes)
     with pytest.raises(ValueError, match="no all-reduce over 8 GPUs"):
-        AllReduceTable("h100_pairwise_nvlink", 8)
+        allreduce_table("h100_pairwise_nvlink", 8)
 
 
 def test_tp_prices_its_allreduces_from_the_preset_table():
     hw = load_hardware_preset("h100-sxm")
     cost = CostModel(load_model_preset("llama2-70b"), hw, ParallelConfig(tp=8))
-    table = AllReduceTable("h100_dgx", 8)
+    table = allreduce_table("h100_dgx", 8)
     hidden = 64 * cost.shapes.hidden_bytes_per_token
     assert cost.breakdown([(1, 1024)] * 64)["allreduce_s"] == pytest.approx(
         2 * cost.shapes.num_layers * table.seconds(hidden), rel=1e-12)
@@ -180,10 +187,10 @@ def test_h200_memory_bound_gemms_move_with_the_bandwidth():
 def test_every_gpu_preset_names_its_sources():
     for name in ("h100-sxm", "h200", "a100-80gb-sxm", "a100-80gb-pcie"):
         hw = load_hardware_preset(name)
-        assert hw.gemm_table and hw.attention_kernel and f"vidur@{_vidur_commit()}" in hw.provenance
+        assert hw.gemm_table and hw.attention_kernel and "vidur@7d47513" in hw.provenance
         assert hw.token_budget_default == 2048 and hw.kv_blocks_default == 0
 
 
-def test_no_preset_or_table_reads_shared():
-    for p in list((REPO / "conf" / "hardware").glob("*.yaml")) + list(TABLES_DIR.rglob("*.csv")):
+def test_no_preset_reads_shared():
+    for p in (REPO / "conf" / "hardware").glob("*.yaml"):
         assert "../shared" not in p.read_text()

@@ -105,3 +105,28 @@ def test_ray_actor_killed_mid_transfer(tmp_path):
     assert records[res["long"]]["transfer_start_s"] is not None and records[res["long"]]["transfer_end_s"] is None
     assert set(res["worker_stats"]) == {"prefill0", *({"decode0", "decode1"} - {dead})}
     assert all(s["all_free"] for s in res["worker_stats"].values())
+
+
+def test_a_joined_cluster_passes_the_address_check_and_its_actors_read_data_dir(tmp_path, data_dir, monkeypatch):
+    """A real Ray head at ray.address answers the address check; the cluster's
+    processes know no data directory but an empty one ($TESTBED_DATA), so the
+    worker actors, which rebuild the h100-sxm preset and check its operator
+    tables, find them only through data.dir, which the launcher hands them."""
+    from ray_cluster import RayCluster
+    monkeypatch.setenv("TESTBED_DATA", str(tmp_path / "empty"))      # the cluster's and the driver's
+    cluster = RayCluster(num_cpus=2)
+    try:
+        cluster.wait_nodes(1)
+        proc = subprocess.run([TESTBED, "run", "mode=disagg", "launcher=ray", f"ray.address={cluster.address}",
+                               "hardware=h100-sxm", "num_kv_blocks=64", "workload.num_requests=2",
+                               "workload.prompt_dist=fixed", "workload.prompt_len=8", "workload.output_dist=fixed",
+                               "workload.output_len=2", "progress=false", "wandb.mode=disabled", "timeout_s=90",
+                               "runtime.curve=true",     # Ray names the node by an address not loopback
+                               f"data.dir={data_dir}", f"hydra.run.dir={tmp_path / 'run'}"],
+                              env=dict(cluster.env, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    finally:
+        cluster.stop()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "requests.jsonl").read_text().splitlines()]
+    assert [(r["status"], len(r["output_token_ids"])) for r in records] == [("finished", 2)] * 2
+    assert not (tmp_path / "empty").exists()

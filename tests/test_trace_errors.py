@@ -22,7 +22,7 @@ from testbed.workloads.readers import MAX_TOKENS, READERS, AzureReader, JsonlRea
 
 VOCAB = 4096
 AZURE_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
-ROW1 = "2023-11-16 18:17:03.9799600,4808,10\n"
+ROW1 = "2024-03-01 09:00:00.1000000,4000,12\n"
 
 
 def azure_cfg(path: Path) -> WorkloadConfig:
@@ -43,20 +43,20 @@ def refused(path: Path, fmt: str = "azure") -> str:
 @pytest.mark.parametrize("text, line, message", [
     ("", 1, "the file is empty; expected a header line TIMESTAMP,ContextTokens,GeneratedTokens"),
     ("TIMESTAMP,Context,GeneratedTokens\n" + ROW1, 1, r"lacks column\(s\) \['ContextTokens'\]"),
-    (AZURE_HEADER + ROW1 + "2023-11-16 18:17:04.03,-5,8\n", 3, "ContextTokens='-5' must be >= 1"),
-    (AZURE_HEADER + ROW1 + "2023-11-16 18:17:04.03,3180,-1\n", 3, "GeneratedTokens='-1' must be >= 1"),
-    (AZURE_HEADER + ROW1 + f"2023-11-16 18:17:04.03,{10**30},8\n", 3,
+    (AZURE_HEADER + ROW1 + "2024-03-01 09:00:00.2,-5,8\n", 3, "ContextTokens='-5' must be >= 1"),
+    (AZURE_HEADER + ROW1 + "2024-03-01 09:00:00.2,3000,-1\n", 3, "GeneratedTokens='-1' must be >= 1"),
+    (AZURE_HEADER + ROW1 + f"2024-03-01 09:00:00.2,{10**30},8\n", 3,
      f"ContextTokens='{10**30}' is above {MAX_TOKENS:,} tokens"),
-    (AZURE_HEADER + ROW1 + f"2023-11-16 18:17:04.03,3180,{MAX_TOKENS + 1}\n", 3, "GeneratedTokens=.* is above"),
-    (AZURE_HEADER + ROW1 + "2023-11-16 18:17:04.03,1e400,8\n", 3, "ContextTokens='1e400' is not an integer"),
-    (AZURE_HEADER + ROW1 + "2023-11-16 18:17:02.5,3180,8\n", 3,
+    (AZURE_HEADER + ROW1 + f"2024-03-01 09:00:00.2,3000,{MAX_TOKENS + 1}\n", 3, "GeneratedTokens=.* is above"),
+    (AZURE_HEADER + ROW1 + "2024-03-01 09:00:00.2,1e400,8\n", 3, "ContextTokens='1e400' is not an integer"),
+    (AZURE_HEADER + ROW1 + "2024-03-01 08:59:58.62004,3000,8\n", 3,
      r"TIMESTAMP is 1.47996 s before line 2's; the trace must be in time order \(sort it by TIMESTAMP\)"),
     (AZURE_HEADER + ROW1 + ROW1, 3, "TIMESTAMP repeats line 2's: a duplicated row; remove it"),
-    (AZURE_HEADER + ROW1 + '2023-11-16 18:17:04,"3180,8\n2023-11-16 18:17:05,1,1\n', 3,
+    (AZURE_HEADER + ROW1 + '2024-03-01 09:00:04,"3000,8\n2024-03-01 09:00:05,1,1\n', 3,
      "a quoted field runs on past the end of its line; close its quote"),
-    (AZURE_HEADER + ROW1 + '2023-11-16 18:17:04,"3180,8\n', 3, "a quoted field runs on past the end of its line"),
-    (AZURE_HEADER + ROW1 + '2023-11-16 18:17:04,"31"80,8\n', 3, "not a CSV line"),
-    (AZURE_HEADER + ROW1 + "2023-11-16 18:17:04.03,3180\n", 3, "expected 3 fields"),
+    (AZURE_HEADER + ROW1 + '2024-03-01 09:00:04,"3000,8\n', 3, "a quoted field runs on past the end of its line"),
+    (AZURE_HEADER + ROW1 + '2024-03-01 09:00:04,"30"00,8\n', 3, "not a CSV line"),
+    (AZURE_HEADER + ROW1 + "2024-03-01 09:00:00.2,3000\n", 3, "expected 3 fields"),
 ])
 def test_azure_trace_errors_name_file_and_line(tmp_path, text, line, message):
     path = tmp_path / "trace.csv"
@@ -73,7 +73,7 @@ def test_header_only_holds_no_requests(tmp_path):
 
 @pytest.mark.parametrize("garbage, message", [
     (b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR", ":1: .*a binary or mis-encoded file|:1: holds a NUL byte"),
-    (AZURE_HEADER.encode() + b"2023-11-16 18:17:04,12\0\0,3\n", ":2: holds a NUL byte at column 23"),
+    (AZURE_HEADER.encode() + b"2024-03-01 09:00:04,12\0\0,3\n", ":2: holds a NUL byte at column 23"),
     (AZURE_HEADER.encode() + b"\xff\xfe2023,3\n", r":2: byte 0xff at column 1 is not UTF-8 text"),
 ])
 def test_binary_garbage_is_named_not_parsed(tmp_path, garbage, message):

@@ -11,12 +11,12 @@ import pytest
 from testbed.request import Request
 from testbed.workloads import SyntheticTokens, WorkloadConfig, build_workload, load_workload_preset
 from testbed.workloads.arrivals import BurstArrivals, ConstantArrivals, GammaArrivals
+from testbed.data import dataset_dir
 from testbed.workloads.config import REPO_ROOT, make_workload_config, workload_preset_names
 from testbed.workloads.lengths import LognormalLengths, UniformLengths, ZipfLengths
 from testbed.workloads.readers import AzureReader
 
 VOCAB = 4096
-AZURE_TRACE = REPO_ROOT / "conf" / "workload" / "traces" / "AzureLLMInferenceTrace_code.csv"
 
 
 def write(path: Path, text: str) -> Path:
@@ -35,25 +35,26 @@ def trace_cfg(path: Path, fmt: str, **kw) -> WorkloadConfig:
 def test_azure_reader_lengths_and_relative_timestamps(tmp_path):
     path = write(tmp_path / "az.csv",
                  "TIMESTAMP,ContextTokens,GeneratedTokens\r\n"
-                 "2023-11-16 18:17:03.9799600,4808,10\r\n"
-                 "2023-11-16 18:17:04.0319600,3180,8\r\n"
-                 "2023-11-16 18:17:05,100,1\r\n")
+                 "2024-03-01 09:00:00.1000000,4000,12\r\n"
+                 "2024-03-01 09:00:00.1520000,3000,9\r\n"
+                 "2024-03-01 09:00:01.12004,100,1\r\n")
     reqs = build_workload(trace_cfg(path, "azure"), VOCAB, seed=0)
     assert [r.request_id for r in reqs] == ["r0", "r1", "r2"]
-    assert [r.prompt_len for r in reqs] == [4808, 3180, 100]
-    assert [r.max_tokens for r in reqs] == [10, 8, 1]
+    assert [r.prompt_len for r in reqs] == [4000, 3000, 100]
+    assert [r.max_tokens for r in reqs] == [12, 9, 1]
     assert [r.arrival_s for r in reqs] == pytest.approx([0.0, 0.052, 1.02004], abs=1e-6)
 
 
 def test_azure_public_trace_has_8819_rows():
-    rows = AzureReader().read(AZURE_TRACE)
+    rows = AzureReader().read(dataset_dir("azure-code-2023", "test_workloads") / "AzureLLMInferenceTrace_code.csv")
     assert len(rows) == 8819
     assert (rows[0].prompt_len, rows[0].output_len) == (4808, 10)
     assert (rows[-1].prompt_len, rows[-1].output_len) == (549, 173)
 
 
-def test_azure_code_preset_resolves_relative_path_and_clips():
+def test_azure_code_preset_reads_the_trace_from_the_data_directory_and_clips(data_dir):
     cfg = load_workload_preset("azure_code")
+    assert cfg.resolved_trace_path() == data_dir / "azure-code-2023" / "AzureLLMInferenceTrace_code.csv"
     reqs = build_workload(cfg, VOCAB, seed=0)
     assert len(reqs) == cfg.max_requests
     assert reqs[0].prompt_len == min(4808, cfg.max_prompt_len) and reqs[0].max_tokens == 10
@@ -125,20 +126,20 @@ def test_jsonl_malformed_line_names_file_and_line(tmp_path, line, message):
 
 
 @pytest.mark.parametrize("row, message", [
-    ("2023-11-16 18:17:04.03,abc,8", "ContextTokens='abc' is not an integer"),
-    ("2023-11-16 18:17:04.03,3180", "expected 3 fields"),
-    ("2023-11-16 18:17:04.03,3180,8,9", "expected 3 fields"),
-    ("yesterday,3180,8", "TIMESTAMP='yesterday' is not"),
-    ("2023-11-16 18:17:04.03,3180,0", "GeneratedTokens='0' must be >= 1"),
+    ("2024-03-01 09:00:00.2,abc,8", "ContextTokens='abc' is not an integer"),
+    ("2024-03-01 09:00:00.2,3000", "expected 3 fields"),
+    ("2024-03-01 09:00:00.2,3000,8,9", "expected 3 fields"),
+    ("yesterday,3000,8", "TIMESTAMP='yesterday' is not"),
+    ("2024-03-01 09:00:00.2,3000,0", "GeneratedTokens='0' must be >= 1"),
 ])
 def test_azure_malformed_line_names_file_and_line(tmp_path, row, message):
-    path = write(tmp_path / "bad.csv", f"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.97,4808,10\n{row}\n")
+    path = write(tmp_path / "bad.csv", f"TIMESTAMP,ContextTokens,GeneratedTokens\n2024-03-01 09:00:00.1,4000,12\n{row}\n")
     with pytest.raises(ValueError, match=rf"{path}:3: {message}"):
         build_workload(trace_cfg(path, "azure"), VOCAB, 0)
 
 
 def test_csv_header_missing_column(tmp_path):
-    path = write(tmp_path / "bad.csv", "TIMESTAMP,Context,GeneratedTokens\n2023-11-16 18:17:03,1,1\n")
+    path = write(tmp_path / "bad.csv", "TIMESTAMP,Context,GeneratedTokens\n2024-03-01 09:00:00,1,1\n")
     with pytest.raises(ValueError, match=rf"{path}:1: header .* lacks column\(s\) \['ContextTokens'\]"):
         build_workload(trace_cfg(path, "azure"), VOCAB, 0)
 

@@ -26,8 +26,8 @@ import argparse
 
 import numpy as np
 
-from bench_gpu_presets import leave_one_out_errors, summarize
-from testbed.sim.operator_table import GEMM_OPS, gemm_samples, load_compute_table
+from bench_gpu_presets import leave_one_out_errors, load_compute_table, summarize
+from testbed.sim.operator_table import GEMM_OPS, gemm_samples
 from testbed.sim.table_pricing import TableGemms, _interp, local_loglinear
 
 SMS = {"h100": 132, "a100": 108}       # H100 SXM, A100: streaming multiprocessors

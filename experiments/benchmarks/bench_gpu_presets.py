@@ -29,10 +29,16 @@ from testbed.model.config import load_model_preset
 from testbed.sim.attention_kernels import KERNELS
 from testbed.sim.config import ParallelConfig, load_hardware_preset
 from testbed.sim.cost_model import CostModel
-from testbed.sim.operator_table import GEMM_OPS, elementwise_samples, gemm_samples, load_compute_table
+from testbed.sim.operator_table import GEMM_OPS, elementwise_samples, gemm_samples, tables_dir
+from testbed.sim.operator_table import load_compute_table as load_table
 from testbed.sim.table_pricing import BANDWIDTH, TableElementwise, TableGemms
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
+
+
+def load_compute_table(gpu: str):
+    """A GPU table of the vidur-profiles dataset (`testbed data fetch vidur-profiles`)."""
+    return load_table(tables_dir("vidur-profiles", needed_by="bench_gpu_presets"), gpu)
 
 
 def leave_one_out_errors(gpu: str, held_name: str, bandwidth: float = BANDWIDTH,

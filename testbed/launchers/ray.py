@@ -25,10 +25,12 @@ t0 is shifted by the offset of a round trip at start-up (the midpoint
 estimate, off by at most half the round trip)."""
 from __future__ import annotations
 
+import os
 import socket
 import time
 from dataclasses import replace
 
+from testbed.data.store import ENV as DATA_ENV
 from testbed.launchers.base import Launcher, WorkerSpec
 from testbed.launchers.config import RayConfig
 
@@ -69,21 +71,44 @@ class _WorkerActor:
         return 0
 
 
+# an HTTP/2 client's connection preface and an empty SETTINGS frame: a gRPC server (Ray's GCS)
+# answers with a SETTINGS frame of its own (RFC 9113, 3.4)
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+_H2_SETTINGS = 4
+
+
 def _check_reachable(address: str, timeout_s: float) -> None:
-    """ray.address=HOST:PORT must answer: Ray itself retries an address where
-    nothing listens for minutes, printing GCS time-outs. `auto` and ray://
-    addresses are Ray's to resolve (it says at once when there is none)."""
+    """ray.address=HOST:PORT must be a Ray head's GCS: Ray itself retries an
+    address where nothing listens, or where another server holds the port,
+    for minutes, printing GCS time-outs. `auto` and ray:// addresses are
+    Ray's to resolve (it says at once when there is none); a TLS cluster
+    (RAY_USE_TLS) is not probed in the clear."""
     if address == "auto" or "://" in address:
         return
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ValueError(f"ray.address: '{address}' is not HOST:PORT, 'auto' or ray://HOST:PORT; "
                          "leave it unset to start a local cluster")
+    wait_s = min(timeout_s, 10.0)
     try:
-        socket.create_connection((host, int(port)), timeout=min(timeout_s, 10.0)).close()
+        conn = socket.create_connection((host, int(port)), timeout=wait_s)
     except OSError as e:
         raise ValueError(f"ray.address: nothing answers at {address} ({e.strerror or e}); start a cluster there "
                          f"(`ray start --head --port={port}`) or leave ray.address unset for a local one") from None
+    if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        conn.close()
+        return
+    with conn:
+        try:
+            conn.settimeout(min(wait_s, 5.0))
+            conn.sendall(_H2_PREFACE)
+            head = conn.recv(9)
+        except OSError:
+            head = b""
+    if len(head) < 4 or head[3] != _H2_SETTINGS:
+        raise ValueError(f"ray.address: port {port} on {host} is taken by a process that is not a Ray head (it does "
+                         "not answer as Ray's GCS); give the port `ray start --head` printed (6379 by default; not the "
+                         f"dashboard's 8265), or free port {port}, or leave ray.address unset for a local cluster")
 
 
 class RayLauncher(Launcher):
@@ -94,6 +119,8 @@ class RayLauncher(Launcher):
         self.local_ip = cfg.runtime.host       # the local cluster's node address (loopback by default)
         self.gpus_per_worker = cfg.parallel.tp * cfg.parallel.pp if cfg.device.startswith("cuda") else 0
         self._started_cluster = False
+        # actors on a cluster this run joins do not inherit its environment: data.dir goes with them
+        self._runtime_env = {"env_vars": {DATA_ENV: cfg.data.dir}} if cfg.data.dir else None
         self._actors: dict = {}
         self._info: dict[str, dict] = {}
         self._setup: dict = {}
@@ -153,6 +180,7 @@ class RayLauncher(Launcher):
             for i, s in enumerate(members):
                 self._actors[s.worker_id] = remote_cls.options(
                     num_cpus=self.cfg.actor_cpus, num_gpus=self.gpus_per_worker, max_restarts=0,
+                    runtime_env=self._runtime_env,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
                 ).remote()
         infos = ray.get([a.info.remote() for a in self._actors.values()], timeout=self.cfg.start_timeout_s)

@@ -6,6 +6,7 @@ largest it grows in proportion to the size (bandwidth-bound)."""
 from __future__ import annotations
 
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 
@@ -16,11 +17,11 @@ _WINDOW = 9
 
 
 class AllReduceTable:
-    def __init__(self, topology: str, world_size: int):
-        rows = [(size, s) for n, per_node, size, s in load_allreduce_table(topology)
+    def __init__(self, tables: Path, topology: str, world_size: int):
+        rows = [(size, s) for n, per_node, size, s in load_allreduce_table(tables, topology)
                 if n == world_size and per_node == world_size]
         if not rows:
-            sizes = sorted({n for n, per_node, _, _ in load_allreduce_table(topology) if n == per_node})
+            sizes = sorted({n for n, per_node, _, _ in load_allreduce_table(tables, topology) if n == per_node})
             raise ValueError(f"hardware.allreduce_table: '{topology}' has no all-reduce over {world_size} GPUs "
                              f"of one node (it has {sizes}); pick another parallel.tp, another table, "
                              "or allreduce_table='' for the ring on parallel.intra_node")

@@ -64,12 +64,15 @@ class HardwareConfig:
     # minus the median time of the same batch, in ms: the machine's noise,
     # which sets p99 token gaps (testbed.sim.jitter); [] = none (GPU presets)
     step_jitter_ms: list[float] = field(default_factory=list)
-    # Measured operator tables (testbed/sim/vidur_tables/; "" = the roofline above):
+    # Measured operator tables, from the profile dataset `operator_tables` names
+    # (`testbed data list`; Vidur's layout, condensed on first use by
+    # operator_table.tables_dir; "" = none, the roofline above):
     # gemm_table prices GEMMs and elementwise ops by shape from a GPU's table
     # ("h100", "a100"; transferred to this chip by the roofline ratio), and
     # allreduce_table prices TP all-reduces from a topology's ("h100_dgx", ...;
     # "" = the ring on parallel.intra_node). attention_kernel picks the attention
     # efficiency model ("triton", "flash_attn"; "" = the roofline), attention_kernels.py.
+    operator_tables: str = ""
     gemm_table: str = ""
     allreduce_table: str = ""
     attention_kernel: str = ""
@@ -124,6 +127,14 @@ class HardwareConfig:
             return self.peak_tflops_fp8 * 1e12
         raise ValueError(f"model.dtype: '{dtype}' has no peak on hardware '{self.name}'")
 
+    def operator_tables_dir(self) -> Path:
+        """The condensed tables gemm_table and allreduce_table are read from."""
+        if not self.operator_tables:
+            raise ValueError("hardware.operator_tables: not set, but gemm_table or allreduce_table is; name the "
+                             "profile dataset they come from, e.g. hardware.operator_tables=vidur-profiles")
+        from testbed.sim.operator_table import tables_dir
+        return tables_dir(self.operator_tables, needed_by=f"hardware={self.name}")
+
     def validate(self) -> None:
         for f in ("peak_tflops", "peak_tflops_fp32", "hbm_bw_gbps", "memory_gib"):
             if not getattr(self, f) > 0:
@@ -139,11 +150,17 @@ class HardwareConfig:
         if self.attention_kernel:
             from testbed.sim.attention_kernels import attention_kernel
             attention_kernel(self.attention_kernel)     # names the field and the known kernels
-        if self.allreduce_table:
-            from testbed.sim.operator_table import network_table_names
-            if self.allreduce_table not in network_table_names():
+        if self.gemm_table or self.allreduce_table:
+            # the dataset is checked here, so that a missing one stops the run at start-up
+            from testbed.sim.operator_table import gpu_table_names, network_table_names
+            tables = self.operator_tables_dir()
+            if self.gemm_table and self.gemm_table not in gpu_table_names(tables):
+                raise ValueError(f"hardware.gemm_table: '{self.gemm_table}' is not a GPU table of "
+                                 f"{self.operator_tables}; choose one of: {', '.join(gpu_table_names(tables))} "
+                                 "(or '' for the roofline)")
+            if self.allreduce_table and self.allreduce_table not in network_table_names(tables):
                 raise ValueError(f"hardware.allreduce_table: '{self.allreduce_table}' is not a known topology; "
-                                 f"choose one of: {', '.join(network_table_names())} (or '' for the ring on "
+                                 f"choose one of: {', '.join(network_table_names(tables))} (or '' for the ring on "
                                  "parallel.intra_node)")
         for f in ("profiled_threads", "profiled_workers"):
             if getattr(self, f) < 0:

@@ -99,7 +99,7 @@ class CostModel:
         self._overhead_per_token_s = hardware.overhead_per_token_ms * 1e-3
         self._scale = hardware.calibration_scale
         self._tp_link = LinkModel(load_link_preset(parallel.intra_node)) if parallel.tp > 1 else None
-        self._allreduce_table = (AllReduceTable(hardware.allreduce_table, parallel.tp)
+        self._allreduce_table = (AllReduceTable(hardware.operator_tables_dir(), hardware.allreduce_table, parallel.tp)
                                  if parallel.tp > 1 and hardware.allreduce_table else None)
         self._pp_link = (LinkModel(load_link_preset(parallel.pp_link or parallel.intra_node))
                          if parallel.pp > 1 else None)

@@ -7,7 +7,7 @@ The norms are RMSNorm or LayerNorm (phi-2, Falcon); the MLP activation is
 SiLU-and-mul for a gated MLP, GELU otherwise; the residual add sums two rows,
 or three in a parallel attention/MLP block (phi-2, Falcon: two adds). The
 counts follow the ops as Vidur's profiler runs them (vidur/profiling/mlp/
-mlp_impl.py at the commit vidur_tables/SOURCE names: an unfused RMSNorm(x), torch.nn.LayerNorm, SiLU-and-mul,
+mlp_impl.py at the commit the vidur-profiles manifest names: an unfused RMSNorm(x), torch.nn.LayerNorm, SiLU-and-mul,
 torch.nn.GELU, `residual + x` or `attn + mlp + residual`). Elements moved are
 reads plus writes per token, in units of the op's width (the elements of one
 token's row, operator_table.ProfiledModel.elementwise_width); they carry a

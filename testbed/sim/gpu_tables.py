@@ -6,6 +6,7 @@ The cost model (cost_model.py) asks for a few curves of seconds over m."""
 from __future__ import annotations
 
 from functools import lru_cache
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -26,10 +27,10 @@ MATMUL_SIDE = 8192             # the square matmul HardwareConfig.matmul_tflops_
 
 
 @lru_cache(maxsize=None)
-def table_models(table: str) -> tuple[TableGemms, TableElementwise]:
+def table_models(tables: Path, table: str) -> tuple[TableGemms, TableElementwise]:
     """The pricing models of one GPU table, built once per process (pure: a
-    function of the shipped files)."""
-    models = load_compute_table(table)
+    function of the condensed files)."""
+    models = load_compute_table(tables, table)
     return TableGemms(gemm_samples(models)), TableElementwise(elementwise_samples(models))
 
 
@@ -66,7 +67,7 @@ class GpuTablePricing:
         if hardware.gemm_table not in TABLE_CHIPS:
             raise ValueError(f"hardware.gemm_table: '{hardware.gemm_table}' is not a known operator table; "
                              f"choose one of: {', '.join(sorted(TABLE_CHIPS))} (or '' for the roofline)")
-        self.gemms, self.elementwise = table_models(hardware.gemm_table)
+        self.gemms, self.elementwise = table_models(hardware.operator_tables_dir(), hardware.gemm_table)
         peak, bw = TABLE_CHIPS[hardware.gemm_table]
         source_flops, target_flops = peak * 1e12, hardware.peak_flops(model.dtype)
         if hardware.matmul_tflops_measured:

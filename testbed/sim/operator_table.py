@@ -1,6 +1,7 @@
-"""Reader of the measured operator tables the GPU presets are priced from
-(testbed/sim/vidur_tables/: Vidur's public A100/H100 profiles, condensed by
-testbed/analysis/condense_vidur_tables.py; see the README there).
+"""Reader of the measured operator tables the GPU presets are priced from:
+a profile dataset in Vidur's layout (the preset's `operator_tables`, e.g.
+vidur-profiles: Vidur's public A100/H100 profiles), condensed on first use by
+vidur_condense.py into the data directory (`tables_dir`).
 
 A compute table holds, per profiled model, the median time of every op of one
 transformer layer by num_tokens and TP degree. This module turns those rows
@@ -18,9 +19,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from testbed.data.derived import code_version, derived_dir
+from testbed.sim import vidur_condense
 from testbed.sim.elementwise_kernels import elementwise_kernel
 
-TABLES_DIR = Path(__file__).resolve().parent / "vidur_tables"
+CONDENSED = "condensed-tables"
 
 GEMM_OPS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
 # per layer, except emb (once per iteration)
@@ -93,17 +96,24 @@ class ElementwiseSample:
     seconds: float
 
 
-def gpu_table_names() -> list[str]:
-    return sorted(p.name for p in (TABLES_DIR / "compute").iterdir() if p.is_dir())
+def tables_dir(dataset: str, needed_by: str) -> Path:
+    """The condensed tables of a profile dataset in Vidur's layout, made the
+    first time they are asked for and cached in the data directory."""
+    version = code_version(Path(vidur_condense.__file__))
+    return derived_dir(dataset, CONDENSED, version, vidur_condense.condense, needed_by)
+
+
+def gpu_table_names(tables: Path) -> list[str]:
+    return sorted(p.name for p in (tables / "compute").iterdir() if p.is_dir())
 
 
 @lru_cache(maxsize=None)
-def load_compute_table(gpu: str) -> tuple[ProfiledModel, ...]:
-    """Every profiled model of one GPU table ('h100', 'a100')."""
-    root = TABLES_DIR / "compute" / gpu
+def load_compute_table(tables: Path, gpu: str) -> tuple[ProfiledModel, ...]:
+    """Every profiled model of one GPU table ('h100', 'a100') of the condensed `tables`."""
+    root = tables / "compute" / gpu
     if not (root / "models.csv").exists():
         raise ValueError(f"hardware.gemm_table: '{gpu}' is not a known operator table; "
-                         f"choose one of: {', '.join(gpu_table_names())}")
+                         f"choose one of: {', '.join(gpu_table_names(tables))}")
     models = []
     with (root / "models.csv").open() as f:
         for entry in csv.DictReader(f):
@@ -129,17 +139,17 @@ def elementwise_samples(models: tuple[ProfiledModel, ...] | list[ProfiledModel])
             for pm in models for m, tp, ops in pm.rows for op in ELEMENTWISE_OPS if op in ops]
 
 
-def network_table_names() -> list[str]:
-    return sorted(p.stem for p in (TABLES_DIR / "network").glob("*.csv"))
+def network_table_names(tables: Path) -> list[str]:
+    return sorted(p.stem for p in (tables / "network").glob("*.csv"))
 
 
 @lru_cache(maxsize=None)
-def load_allreduce_table(topology: str) -> tuple[tuple[int, int, int, float], ...]:
+def load_allreduce_table(tables: Path, topology: str) -> tuple[tuple[int, int, int, float], ...]:
     """Rows (num_workers, devices_per_node, size_bytes, seconds) of one topology."""
-    path = TABLES_DIR / "network" / f"{topology}.csv"
+    path = tables / "network" / f"{topology}.csv"
     if not path.exists():
         raise ValueError(f"hardware.allreduce_table: '{topology}' is not a known topology; "
-                         f"choose one of: {', '.join(network_table_names())}")
+                         f"choose one of: {', '.join(network_table_names(tables))}")
     with path.open() as f:
         return tuple((int(r["num_workers"]), int(r["devices_per_node"]), int(r["size"]),
                       float(r["median_ms"]) * 1e-3) for r in csv.DictReader(f))

@@ -63,7 +63,8 @@ class WorkloadConfig:
     output_zipf_a: float = 1.2
 
     # trace replay
-    trace_path: str | None = None          # absolute, or relative to the repository root
+    trace_path: str | None = None          # absolute, or relative to the repository root or trace_dataset
+    trace_dataset: str | None = None       # a dataset's name (`testbed data list`): trace_path is a file of it
     trace_format: str = "azure"            # azure | mooncake | sarathi_csv | jsonl
     hash_block_size: int = 512             # tokens per mooncake hash_ids block
 
@@ -94,6 +95,9 @@ class WorkloadConfig:
         if self.trace_path is None:
             raise ValueError("workload.trace_path: not set; give the trace file's path")
         path = Path(self.trace_path).expanduser()
+        if self.trace_dataset and not path.is_absolute():
+            from testbed.data import dataset_dir
+            return dataset_dir(self.trace_dataset, needed_by=f"workload={self.name}") / path
         return path if path.is_absolute() else (REPO_ROOT / path).resolve()
 
     def validate(self) -> None:
@@ -147,7 +151,8 @@ class WorkloadConfig:
         if self.uses_trace:
             path = self.resolved_trace_path()
             if not path.is_file():
-                raise bad("trace_path", f"{path} does not exist (relative paths start at {REPO_ROOT})")
+                where = f"dataset {self.trace_dataset}" if self.trace_dataset else REPO_ROOT
+                raise bad("trace_path", f"{path} does not exist (relative paths start at {where})")
             if self.arrival == "trace" and self.trace_format in TRACE_FORMATS_WITHOUT_TIMESTAMPS:
                 raise bad("arrival", f"trace_format={self.trace_format} has no timestamps; "
                           "choose poisson, gamma, constant or burst")

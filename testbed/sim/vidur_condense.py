@@ -1,17 +1,14 @@
-"""Condense Vidur's public operator profiles (microsoft/vidur,
-data/profiling/ at the commit testbed/sim/vidur_tables/SOURCE names, MIT licence) into the small tables the GPU presets read at
-run time (testbed/sim/vidur_tables/): per GPU, one CSV per model with the
-median time of every op by num_tokens and TP degree, an index of the models'
-geometry, and per topology the median all-reduce time by message size and
-world size. Only the median columns are kept; rows are otherwise unchanged.
-
-    python -m testbed.analysis.condense_vidur_tables [--src ../shared/data/vidur-profiles]
-"""
+"""The condensed operator tables the GPU presets are priced from, derived
+from the vidur-profiles dataset (Vidur's public profiles, microsoft/vidur,
+data/profiling/, MIT licence) on first use and cached in the data directory
+(testbed.data.derived, keyed by the dataset's checksum and this file's text).
+Per GPU, one CSV per model with the median time of every op by num_tokens
+and TP degree, an index of the models' geometry; per topology the median
+all-reduce time by message size and world size. Only the median columns are
+kept; rows are otherwise unchanged."""
 from __future__ import annotations
 
-import argparse
 import csv
-import shutil
 from pathlib import Path
 
 OPS = ("emb", "input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj", "post_attention_layernorm",
@@ -20,7 +17,6 @@ GEOMETRY = ("n_head", "n_kv_head", "n_embd", "n_expanded_embd", "vocab_size", "u
 # The norm kernel of each profiled model (its HF config; Vidur's geometry does not say):
 # RMSNorm unless listed. The elementwise pricing keys norms by kernel kind.
 NORMS = {"microsoft/phi-2": "layer_norm"}
-DEST = Path(__file__).resolve().parents[2] / "testbed" / "sim" / "vidur_tables"
 
 
 def _median(row: dict, op: str) -> str:
@@ -64,14 +60,7 @@ def condense_network(src: Path, dest: Path) -> None:
                             f"{float(r['time_stats.all_reduce.median']):.6g}"])
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--src", type=Path, default=Path(__file__).resolve().parents[3] / "shared/data/vidur-profiles")
-    args = p.parse_args()
-    condense_compute(args.src, DEST)
-    condense_network(args.src, DEST)
-    shutil.copy(args.src / "LICENSE", DEST / "LICENSE")
-
-
-if __name__ == "__main__":
-    main()
+def condense(src: Path, dest: Path) -> None:
+    """Write the condensed tables of the profiles in `src` into `dest`."""
+    condense_compute(src, dest)
+    condense_network(src, dest)
