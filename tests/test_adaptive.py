@@ -62,7 +62,7 @@ def engine(truth, predictor=None, tbt_ms=50.0, ttft_ms=2000.0, num_blocks=4096, 
            **adaptive) -> Engine:
     clock = VirtualClock()
     cfg = SchedulerConfig(token_budget=256, max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
-                          adaptive=AdaptiveConfig(**adaptive))
+                          settings=AdaptiveConfig(**adaptive))
     ctx = SchedulerContext(clock, ttft_ms, tbt_ms, predictor or truth)
     sched = make_scheduler("adaptive", cfg, BlockManager(num_blocks, BLOCK), ctx)
     return Engine(sched, PredictedExecutor(truth), clock)
