@@ -348,8 +348,9 @@ def test_sim_records_and_same_outputs_as_sarathi(tmp_path):
     from testbed.schedulers.budget import auto_token_budget
     from testbed.sim.cost_model import CostModel
     cfg = _sim_cfg(tmp_path, "sarathi", "auto")
+    assert cfg.adaptive is None         # sarathi's run has no adaptive section: auto takes its defaults
     want = auto_token_budget(CostModel(cfg.model, cfg.hardware, cfg.parallel), cfg.slo.tpot_ms, cfg.max_num_seqs,
-                             cfg.adaptive)
+                             AdaptiveConfig())
     assert auto == {want}
 
 

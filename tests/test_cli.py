@@ -65,12 +65,12 @@ def test_a_path_in_a_sweeps_overrides_names_one_directory_per_point(tmp_path):
     chain of directories named by the path's parts, which `testbed report
     SWEEP_DIR` (one level down) never found: conf/config.yaml's dir_safe."""
     out = tmp_path / "sweep"
-    proc = run_cli("run", "-m", "runtime=sim", f"experiment.probe_cache={tmp_path}/cache", *SMALL,
+    proc = run_cli("run", "-m", "runtime=sim", f"kvstore.disk_path={tmp_path}/cache", *SMALL,
                    "workload.rate=20,40", f"hydra.sweep.dir={out}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     points = sorted(p for p in out.iterdir() if p.is_dir())
     assert len(points) == 2 and all((p / "summary.json").is_file() for p in points)
-    assert f"experiment.probe_cache={str(tmp_path).replace('/', '_')}_cache" in points[0].name
+    assert f"kvstore.disk_path={str(tmp_path).replace('/', '_')}_cache" in points[0].name
     report = run_cli("report", str(out), cwd=tmp_path)
     assert report.returncode == 0, report.stderr
     header = next(line for line in report.stdout.splitlines() if line.startswith("metric"))

@@ -7,7 +7,7 @@ long sweep)."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import ClassVar
 
 
@@ -18,11 +18,10 @@ class StudyConfig:
     run: ClassVar[str]                       # "module:function(cfg, out_dir, log) -> dict"
 
     def validate(self) -> None:
-        from testbed.experiments.studies import STUDIES
-        if STUDIES.get(self.name) is not type(self):
-            raise ValueError(f"experiment.name='{self.name}': these are the settings of "
-                             f"{type(self).__name__}; choose a study with experiment=NAME "
-                             f"({', '.join(STUDIES)})")
+        study = next(f.default for f in fields(self) if f.name == "name")
+        if self.name != study:
+            raise ValueError(f"experiment.name='{self.name}': these are the settings of {type(self).__name__} "
+                             f"(the {study} study); choose a study with experiment=NAME")
 
 
 def at_least(cfg: StudyConfig, least: int, *names: str) -> None:
