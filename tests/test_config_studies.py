@@ -115,7 +115,8 @@ def test_a_field_of_an_unchosen_section_is_one_line_naming_the_choice():
 
 
 def test_a_study_config_of_another_name_is_refused():
-    with pytest.raises(ValueError, match=r"experiment.name=.stall.: these are the settings of DecisionConfig \(the decision study\)"):
+    with pytest.raises(ValueError, match=r"experiment.name='stall': these are the settings of DecisionConfig "
+                                         r"\(the decision study\)"):
         DecisionConfig(name="stall").validate()
     with pytest.raises(ValueError, match=r"experiment.name='nope' is not known; choose one of: crossover, "):
         from_dict({"experiment": {"name": "nope"}})
