@@ -29,7 +29,8 @@ def at_least(cfg: StudyConfig, least: int, *names: str) -> None:
     for f in names:
         v = getattr(cfg, f)
         if any(x < least for x in (v if isinstance(v, list) else [v])):
-            raise ValueError(f"experiment.{f}: every value must be >= {least}, got {v}")
+            what = "every value must be" if isinstance(v, list) else "must be"
+            raise ValueError(f"experiment.{f}: {what} >= {least}, got {v}")
 
 
 def positive(cfg: StudyConfig, *names: str) -> None:
