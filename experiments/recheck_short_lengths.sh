@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The full grid's cells whose winner rested on probes too short to be steady
 # (`grid_table.py`'s last column; the grid ran with a flat 4,000-request probe cap),
-# re-run with the per-GPU cap (`experiment.decision_max_requests_per_gpu`, 2,000 x N).
+# re-run with the per-GPU cap (`experiment.max_requests_per_gpu`, 2,000 x N).
 # Each cell: one link (rdma-400, or the flagged one), p99 TBT (fluidity where only that was
 # flagged) at the phase diagram's 100 ms or at 50 ms, the three colocated
 # deployments and the grid's best disaggregated ones there (the three best at each
@@ -47,9 +47,9 @@ done
 one() {
   local name=$1 model=$2 hw=$3 n=$4 link=$5 lens=$6 sm=$7 tbt=$8 deps=$9
   "$testbed" run experiment=decision-full "experiment.models=[$model]" "experiment.hardware=[$hw]" \
-    "experiment.links=[$link]" "experiment.decision_num_gpus=[$n]" "experiment.decision_tbt_slos_ms=[$tbt]" \
-    "experiment.context_lens=[$lens]" "experiment.decision_smoothness=[$sm]" \
-    "experiment.decision_deployments=[sarathi-512,sarathi-2048,adaptive,$deps]" wandb.mode=disabled \
+    "experiment.links=[$link]" "experiment.num_gpus=[$n]" "experiment.tbt_slos_ms=[$tbt]" \
+    "experiment.context_lens=[$lens]" "experiment.smoothness=[$sm]" \
+    "experiment.deployments=[sarathi-512,sarathi-2048,adaptive,$deps]" wandb.mode=disabled \
     "hydra.run.dir=$out/$name" > "$out/$name.log" 2>&1 && echo "done $name" || echo "FAILED $name (see $out/$name.log)"
 }
 export -f one

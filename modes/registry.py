@@ -32,7 +32,9 @@ from testbed.worker import WorkerService
 
 @dataclass(frozen=True)
 class ModeSettings:
-    """The part of the run config a mode reads."""
+    """The part of the run config a mode reads. A field named as a RunConfig
+    field holds the run's value (runtime/deployment.py copies those by name);
+    the others are derived from the run config there."""
     replicas: int
     prefill_workers: int
     decode_workers: int

@@ -80,7 +80,7 @@ def _hydra_run(argv: list[str]) -> int:
         try:
             task()
         except Exception as e:       # a bad override, in one line; anything else keeps its traceback
-            message = override_error(e, task_started=bool(started))
+            message = override_error(e, task_started=bool(started), argv=argv)
             if message is None:
                 raise
             print(f"error: {message}", file=sys.stderr)

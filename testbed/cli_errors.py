@@ -90,22 +90,60 @@ def _example(cls, name: str, hint) -> str | None:
     return "=" + _TYPICAL[base] if base in _TYPICAL else None
 
 
-def _section(path: list[str]):
+def _section(path: list[str], study=None):
     """The dataclass at `path` below RunConfig, or None where the path leaves
-    the dataclasses (a dict or list field holds anything)."""
+    the dataclasses (a dict or list field holds anything). `experiment` is the
+    chosen study's config class (`study`; None: unknown)."""
     cls = _root()
-    for part in path:
+    for i, part in enumerate(path):
         hints = _hints(cls)
         if part not in hints:
             return None
         cls, _ = _non_null(hints[part])
+        if i == 0 and part == "experiment":
+            cls = study
         if not dataclasses.is_dataclass(cls):
             return None
     return cls
 
 
+def _study(argv: list[str]):
+    """The config class of the study `experiment=PRESET` chooses (PRESET is NAME
+    or NAME-VARIANT); None for none or a preset of another name."""
+    from testbed.experiments.studies import STUDIES
+    presets = [a.partition("=")[2] for a in argv if a.lstrip("+").partition("=")[0] == "experiment"]
+    return STUDIES.get(presets[-1].split("-")[0]) if presets else None
+
+
+# the sections that exist only once chosen (OmegaConf sets no field inside a null), and the choice
+_CHOSEN_SECTIONS = {"experiment": "experiment=decision", "adaptive": "scheduler=adaptive"}
+
+
+def _unchosen(arg: str, argv: list[str]) -> str | None:
+    """The one line for `arg` setting a field of a section nothing in argv
+    chose; None where its section was chosen (or may be, by a preset)."""
+    key = arg.lstrip("+").partition("=")[0]
+    section = key.split(".")[0]
+    if "." not in key or section not in _CHOSEN_SECTIONS:
+        return None
+    if section == "experiment" and _study(argv) is None and \
+            not any(a.lstrip("+").partition("=")[0] == "experiment" for a in argv):
+        from testbed.experiments.studies import STUDIES
+        return (f"{key}: a plain run has no experiment section; choose a study with experiment=NAME "
+                f"({', '.join(STUDIES)}), e.g. {_CHOSEN_SECTIONS[section]} {arg}")
+    if section == "adaptive" and "scheduler=adaptive" not in argv:
+        return (f"{key}: the adaptive section comes with the adaptive scheduler; choose it, "
+                f"e.g. {_CHOSEN_SECTIONS[section]} {arg}")
+    return None
+
+
 def _no_such_field(full_key: str, cls) -> str:
     parent, _, key = full_key.rpartition(".")
+    from testbed.experiments.config import StudyConfig
+    if parent == "experiment" and isinstance(cls, type) and issubclass(cls, StudyConfig):
+        from testbed.experiments.studies import renamed
+        if message := renamed(cls, key):
+            return message
     names = [f.name for f in dataclasses.fields(cls)]
     where = f"{parent} ({cls.__name__})" if parent else "the run config"
     candidates = names + (_groups() if not parent else [])
@@ -159,8 +197,10 @@ def unknown_appended_key(argv: list[str]) -> str | None:
         path = key.split(".")
         if path[0] == "hydra" or "/" in key or (not path[1:] and path[0] in _groups()):
             continue                    # Hydra's own settings; a group added to the defaults list
+        if path[0] == "experiment" and (unchosen := _unchosen(arg, argv)):
+            return unchosen
         for depth in range(len(path)):
-            cls = _section(path[:depth])
+            cls = _section(path[:depth], _study(argv))
             if cls is None:
                 break                   # inside a dict or list field: any key is the user's
             if path[depth] not in _hints(cls):
@@ -202,7 +242,7 @@ def _os_error(exc: BaseException) -> OSError | None:
     return exc
 
 
-def override_error(exc: BaseException, task_started: bool) -> str | None:
+def override_error(exc: BaseException, task_started: bool, argv: list[str] | None = None) -> str | None:
     """One line for what Hydra or OmegaConf raised while composing the config;
     None for an error of the run itself (it keeps its traceback)."""
     from hydra.errors import HydraException, MissingConfigException, OverrideParseException
@@ -235,6 +275,11 @@ def override_error(exc: BaseException, task_started: bool) -> str | None:
         what = "write" if Path(cause.filename).suffix else "create the output directory"     # a log file, or a directory
         return (f"cannot {what} '{cause.filename}' ({cause.strerror}); set hydra.run.dir "
                 "(hydra.sweep.dir for -m) to a writable path whose names are each at most 255 bytes")
+    if isinstance(exc, AssertionError) and "NoneType" in str(exc):
+        # OmegaConf cannot set a field inside a null section
+        unchosen = [m for m in (_unchosen(a, argv or []) for a in argv or []) if m]
+        if unchosen:
+            return unchosen[0]
     if not task_started:
         # raised by Hydra's override parser before any config existed (e.g. `=3`)
         return f"the overrides were refused ({_one_line(exc)}); each is KEY=VALUE, e.g. token_budget=512"

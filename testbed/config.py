@@ -14,7 +14,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 
 from testbed.data.config import DataConfig
-from testbed.experiments.config import ExperimentConfig
+from testbed.experiments.config import StudyConfig
 from testbed.kv_transfer.config import TransferConfig, timeout_problem
 from testbed.kv_transfer.store_config import KVStoreConfig
 from testbed.launchers.config import RayConfig
@@ -28,6 +28,7 @@ from testbed.workloads.config import WorkloadConfig
 
 RUNTIMES = ("real", "sim")
 AUTO = "auto"
+ADAPTIVE = "adaptive"       # the scheduler whose settings are the `adaptive` section
 
 
 @dataclass
@@ -152,7 +153,9 @@ class RunConfig:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     kvstore: KVStoreConfig = field(default_factory=KVStoreConfig)
     slo: SLOConfig = field(default_factory=SLOConfig)
-    adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)   # scheduler=adaptive, token_budget=auto
+    # scheduler=adaptive's settings: present only where a worker runs it (the scheduler=adaptive preset
+    # adds them; a pool's scheduler=adaptive gets the defaults); token_budget=auto reads them too
+    adaptive: Optional[AdaptiveConfig] = None
     # the presets conf/config.yaml selects (hardware=NAME, link=NAME)
     # Hydra merges the chosen preset over this default; measured tables only count for
     # the preset named in their profiled_for, so cpu.yaml's never leak into a GPU's
@@ -161,7 +164,7 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     ray: RayConfig = field(default_factory=RayConfig)      # launcher=ray
-    experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
+    experiment: Optional[StudyConfig] = None     # experiment=NAME: that study's settings (experiments/studies.py)
     # where datasets are read from (testbed/data/); the command line applies it before the
     # config objects are built (testbed.data.config.use_data_dir)
     data: DataConfig = field(default_factory=DataConfig)
@@ -169,6 +172,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         for name in POOLS:
             getattr(self, name).resolve(name, self.parallel)
+        if self.adaptive is None and ADAPTIVE in self.schedulers():
+            self.adaptive = AdaptiveConfig()
         self.hardware_defaults_note = self._resolve_hardware_defaults()    # not a field: the run header's line
 
     def _resolve_hardware_defaults(self) -> str:
@@ -216,6 +221,10 @@ class RunConfig:
         elif isinstance(self.num_kv_blocks, (str, bool)):
             raise ValueError(f"num_kv_blocks: expected a number of blocks or 'auto', got '{self.num_kv_blocks}'")
         return "; ".join(notes)
+
+    def schedulers(self) -> set[str]:
+        """The schedulers this run's workers may run: the run's and each pool's own."""
+        return {self.scheduler} | {getattr(self, p).scheduler for p in POOLS if getattr(self, p).scheduler}
 
     def _run_parallel_users(self) -> list[str | None]:
         """The pools of this mode whose workers run with the run's own `parallel`:
@@ -315,7 +324,8 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError(f"top_p: must be in (0, 1], got {cfg.top_p}")
     for sub in (cfg.runtime, cfg.model, cfg.workload, cfg.transfer, cfg.kvstore, cfg.hardware, cfg.link,
                 cfg.parallel, cfg.experiment, cfg.adaptive, cfg.ray, cfg.hybrid, cfg.slo, cfg.data):
-        sub.validate()
+        if sub is not None:
+            sub.validate()
     if cfg.transfer.lease_s <= 2 * cfg.runtime.heartbeat_s:
         # the heartbeat renews the leases of what the frontend still counts on
         raise ValueError(f"transfer.lease_s: must exceed two heartbeats (runtime.heartbeat_s="
@@ -338,7 +348,15 @@ def register_configs() -> None:
     schema.hardware = dataclasses.replace(schema.hardware, gemm_profile=[], attention_profile=[], step_jitter_ms=[])
     for name in POOLS:     # settable field by field from the command line (pool_config.py)
         setattr(schema, name, PoolConfig(parallel=ParallelOverride()))
-    ConfigStore.instance().store(name="run_schema", node=schema)
+    store = ConfigStore.instance()
+    store.store(name="run_schema", node=schema)
+    from testbed.experiments.studies import STUDIES
+    for name, study in STUDIES.items():     # conf/experiment/NAME.yaml: `- /study/NAME@experiment`
+        store.store(group="study", name=name, node=study)
+    from testbed.schedulers import SCHEDULERS
+    for name in SCHEDULERS:                 # scheduler=NAME; adaptive's brings its settings
+        node = {"scheduler": name, ADAPTIVE: AdaptiveConfig} if name == ADAPTIVE else {"scheduler": name}
+        store.store(group="scheduler", name=name, package="_global_", node=node)
     register_resolvers()
 
 
@@ -370,4 +388,7 @@ def from_dict(d: dict) -> RunConfig:
     node = OmegaConf.structured(schema)
     for name in POOLS:      # as register_configs: a pool's unset fields follow `parallel`
         node[name].parallel = ParallelOverride()
+    if isinstance(d.get("experiment"), dict):      # the study's own schema, by its name
+        from testbed.experiments.studies import study_config
+        node.experiment = OmegaConf.structured(study_config(d["experiment"].get("name")))
     return OmegaConf.to_object(OmegaConf.merge(node, d))

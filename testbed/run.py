@@ -40,7 +40,7 @@ def execute(cfg: RunConfig, out_dir: str | Path) -> dict:
     validate(cfg)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if cfg.experiment.name:
+    if cfg.experiment is not None:
         from testbed.experiments import run_experiment
         return run_experiment(cfg, out)
     requests = (sampled(cfg, r) for r in iter_workload(cfg.workload, cfg.model.vocab_size, cfg.seed))

@@ -31,10 +31,10 @@ GRID = [512, 1024, 4096, 8192]
 def constructed(**experiment) -> object:
     e = dict(name="decision", models=["tiny"], hardware=[str(DATA / "decision_hardware.yaml")],
              links=[str(DATA / "decision_link.yaml")], context_lens=GRID, token_budgets=[1100],
-             decision_colocated=["sarathi"], decision_ttft_k=3.5, decision_tbt_slos_ms=[50],
-             decision_smoothness=["p99_tbt", "fluidity"], decision_output_len=16, decision_prompt_sigma=0.001,
-             decision_num_gpus=[2], capacity_rate_start=20.0, capacity_rel_tol=0.1, capacity_max_probes=10,
-             decision_span_factor=10.0, decision_min_judged=20, decision_max_requests_per_gpu=1000,
+             colocated=["sarathi"], ttft_k=3.5, tbt_slos_ms=[50],
+             smoothness=["p99_tbt", "fluidity"], output_len=16, prompt_sigma=0.001,
+             num_gpus=[2], rate_start=20.0, rel_tol=0.1, max_probes=10,
+             span_factor=10.0, min_judged=20, max_requests_per_gpu=1000,
              real=False)
     e.update(experiment)
     return from_dict({"runtime": {"name": "sim"}, "model": {"name": "tiny"}, "max_num_batched_tokens": 1100, "wandb": {"mode": "disabled"}, "progress": False,

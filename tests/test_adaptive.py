@@ -62,7 +62,7 @@ def engine(truth, predictor=None, tbt_ms=50.0, ttft_ms=2000.0, num_blocks=4096, 
            **adaptive) -> Engine:
     clock = VirtualClock()
     cfg = SchedulerConfig(token_budget=256, max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
-                          adaptive=AdaptiveConfig(**adaptive))
+                          settings=AdaptiveConfig(**adaptive))
     ctx = SchedulerContext(clock, ttft_ms, tbt_ms, predictor or truth)
     sched = make_scheduler("adaptive", cfg, BlockManager(num_blocks, BLOCK), ctx)
     return Engine(sched, PredictedExecutor(truth), clock)
@@ -348,8 +348,9 @@ def test_sim_records_and_same_outputs_as_sarathi(tmp_path):
     from testbed.schedulers.budget import auto_token_budget
     from testbed.sim.cost_model import CostModel
     cfg = _sim_cfg(tmp_path, "sarathi", "auto")
+    assert cfg.adaptive is None         # sarathi's run has no adaptive section: auto takes its defaults
     want = auto_token_budget(CostModel(cfg.model, cfg.hardware, cfg.parallel), cfg.slo.tpot_ms, cfg.max_num_seqs,
-                             cfg.adaptive)
+                             AdaptiveConfig())
     assert auto == {want}
 
 

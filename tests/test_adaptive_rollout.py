@@ -65,7 +65,7 @@ def _first_batch_after_decodes(predictor, **adaptive) -> list[tuple[str, int]]:
     8 are cheapest (8 x 5.57 = 44.6 against 49.2)."""
     clock = VirtualClock()
     cfg = SchedulerConfig(token_budget=256, max_num_seqs=128, max_num_batched_tokens=8192,
-                          adaptive=AdaptiveConfig(**adaptive))
+                          settings=AdaptiveConfig(**adaptive))
     sched = make_scheduler("adaptive", cfg, BlockManager(4096, 16), SchedulerContext(clock, 2000.0, 50.0, predictor))
     e = Engine(sched, PredictedExecutor(predictor), clock)
     for i in range(60):
@@ -156,7 +156,7 @@ def _batch_after_arrivals(**adaptive) -> list[tuple[str, int]]:
     tokens left are under min_budget)."""
     clock = VirtualClock()
     cfg = SchedulerConfig(token_budget=256, max_num_seqs=128, max_num_batched_tokens=8192,
-                          adaptive=AdaptiveConfig(prefill_first=False, **adaptive))    # the rollout alone
+                          settings=AdaptiveConfig(prefill_first=False, **adaptive))    # the rollout alone
     predictor = TilePredictor(0.002)
     sched = make_scheduler("adaptive", cfg, BlockManager(4096, 16), SchedulerContext(clock, 2000.0, 50.0, predictor))
     e = Engine(sched, PredictedExecutor(predictor), clock)

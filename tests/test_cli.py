@@ -40,7 +40,8 @@ def test_unknown_command_is_one_line_and_exit_2(tmp_path):
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     out = tmp_path_factory.mktemp("sweep")
-    proc = run_cli("run", "-m", "scheduler=sarathi,vllm_v0,nope", *SMALL, f"hydra.sweep.dir={out}", cwd=out)
+    proc = run_cli("run", "-m", "router=round_robin,least_outstanding,nope", *SMALL, f"hydra.sweep.dir={out}",
+                   cwd=out)
     return out, proc
 
 
@@ -49,15 +50,16 @@ def test_sweep_writes_one_run_directory_per_point(sweep):
     assert proc.returncode == 0, proc.stderr[-3000:]
     points = sorted(p for p in out.iterdir() if p.is_dir())
     assert [p.name.split("-", 1)[0] for p in points] == ["0", "1", "2"]
-    for point, scheduler in zip(points[:2], ("sarathi", "vllm_v0")):
+    for point, router in zip(points[:2], ("round_robin", "least_outstanding")):
         summary = json.loads((point / "summary.json").read_text())
-        assert (summary["scheduler"], summary["num_requests"], summary["num_finished"]) == (scheduler, 4, 4)
+        assert point.name.startswith(f"{point.name[0]}-router={router},")
+        assert (summary["num_requests"], summary["num_finished"]) == (4, 4)
         assert {"requests.jsonl", "iterations.jsonl", "config.yaml"} <= {p.name for p in point.iterdir()}
     # the bad point failed on its own, with the field named, and the sweep went on
     assert not (points[2] / "summary.json").exists()
     failed = json.loads((points[2] / "failed.json").read_text())
-    assert "scheduler='nope'" in failed["error"]
-    assert "error: scheduler='nope' is not known" in proc.stderr
+    assert "router='nope'" in failed["error"]
+    assert "error: router='nope' is not known" in proc.stderr
 
 
 def test_a_path_in_a_sweeps_overrides_names_one_directory_per_point(tmp_path):
@@ -65,12 +67,12 @@ def test_a_path_in_a_sweeps_overrides_names_one_directory_per_point(tmp_path):
     chain of directories named by the path's parts, which `testbed report
     SWEEP_DIR` (one level down) never found: conf/config.yaml's dir_safe."""
     out = tmp_path / "sweep"
-    proc = run_cli("run", "-m", "runtime=sim", f"experiment.probe_cache={tmp_path}/cache", *SMALL,
+    proc = run_cli("run", "-m", "runtime=sim", f"kvstore.disk_path={tmp_path}/cache", *SMALL,
                    "workload.rate=20,40", f"hydra.sweep.dir={out}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     points = sorted(p for p in out.iterdir() if p.is_dir())
     assert len(points) == 2 and all((p / "summary.json").is_file() for p in points)
-    assert f"experiment.probe_cache={str(tmp_path).replace('/', '_')}_cache" in points[0].name
+    assert f"kvstore.disk_path={str(tmp_path).replace('/', '_')}_cache" in points[0].name
     report = run_cli("report", str(out), cwd=tmp_path)
     assert report.returncode == 0, report.stderr
     header = next(line for line in report.stdout.splitlines() if line.startswith("metric"))
@@ -100,7 +102,7 @@ def test_report_compares_the_sweep_points(sweep):
     proc = run_cli("report", str(a), str(b), cwd=out)
     assert proc.returncode == 0, proc.stderr
     header = next(line for line in proc.stdout.splitlines() if line.startswith("metric"))
-    assert header.split()[1:] == ["scheduler=sarathi", "scheduler=vllm_v0"]
+    assert header.split()[1:] == ["router=round_robin", "router=least_outstanding"]
     finished = next(line for line in proc.stdout.splitlines() if line.startswith("finished"))
     assert finished.split()[1:] == ["4", "4"]
     for run in (a, b):

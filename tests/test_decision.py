@@ -12,7 +12,7 @@ import math
 import pytest
 
 from testbed.config import from_dict, validate
-from testbed.experiments.config import ExperimentConfig
+from testbed.experiments.decision_config import DecisionConfig
 from testbed.experiments.decision_summary import crossovers, l_star
 from testbed.metrics import RequestRecord
 from testbed.experiments.decision import run_decision
@@ -199,41 +199,41 @@ def test_l_star_must_hold_at_every_larger_length():
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("decision_smoothness", ["p95_tbt"], "experiment.decision_smoothness"),
-    ("decision_tbt_slos_ms", [], "experiment.decision_tbt_slos_ms"),
-    ("decision_num_gpus", [0], "experiment.decision_num_gpus"),
-    ("decision_fluidity_min", 1.5, "experiment.decision_fluidity_min"),
-    ("decision_ttft_k", 0.0, "experiment.decision_ttft_k"),
-    ("decision_reuse", 1.0, "experiment.decision_reuse"),
-    ("decision_span_factor", 2.0, "experiment.decision_span_factor"),
-    ("decision_colocated", ["orca"], "experiment.decision_colocated"),
-    ("decision_max_requests_per_gpu", 5, r"experiment.decision_max_requests_per_gpu: 5 x the fewest GPUs \(2\)"),
-    ("decision_tp", {"llama2-70b": 0}, "experiment.decision_tp"),
-    ("decision_kv_blocks", {"h100-sxm": 0}, "experiment.decision_kv_blocks"),
-    ("decision_kv_blocks", {"h100": 4096}, r"experiment.decision_kv_blocks.*\['h100'\] is no hardware"),
-    ("decision_turns", 1, "experiment.decision_turns"),
+    ("smoothness", ["p95_tbt"], "experiment.smoothness"),
+    ("tbt_slos_ms", [], "experiment.tbt_slos_ms"),
+    ("num_gpus", [0], "experiment.num_gpus"),
+    ("fluidity_min", 1.5, "experiment.fluidity_min"),
+    ("ttft_k", 0.0, "experiment.ttft_k"),
+    ("reuse", 1.0, "experiment.reuse"),
+    ("span_factor", 2.0, "experiment.span_factor"),
+    ("colocated", ["orca"], "experiment.colocated"),
+    ("max_requests_per_gpu", 5, r"experiment.max_requests_per_gpu: 5 x the fewest GPUs \(2\)"),
+    ("tp", {"llama2-70b": 0}, "experiment.tp"),
+    ("kv_blocks", {"h100-sxm": 0}, "experiment.kv_blocks"),
+    ("kv_blocks", {"h100": 4096}, r"experiment.kv_blocks.*\['h100'\] is no hardware"),
+    ("turns", 1, "experiment.turns"),
 ])
 def test_bad_decision_fields_name_the_field(field, value, message):
     with pytest.raises(ValueError, match=message):
-        dataclasses.replace(ExperimentConfig(name="decision"), **{field: value}).validate()
+        dataclasses.replace(DecisionConfig(), **{field: value}).validate()
 
 
 def test_decision_kv_blocks_sizes_each_hardwares_workers_and_leaves_the_rest_auto():
     from testbed.experiments.decision_search import point_cfg
     cfg = from_dict({"runtime": {"name": "sim"}, "model": {"name": "tiny"}, "wandb": {"mode": "disabled"}})
     cfg = dataclasses.replace(cfg, experiment=dataclasses.replace(
-        ExperimentConfig(name="decision", hardware=["cpu-2w", "h100-sxm"]), decision_kv_blocks={"cpu-2w": 8192}))
+        DecisionConfig(hardware=["cpu-2w", "h100-sxm"]), kv_blocks={"cpu-2w": 8192}))
     cfg.experiment.validate()
     assert point_cfg(cfg, "tiny", "cpu-2w").num_kv_blocks == 8192
     # the other hardware keeps auto: the memory left after weights (far more than cpu-2w's 2,048 default)
     assert point_cfg(cfg, "llama3-8b", "h100-sxm").num_kv_blocks_from_memory
-    plain = dataclasses.replace(cfg, experiment=dataclasses.replace(cfg.experiment, decision_kv_blocks={}))
+    plain = dataclasses.replace(cfg, experiment=dataclasses.replace(cfg.experiment, kv_blocks={}))
     assert point_cfg(plain, "tiny", "cpu-2w").num_kv_blocks == 2048
 
 
 def test_never_fit_share_is_the_lognormal_tail_past_one_workers_kv():
     from testbed.experiments.decision_search import never_fit_share
-    e = dataclasses.replace(ExperimentConfig(name="decision"), decision_output_len=32, decision_prompt_sigma=0.1)
+    e = dataclasses.replace(DecisionConfig(), output_len=32, prompt_sigma=0.1)
     # cpu-2w's 2,048 blocks of 16 at L = 32K: the pool ends just under the median prompt
     assert never_fit_share(e, 32768, 2048, 16) == pytest.approx(0.5, abs=0.01)
     assert never_fit_share(e, 32768, 8192, 16) == 0.0          # 128K tokens: past the 2L clip
@@ -262,7 +262,7 @@ def test_the_default_decision_config_validates():
 def test_every_deployment_occupies_the_gpu_count_it_is_compared_at():
     from testbed.experiments.deployments import deployments
     cfg = from_dict({"runtime": {"name": "sim"}, "model": {"name": "tiny"}, "wandb": {"mode": "disabled"}})
-    e = ExperimentConfig(name="decision", token_budgets=[512], decision_pool_tp=[1, 2])
+    e = DecisionConfig(token_budgets=[512], pool_tp=[1, 2])
     deps = deployments(e, 4, 1, reuse=True)
     labels = [d.label for d in deps]
     assert labels[:2] == ["sarathi-512", "adaptive"]
@@ -347,10 +347,10 @@ def test_a_probe_too_short_to_judge_anyone_is_lengthened_not_counted_as_a_failur
 
 def test_decision_deployments_keeps_the_named_rows_and_names_an_unknown_one():
     from testbed.experiments.deployments import deployments
-    e = ExperimentConfig(name="decision", token_budgets=[512], decision_deployments=["adaptive", "disagg-1P1D"])
+    e = DecisionConfig(token_budgets=[512], deployments=["adaptive", "disagg-1P1D"])
     assert [d.label for d in deployments(e, 2, 1, reuse=False)] == ["adaptive", "disagg-1P1D"]
-    e = dataclasses.replace(e, decision_deployments=["disagg-3P1D"])
-    with pytest.raises(ValueError, match=r"experiment.decision_deployments: \['disagg-3P1D'\] .*disagg-1P1D"):
+    e = dataclasses.replace(e, deployments=["disagg-3P1D"])
+    with pytest.raises(ValueError, match=r"experiment.deployments: \['disagg-3P1D'\] .*disagg-1P1D"):
         deployments(e, 2, 1, reuse=False)
 
 
@@ -358,8 +358,7 @@ def test_adaptive_spends_banked_slack_only_under_the_definition_that_credits_it(
     from testbed.experiments.decision_search import judged_run
     from testbed.experiments.decision_slo import get_smoothness
     p99, fluid = get_smoothness("p99_tbt"), get_smoothness("fluidity")
-    adaptive = dataclasses.replace(constructed().experiment, name=None)
-    cfg = dataclasses.replace(constructed(), scheduler="adaptive", experiment=adaptive)
+    cfg = dataclasses.replace(constructed(), scheduler="adaptive", experiment=None)
     assert cfg.adaptive.max_slack_tbt > 0
     assert judged_run(cfg, fluid) is cfg
     assert judged_run(cfg, p99).adaptive.max_slack_tbt == 0.0
@@ -367,8 +366,8 @@ def test_adaptive_spends_banked_slack_only_under_the_definition_that_credits_it(
     sarathi = dataclasses.replace(cfg, scheduler="sarathi")
     assert judged_run(sarathi, p99) is sarathi
     # in the study: adaptive's runs differ per definition (p99_tbt's keyed no-slack), sarathi's are shared
-    run_decision(constructed(decision_colocated=["sarathi", "adaptive"], context_lens=[512],
-                             decision_deployments=["sarathi-1100", "adaptive"]), tmp_path, lambda *_: None)
+    run_decision(constructed(colocated=["sarathi", "adaptive"], context_lens=[512],
+                             deployments=["sarathi-1100", "adaptive"]), tmp_path, lambda *_: None)
     probes = read_rows(tmp_path / "decision_probes.csv")
     judged = {(p["key"].split("/")[3], p["key"].endswith("/no-slack"), p["judged_by"]) for p in probes}
     assert judged == {("sarathi-1100", False, "p99_tbt"), ("adaptive", True, "p99_tbt"),
@@ -383,8 +382,8 @@ def test_a_probe_is_capped_at_max_requests_per_gpu_times_its_deployments_gpus(tm
     and with it the requests a span of span_factor service times takes: the cap
     is per GPU, so N = 4's probes may run twice as long as N = 2's (a flat cap
     left N = 8's colocated probes at 1K-8K unsteady, and colocation uncounted)."""
-    run_decision(constructed(decision_num_gpus=[2, 4], decision_max_requests_per_gpu=12, context_lens=[512],
-                             decision_smoothness=["p99_tbt"]), tmp_path, lambda *_: None)
+    run_decision(constructed(num_gpus=[2, 4], max_requests_per_gpu=12, context_lens=[512],
+                             smoothness=["p99_tbt"]), tmp_path, lambda *_: None)
     sizes: dict[int, set[int]] = {}
     for p in read_rows(tmp_path / "decision_probes.csv"):
         sizes.setdefault(int(p["key"].split("/")[2]), set()).add(int(p["num_requests"]))

@@ -29,12 +29,12 @@ def small(**experiment):
     probes of at most 12 requests (each real probe runs once: never longer than its first size),
     their arrivals over at most 2 s."""
     e = dict(name="decision", models=["tiny"], hardware=["cpu"], links=["tcp-25"], context_lens=[256],
-             token_budgets=[512], decision_colocated=[], decision_ttft_k=50.0, decision_tbt_slos_ms=[500],
-             decision_smoothness=["p99_tbt"], decision_output_len=8, decision_prompt_sigma=0.001,
-             decision_num_gpus=[2], capacity_rate_start=4.0, capacity_rel_tol=0.5, capacity_max_probes=3,
-             decision_span_factor=3.0, decision_min_judged=3, decision_max_requests_per_gpu=6,
-             real=True, real_models=["tiny"], real_context_lens=[256], decision_real_probe_s=2.0,
-             decision_real_max_probes=2, decision_real_rel_tol=0.5)
+             token_budgets=[512], colocated=[], ttft_k=50.0, tbt_slos_ms=[500],
+             smoothness=["p99_tbt"], output_len=8, prompt_sigma=0.001,
+             num_gpus=[2], rate_start=4.0, rel_tol=0.5, max_probes=3,
+             span_factor=3.0, min_judged=3, max_requests_per_gpu=6,
+             real=True, real_models=["tiny"], real_context_lens=[256], real_probe_s=2.0,
+             real_max_probes=2, real_rel_tol=0.5)
     e.update(experiment)
     return from_dict({"runtime": {"name": "sim"}, "model": {"name": "tiny"}, "wandb": {"mode": "disabled"},
                       "progress": False, "experiment": e})
@@ -102,7 +102,7 @@ def test_real_rows_past_the_budget_are_flagged_not_measured(tmp_path, monkeypatc
     flagged (no capacity, steady=false, limited_by=budget), beside its twin,
     and the simulator's rows are those of a run without real rows."""
     figs = capture_figures(monkeypatch, dpi=40)
-    run_decision(small(decision_real_budget_s=1e-9, context_lens=[256, 512], real_context_lens=[256, 512]),
+    run_decision(small(real_budget_s=1e-9, context_lens=[256, 512], real_context_lens=[256, 512]),
                  tmp_path, lambda *_: None)
     rows = read_rows(tmp_path / "decision.csv")
     real = [r for r in rows if r["source"] == "real"]
@@ -140,7 +140,7 @@ def test_sim_vs_real_matches_rows_by_every_key():
 @pytest.mark.parametrize("change,message", [
     ({"real_models": ["mid"]}, "experiment.real_models"),
     ({"hardware": ["h100-sxm"]}, "experiment.hardware"),
-    ({"decision_real_num_gpus": 4}, "experiment.decision_real_num_gpus"),
+    ({"real_num_gpus": 4}, "experiment.real_num_gpus"),
     ({"real_context_lens": [256, 1024]}, "experiment.real_context_lens"),
 ])
 def test_real_rows_without_sim_twins_are_refused_before_any_probe(tmp_path, change, message):

@@ -17,7 +17,8 @@ import torch
 
 from testbed.batch import Batch, ScheduledSlice
 from testbed.config import from_dict
-from testbed.experiments.config import ExperimentConfig, parse_split
+from testbed.experiments.config import parse_split
+from testbed.experiments.serving_config import StallConfig
 from testbed.experiments.prefill import CHUNK_COLUMNS, HYBRID_COLUMNS, RealBench
 from testbed.experiments.serving import Policy, policies
 from testbed.model.config import load_model_preset
@@ -41,8 +42,8 @@ def read_csv(path: Path) -> tuple[list[str], list[dict]]:
 
 # -- policies ------------------------------------------------------------------------------------------
 def test_policies_compare_at_equal_gpu_count():
-    e = ExperimentConfig(schedulers=["vllm_v0", "sarathi"], token_budgets=[512, 2048],
-                         disagg_splits=["1P1D", "1P3D", "2P2D"])
+    e = StallConfig(schedulers=["vllm_v0", "sarathi"], token_budgets=[512, 2048],
+                    disagg_splits=["1P1D", "1P3D", "2P2D"])
     assert policies(e, 2) == [Policy("vllm_v0", "colocated", "vllm_v0", None, replicas=2),
                               Policy("sarathi-512", "colocated", "sarathi", 512, replicas=2),
                               Policy("sarathi-2048", "colocated", "sarathi", 2048, replicas=2),
@@ -59,7 +60,7 @@ def test_a_policy_applies_to_a_plain_run():
     run = Policy("disagg-2P1D", "disagg", "orca", prefill_workers=2, decode_workers=1).apply(cfg)
     assert (run.mode, run.scheduler, run.token_budget, run.prefill_workers, run.decode_workers) == \
         ("disagg", "orca", 128, 2, 1)
-    assert run.experiment.name is None and run.wandb.mode == "disabled"
+    assert run.experiment is None and run.wandb.mode == "disabled"
     assert cfg.experiment.name == "stall"                    # the experiment's own config is untouched
 
 
@@ -68,7 +69,7 @@ def test_a_bad_split_names_the_field(split):
     with pytest.raises(ValueError, match=r"experiment.disagg_splits: .* xPyD"):
         parse_split(split)
     with pytest.raises(ValueError, match="experiment.disagg_splits"):
-        from_dict({"experiment": {"disagg_splits": [split]}}).experiment.validate()
+        from_dict({"experiment": {"name": "stall", "disagg_splits": [split]}}).experiment.validate()
 
 
 # -- the real-engine bench ------------------------------------------------------------------------------
@@ -273,8 +274,8 @@ def test_capacity_per_gpu_at_equal_gpu_count(tmp_path):
                      "link": load_link_preset("rdma-400"), "transfer": {"layerwise": True},
                      "wandb": {"mode": "disabled"},
                      "experiment": {"name": "capacity", "real": False, "schedulers": ["vllm_v0"],
-                                    "token_budgets": [512], "disagg_splits": ["1P1D"], "capacity_rel_tol": 0.1,
-                                    "capacity_workloads": {"fixed1k": spec}}})
+                                    "token_budgets": [512], "disagg_splits": ["1P1D"], "rel_tol": 0.1,
+                                    "workloads": {"fixed1k": spec}}})
     result = execute(cfg, tmp_path)
     _, rows = read_csv(tmp_path / "capacity.csv")
     _, probes = read_csv(tmp_path / "capacity_probes.csv")
@@ -300,6 +301,6 @@ def test_capacity_per_gpu_at_equal_gpu_count(tmp_path):
 
 def test_capacity_workload_without_slo_names_the_field(tmp_path):
     cfg = from_dict({"wandb": {"mode": "disabled"}, "experiment": {
-        "name": "capacity", "capacity_workloads": {"code": {"preset": "azure_code", "rate": 3}}}})
-    with pytest.raises(ValueError, match=r"experiment.capacity_workloads.code: give slo: \{ttft_ms, tbt_ms\}"):
+        "name": "capacity", "workloads": {"code": {"preset": "azure_code", "rate": 3}}}})
+    with pytest.raises(ValueError, match=r"experiment.workloads.code: give slo: \{ttft_ms, tbt_ms\}"):
         execute(cfg, tmp_path)

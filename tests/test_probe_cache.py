@@ -78,7 +78,7 @@ def test_a_study_cut_short_resumes_where_it_stopped(tmp_path):
 
 def test_a_definition_that_never_judged_a_cached_probe_runs_it_again(tmp_path):
     cache = tmp_path / "cache"
-    study(tmp_path / "a", cache, decision_smoothness=["p99_tbt"])
+    study(tmp_path / "a", cache, smoothness=["p99_tbt"])
     assert {k.split()[0] for e in cache_lines(cache) for k in e["verdicts"]} == {"p99_tbt"}
     both, _ = study(tmp_path / "b", cache)
     fresh, _ = study(tmp_path / "fresh", None)
@@ -104,7 +104,7 @@ def test_entries_of_other_code_are_not_replayed(tmp_path):
 
 def test_a_cache_that_a_re_run_contradicts_is_refused(tmp_path):
     cache = tmp_path / "cache"
-    study(tmp_path / "a", cache, decision_smoothness=["p99_tbt"])
+    study(tmp_path / "a", cache, smoothness=["p99_tbt"])
     for path in cache.glob("*.jsonl"):
         path.write_text("".join(json.dumps({**e, "service_s": e["service_s"] * 1.5}) + "\n"
                                 for e in map(json.loads, path.read_text().splitlines())))
@@ -118,8 +118,8 @@ def test_real_probes_are_never_replayed(tmp_path):
 
 
 def test_the_key_ignores_what_a_simulated_run_never_reads():
-    a = constructed(decision_num_gpus=[2])
-    b = constructed(decision_num_gpus=[4], probe_cache="/elsewhere")
+    a = constructed(num_gpus=[2])
+    b = constructed(num_gpus=[4], probe_cache="/elsewhere")
     assert ProbeCache.key(a) == ProbeCache.key(b)
     import dataclasses
     assert ProbeCache.key(dataclasses.replace(a, seed=a.seed + 1)) != ProbeCache.key(a)

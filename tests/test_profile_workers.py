@@ -52,7 +52,7 @@ def test_real_rows_name_a_profile_measured_with_other_workers_and_the_fix():
     assert profile_conditions(hw, 1, 1) == ""
     note = profile_conditions(hw, 2, 1)
     assert "profiled with 1 worker(s)" in note and "testbed profile --workers 2 --threads 1" in note
-    assert "experiment.decision_real_hardware=cpu-2w" in note
+    assert "experiment.real_hardware=cpu-2w" in note
     assert "--threads 2" in profile_conditions(hw, 1, 2)
 
 
@@ -90,12 +90,12 @@ def test_decision_real_records_its_profile_conditions_and_refuses_a_profile_with
 
     from testbed.experiments.decision import run_decision
     lines = []
-    run_decision(small(decision_real_budget_s=1e-9), tmp_path, lines.append)        # no real probe runs
+    run_decision(small(real_budget_s=1e-9), tmp_path, lines.append)        # no real probe runs
     import json
     profile = json.loads((tmp_path / "decision_summary.json").read_text())["assumptions"]["real"]["profile"]
     assert (profile["profiled_workers"], profile["profiled_threads"]) == (1, 1)
     assert "testbed profile --workers 2" in profile["note"]
     assert any(line.startswith("decision real: hardware 'cpu' was profiled with 1 worker(s)") for line in lines)
-    with pytest.raises(ValueError, match="experiment.decision_real_hardware='cpu-2w'"):
-        run_decision(small(decision_real_hardware="cpu-2w"), tmp_path / "refused", lambda *_: None)
+    with pytest.raises(ValueError, match="experiment.real_hardware='cpu-2w'"):
+        run_decision(small(real_hardware="cpu-2w"), tmp_path / "refused", lambda *_: None)
     assert not (tmp_path / "refused").exists()

@@ -59,8 +59,9 @@ def base_config(hardware_path: Path, tbt_ms: float, max_slack_tbt: float):
     from testbed.sim.config import load_hardware_preset
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = OmegaConf.to_object(compose("config", ["runtime=real", "model=tiny", "workload=stall", "progress=false",
-                                                     "wandb.mode=disabled", f"slo.tpot_ms={tbt_ms}",
+        cfg = OmegaConf.to_object(compose("config", ["runtime=real", "scheduler=adaptive", "model=tiny",
+                                                     "workload=stall", "progress=false", "wandb.mode=disabled",
+                                                     f"slo.tpot_ms={tbt_ms}",
                                                      "adaptive.min_budget=16", "adaptive.budget_multiple=16",
                                                      f"adaptive.max_slack_tbt={max_slack_tbt}"]))
     return dataclasses.replace(cfg, hardware=load_hardware_preset(str(hardware_path)))

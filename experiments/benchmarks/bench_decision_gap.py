@@ -63,10 +63,10 @@ def decision_point(rate: float, span_s: float, replicas: int, budget: int, torch
         point = replace_run(point, hardware=load_hardware_preset(profile))
     dep = Deployment(f"sarathi-{budget}", "colocated", "colocated", "sarathi", budget, replicas=replicas,
                      uses_link=False)
-    run = dep.apply(real_point(point, load_link_preset(e.links[0]), e.decision_real_probe_s))
+    run = dep.apply(real_point(point, load_link_preset(e.links[0]), e.real_probe_s))
     one_gpu = CostModel(point.model, point.hardware, ParallelConfig())
-    targets = SLOTargets(e.decision_ttft_k * one_gpu.iteration_time_s([(L, L)]) * 1e3,
-                         float(e.decision_tbt_slos_ms[0]))
+    targets = SLOTargets(e.ttft_k * one_gpu.iteration_time_s([(L, L)]) * 1e3,
+                         float(e.tbt_slos_ms[0]))
     workload = dataclasses.replace(_workload(e, L), rate=rate, num_requests=max(2, int(rate * span_s)))
     run = replace_run(run, workload=workload, torch_threads=torch_threads,
                       slo=dataclasses.replace(run.slo, ttft_ms=targets.ttft_ms, tpot_ms=targets.tbt_ms))
@@ -265,8 +265,8 @@ def sensitivity(scales: list[float], replicas: int, budget: int, profile: str | 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = OmegaConf.to_object(compose("config", ["experiment=decision-real", "wandb.mode=disabled"]))
     e = cfg.experiment
-    rule = SteadyRule(e.decision_span_factor, e.decision_min_judged,
-                      e.decision_max_requests_per_gpu * max(e.decision_num_gpus))
+    rule = SteadyRule(e.span_factor, e.min_judged,
+                      e.max_requests_per_gpu * max(e.num_gpus))
     dep = Deployment(f"sarathi-{budget}", "colocated", "colocated", "sarathi", budget, replicas=replicas,
                      uses_link=False)
     out = []
@@ -282,7 +282,7 @@ def sensitivity(scales: list[float], replicas: int, budget: int, profile: str | 
                                  step_jitter_ms=[q * s for q in h.step_jitter_ms])
         point = replace_run(point, hardware=hw)
         rows, _ = length_rows(Prober(rule, lambda *_: None), e, point, dep, replicas, [point.link],
-                              [get_smoothness(e.decision_smoothness[0])], L, 2.0 * replicas, lambda *_: None)
+                              [get_smoothness(e.smoothness[0])], L, 2.0 * replicas, lambda *_: None)
         r = rows[0]
         out.append({"profile": profile or "cpu", "step_scale": s, "capacity_per_gpu": r["capacity_per_gpu"], "limited_by": r["limited_by"],
                     "steady": r["steady"], "probes": r["probes"]})

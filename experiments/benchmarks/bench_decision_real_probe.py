@@ -57,15 +57,15 @@ def main() -> int:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = OmegaConf.to_object(compose("config", ["experiment=decision-real", "wandb.mode=disabled",
                                                      "progress=false",
-                                                     f"experiment.decision_output_len={args.output_len}",
+                                                     f"experiment.output_len={args.output_len}",
                                                      *args.set]))
     e = cfg.experiment
-    hardware, num_gpus = e.decision_real_hardware, e.decision_real_num_gpus
+    hardware, num_gpus = e.real_hardware, e.real_num_gpus
     point = point_cfg(cfg, e.real_models[0], hardware)
     link = load_link_preset(e.links[0])
     worker = CostModel(point.model, point.hardware, point.parallel)
-    service_s = isolated_s(worker, args.context_len, e.decision_output_len)
-    run_point = real_point(point, link, min(e.decision_real_probe_s, 3 * service_s + 10.0))
+    service_s = isolated_s(worker, args.context_len, e.output_len)
+    run_point = real_point(point, link, min(e.real_probe_s, 3 * service_s + 10.0))
     deps = {d.label: d for d in deployments(e, num_gpus, point.parallel.tp * point.parallel.pp, False)}
     if args.deployment not in deps:
         print(f"deployment: '{args.deployment}' is not one of {', '.join(deps)}", file=sys.stderr)
@@ -81,8 +81,8 @@ def main() -> int:
     runner = RealProbes(args.out)
     records = runner.records(run_cfg, requests)
     kept = args.out / runner.last_dir
-    window = SteadyRule(e.decision_span_factor, e.decision_min_judged,
-                        e.decision_max_requests_per_gpu * max(e.decision_num_gpus)).window(records)
+    window = SteadyRule(e.span_factor, e.min_judged,
+                        e.max_requests_per_gpu * max(e.num_gpus)).window(records)
     finished = sum(r.finished for r in records)
     verdict = ("unfinished" if finished < len(records) else "unjudged" if not window.judged
                else smooth.judge(window.judged, targets) or "pass")

@@ -50,15 +50,15 @@ def candidates(cfg: RunConfig, row: dict) -> list[RunConfig]:
     e = cfg.experiment
     model, hardware, n, label, link, L, tbt, *rest = row["key"].split("/")
     point = point_cfg(cfg, model, hardware)
-    dep = next(d for d in deployments(e, int(n), point.parallel.tp * point.parallel.pp, e.decision_reuse > 0)
+    dep = next(d for d in deployments(e, int(n), point.parallel.tp * point.parallel.pp, e.reuse > 0)
                if d.label == label)
     point = replace_run(point, link=load_link_preset(link if link != "-" else e.links[0]))
     base = dep.apply(point)
     one_gpu = CostModel(point.model, point.hardware, ParallelConfig())
     out = []
-    for target in (e.decision_tbt_slos_ms if tbt == "-" else [float(tbt)]):
+    for target in (e.tbt_slos_ms if tbt == "-" else [float(tbt)]):
         run_cfg, _ = length_point(e, base, one_gpu, int(L), target)
-        for name in e.decision_smoothness:
+        for name in e.smoothness:
             judged = judged_run(run_cfg, get_smoothness(name))
             if (judged is not run_cfg) == bool(rest):          # "no-slack": adaptive without banked slack
                 out.append(judged)

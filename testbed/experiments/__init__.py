@@ -1,6 +1,7 @@
 """The studies (experiments/README.md): `testbed run experiment=NAME` runs one
 into its run directory: its tables (CSV/JSON), figures (PNG) and an
-experiment.json summary, logged to W&B like any run.
+experiment.json summary, logged to W&B like any run. Each study is its config
+class (studies.py), which names the function that runs it.
 
 A study returns a dict for experiment.json, plus what goes only to W&B
 (testbed/wandb_log.py:log_experiment), popped before writing: `rows` (its main
@@ -12,16 +13,6 @@ from __future__ import annotations
 import importlib
 import json
 from pathlib import Path
-
-# name -> "module:function(cfg, out_dir, log) -> dict"
-_STUDIES = {
-    "crossover": "testbed.experiments.crossover:run_crossover",
-    "capacity": "testbed.experiments.serving:run_capacity",
-    "stall": "testbed.experiments.serving:run_stall",
-    "chunk_overhead": "testbed.experiments.prefill:run_chunk_overhead",
-    "hybrid_batch": "testbed.experiments.prefill:run_hybrid_batch",
-    "decision": "testbed.experiments.decision:run_decision",
-}
 
 
 def save_figure(fig, path: Path, title: str | None = None) -> Path:
@@ -38,7 +29,7 @@ def save_figure(fig, path: Path, title: str | None = None) -> Path:
 def run_experiment(cfg, out_dir: str | Path) -> dict:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    module, fn = _STUDIES[cfg.experiment.name].split(":")
+    module, fn = type(cfg.experiment).run.split(":")
     result = getattr(importlib.import_module(module), fn)(cfg, out, print)
     rows = result.pop("rows", None)
     series, tables = result.pop("series", None), result.pop("tables", None)

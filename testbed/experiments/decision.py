@@ -4,7 +4,7 @@ system crossover L*), per model, hardware, interconnect and GPU count N, on
 the simulator.
 
 For each L of the grid the workload is Poisson arrivals of prompts of ~L
-tokens (lognormal, median L, shape decision_prompt_sigma) with a fixed output
+tokens (lognormal, median L, shape prompt_sigma) with a fixed output
 length (optionally multi-turn with prefix reuse). The SLOs (decision_slo.py):
 TTFT <= k x one GPU's whole-prefill time of an L-token prompt, and smoothness
 by p99 TBT or by the fluidity index, at each TBT target. Every deployment of
@@ -49,12 +49,12 @@ def run_decision(cfg: RunConfig, out: Path, log=print) -> dict:
         from testbed.experiments.decision_real import check_real
         check_real(e)
     started = time.monotonic()
-    # each search caps its probes at decision_max_requests_per_gpu x its N; the rule's cap is the largest
-    rule = SteadyRule(e.decision_span_factor, e.decision_min_judged,
-                      e.decision_max_requests_per_gpu * max(e.decision_num_gpus))
+    # each search caps its probes at max_requests_per_gpu x its N; the rule's cap is the largest
+    rule = SteadyRule(e.span_factor, e.min_judged,
+                      e.max_requests_per_gpu * max(e.num_gpus))
     cache = ProbeCache(e.probe_cache, log) if e.probe_cache else None
     prober = Prober(rule, log, cache=cache)
-    smooths = [get_smoothness(name) for name in e.decision_smoothness]
+    smooths = [get_smoothness(name) for name in e.smoothness]
     links = [load_link_preset(name) for name in e.links]
     try:
         rows = _grid(prober, cfg, links, smooths, log)
@@ -108,8 +108,8 @@ def _grid(prober: Prober, cfg: RunConfig, links: list, smooths: list[Smoothness]
     for model_name in e.models:
         for hardware_name in e.hardware:
             point = point_cfg(cfg, model_name, hardware_name)
-            for num_gpus in e.decision_num_gpus:
-                for dep in deployments(e, num_gpus, point.parallel.tp * point.parallel.pp, e.decision_reuse > 0):
+            for num_gpus in e.num_gpus:
+                for dep in deployments(e, num_gpus, point.parallel.tp * point.parallel.pp, e.reuse > 0):
                     # a deployment that never touches the link: one sweep, its rows under every link
                     found: dict[int, Search] = {}
                     for link in (links if dep.uses_link else links[:1]):
@@ -136,8 +136,8 @@ def _sweep(prober: Prober, e, point: RunConfig, dep: Deployment, num_gpus: int, 
     rows, prev, seeds = [], None, {}
     lengths = sorted(e.context_lens)
     for L in lengths:
-        service_s = isolated_s(worker, L, e.decision_output_len)
-        start = (prev * 0.6 if prev else e.capacity_rate_start * gpus if L == lengths[0] else gpus / (2 * service_s))
+        service_s = isolated_s(worker, L, e.output_len)
+        start = (prev * 0.6 if prev else e.rate_start * gpus if L == lengths[0] else gpus / (2 * service_s))
         new, first = length_rows(prober, e, point, dep, num_gpus, row_links, smooths, L, start, log,
                                  seed=found.get(L))
         rows += new
@@ -155,17 +155,17 @@ def _summary(cfg: RunConfig, rows: list[dict], rule: SteadyRule) -> dict:
     changes = definition_changes(sim)
     return {
         "assumptions": {
-            "ttft_k": e.decision_ttft_k,
+            "ttft_k": e.ttft_k,
             "ttft_slo": "ttft_k x one GPU's (tp=1) whole-prefill time of an L-token prompt, from the cost model",
-            "tbt_slos_ms": list(e.decision_tbt_slos_ms), "fluidity_min": e.decision_fluidity_min,
-            "smoothness": list(e.decision_smoothness),
-            "prompt": f"lognormal, median L, sigma {e.decision_prompt_sigma}, clipped to [L/2, 2L]",
-            "output_len": e.decision_output_len, "arrivals": "poisson", "reuse_fraction": e.decision_reuse,
+            "tbt_slos_ms": list(e.tbt_slos_ms), "fluidity_min": e.fluidity_min,
+            "smoothness": list(e.smoothness),
+            "prompt": f"lognormal, median L, sigma {e.prompt_sigma}, clipped to [L/2, 2L]",
+            "output_len": e.output_len, "arrivals": "poisson", "reuse_fraction": e.reuse,
             "steady_state": {"span_factor": rule.span_factor, "min_judged": rule.min_judged,
-                             "max_requests_per_gpu": e.decision_max_requests_per_gpu,
+                             "max_requests_per_gpu": e.max_requests_per_gpu,
                              "window": "arrivals in [first + S, last - S], S the longest service time"},
-            "capacity_rel_tol": e.capacity_rel_tol, "max_probes": e.capacity_max_probes,
-            "tp": {m: e.decision_tp.get(m, cfg.parallel.tp) for m in e.models},
+            "capacity_rel_tol": e.rel_tol, "max_probes": e.max_probes,
+            "tp": {m: e.tp.get(m, cfg.parallel.tp) for m in e.models},
             "kv_memory": "what one worker's GPUs hold after the weights (gpu_memory_utilization)",
             "transfer_layerwise": cfg.transfer.layerwise, "disagg_scheduler": e.disagg_scheduler,
             "l_star": "smallest L from which on the best steady disaggregated capacity per GPU exceeds the best "

@@ -1,29 +1,29 @@
 """The real engine's rows of `experiment=decision` (experiment.real=true):
 for each of real_models on this CPU, the deployments of deployments.py on
-decision_real_num_gpus worker processes, at each of real_context_lens, found
+real_num_gpus worker processes, at each of real_context_lens, found
 by the same capacity search, SLOs and steady-state rule as the simulator's
 rows (decision.py's Prober, search and length_rows), each probe a real run:
 worker processes with torch_threads each, the KV of disaggregated
 deployments over zmq on loopback shaped to the link's bandwidth. The rows
 have source=real and the same columns, so each sits beside its simulated
 twin (the same model, hardware, link, N, SLO, L and deployment; the
-simulator priced by this CPU's profile, decision_real_hardware). The
+simulator priced by this CPU's profile, real_hardware). The
 profile should be measured as the rows run: `testbed profile --workers N`
-with N = decision_real_num_gpus workers stepping at once (a step beside a
+with N = real_num_gpus workers stepping at once (a step beside a
 busy core takes longer than beside an idle one); a profile measured
 otherwise is named in the log and the assumptions.
 
 Real probes run on the wall clock, so they are bounded: a probe's arrivals
-span at most decision_real_probe_s, and a request still running three
+span at most real_probe_s, and a request still running three
 service times (the twin's on the simulator) + 10 s, at most
-decision_real_probe_s, after the last arrival fails the probe as
+real_probe_s, after the last arrival fails the probe as
 unfinished; a probe that needs a longer span stays flagged (steady=false). Each search starts at the
 simulator's capacity of its twin. Lengths run in increasing order, every
 deployment at one L before the next L. A deployment is not probed (rows with
 no capacity, steady=false, limited_by=probe_time) from the L on where a
 steady probe at that start rate would need arrivals over more than
-decision_real_probe_s (the rule's size at the twin's longest service time on
-the simulator); and once decision_real_budget_s of wall time is spent, no
+real_probe_s (the rule's size at the twin's longest service time on
+the simulator); and once real_budget_s of wall time is spent, no
 probe starts (a search it cuts keeps what it measured, flagged; later ones
 are not probed; both limited_by=budget). Every real probe run keeps its
 records (requests.jsonl, iterations.jsonl with each iteration's budget and
@@ -79,7 +79,7 @@ def probe_point(cfg: RunConfig, num_requests: int) -> dict:
             "prefill": dataclasses.asdict(cfg.prefill), "decode": dataclasses.asdict(cfg.decode),
             "model": cfg.model.name, "hardware": cfg.hardware.name, "link": cfg.link.name,
             "rate": cfg.workload.rate, "num_requests": num_requests, "workload": dataclasses.asdict(cfg.workload),
-            "slo": dataclasses.asdict(cfg.slo), "adaptive": dataclasses.asdict(cfg.adaptive),
+            "slo": dataclasses.asdict(cfg.slo), "adaptive": cfg.adaptive and dataclasses.asdict(cfg.adaptive),
             "timeout_s": cfg.timeout_s, "torch_threads": cfg.torch_threads}
 
 
@@ -89,14 +89,14 @@ def check_real(e) -> None:
     if missing:
         raise ValueError(f"experiment.real_models: {missing} not in experiment.models={list(e.models)}; the real "
                          f"rows are compared with the simulator's rows of the same model (add them to models)")
-    if e.decision_real_hardware not in e.hardware:
+    if e.real_hardware not in e.hardware:
         raise ValueError(f"experiment.hardware: the real rows run on this CPU, priced by "
-                         f"experiment.decision_real_hardware='{e.decision_real_hardware}'; add it to "
+                         f"experiment.real_hardware='{e.real_hardware}'; add it to "
                          f"experiment.hardware={list(e.hardware)} (the simulator's twin rows) or set "
                          f"experiment.real=false")
-    if e.decision_real_num_gpus not in e.decision_num_gpus:
-        raise ValueError(f"experiment.decision_real_num_gpus: {e.decision_real_num_gpus} is not in "
-                         f"experiment.decision_num_gpus={list(e.decision_num_gpus)}")
+    if e.real_num_gpus not in e.num_gpus:
+        raise ValueError(f"experiment.real_num_gpus: {e.real_num_gpus} is not in "
+                         f"experiment.num_gpus={list(e.num_gpus)}")
     extra = sorted(set(e.real_context_lens) - set(e.context_lens))
     if extra:
         raise ValueError(f"experiment.real_context_lens: {extra} not in experiment.context_lens; the simulator's "
@@ -127,51 +127,51 @@ def real_rows(cfg: RunConfig, sim_rows: list[dict], sim_service_s: dict, smooths
     from testbed.sim.config import load_hardware_preset
     from testbed.sim.cost_model import CostModel
     e = cfg.experiment
-    num_gpus, hardware = e.decision_real_num_gpus, e.decision_real_hardware
+    num_gpus, hardware = e.real_num_gpus, e.real_hardware
     profile = load_hardware_preset(hardware)
     profile_note = profile_conditions(profile, num_gpus, cfg.torch_threads)
     if profile_note:
         log(f"decision real: {profile_note}")
     started, load_start = time.monotonic(), os.getloadavg()[0]
-    prober = Prober(rule, log, RealProbes(record_root), max_span_s=e.decision_real_probe_s, max_lengthenings=1,
-                    deadline=started + e.decision_real_budget_s)
+    prober = Prober(rule, log, RealProbes(record_root), max_span_s=e.real_probe_s, max_lengthenings=1,
+                    deadline=started + e.real_budget_s)
     prober.service_s.update(sim_service_s)          # the same keys: (model, hardware, N, deployment, link, L, tbt)
     twin = {(r["model"], r["link"], r["deployment"], r["context_len"]): r["capacity_per_gpu"] for r in sim_rows
             if r["hardware"] == hardware and r["num_gpus"] == num_gpus and r["slo"] == smooths[0].name
-            and r["tbt_slo_ms"] == e.decision_tbt_slos_ms[0]}
+            and r["tbt_slo_ms"] == e.tbt_slos_ms[0]}
     rows = []
     for model_name in e.real_models:
         point = point_cfg(cfg, model_name, hardware)
         worker = CostModel(point.model, point.hardware, point.parallel)
         stopped: dict[tuple, str] = {}
         for L in sorted(e.real_context_lens):
-            for dep in deployments(e, num_gpus, point.parallel.tp * point.parallel.pp, e.decision_reuse > 0):
+            for dep in deployments(e, num_gpus, point.parallel.tp * point.parallel.pp, e.reuse > 0):
                 for link in (links if dep.uses_link else links[:1]):
                     key = (model_name, hardware, num_gpus, dep.label, link.name if dep.uses_link else "-", L,
-                           e.decision_tbt_slos_ms[0] if dep.reads_slo else "-")
-                    service_s = sim_service_s.get(key) or isolated_s(worker, L, e.decision_output_len)
+                           e.tbt_slos_ms[0] if dep.reads_slo else "-")
+                    service_s = sim_service_s.get(key) or isolated_s(worker, L, e.output_len)
                     # a passing probe drains within about one service time; an overloaded one is cut
                     # at three (it fails either way: unfinished instead of late)
-                    run_point = real_point(point, link, min(e.decision_real_probe_s, 3 * service_s + 10.0))
+                    run_point = real_point(point, link, min(e.real_probe_s, 3 * service_s + 10.0))
                     gpus = dep.num_gpus(run_point)
                     where = (dep.label, link.name)
-                    if where not in stopped and time.monotonic() - started > e.decision_real_budget_s:
+                    if where not in stopped and time.monotonic() - started > e.real_budget_s:
                         stopped[where] = "budget"
                     sim_cap = twin.get((model_name, link.name, dep.label, L))
                     start = sim_cap * gpus if sim_cap else gpus / (2 * service_s)
                     # a steady probe at the expected rate would outlast the bound: not run at all
-                    if where not in stopped and rule.num_requests(start, service_s) / start > e.decision_real_probe_s:
+                    if where not in stopped and rule.num_requests(start, service_s) / start > e.real_probe_s:
                         stopped[where] = "probe_time"
                     new, _ = length_rows(prober, e, run_point, dep, num_gpus, links if not dep.uses_link else [link],
-                                         smooths, L, start, log, e.decision_real_rel_tol, e.decision_real_max_probes,
+                                         smooths, L, start, log, e.real_rel_tol, e.real_max_probes,
                                          skip=stopped.get(where))
                     rows += new
     assumptions = {
         "models": list(e.real_models), "hardware": hardware, "num_gpus": num_gpus,
         "context_lens": sorted(e.real_context_lens), "workers": "one process per GPU, torch_threads="
         f"{cfg.torch_threads}, launcher=local", "kv_transfer": "zmq on loopback shaped to the link (transport=shaped)",
-        "probe_s": e.decision_real_probe_s, "budget_s": e.decision_real_budget_s, "rel_tol": e.decision_real_rel_tol,
-        "max_probes": e.decision_real_max_probes, "start": "the simulator's capacity of the twin row",
+        "probe_s": e.real_probe_s, "budget_s": e.real_budget_s, "rel_tol": e.real_rel_tol,
+        "max_probes": e.real_max_probes, "start": "the simulator's capacity of the twin row",
         "cpu_count": os.cpu_count(), "load_1m_start": round(load_start, 2),
         "load_1m_end": round(os.getloadavg()[0], 2), "elapsed_s": round(time.monotonic() - started, 1),
         "num_probe_runs": prober.num_runs,
@@ -191,4 +191,4 @@ def profile_conditions(hw, num_workers: int, torch_threads: int) -> str:
             f"torch_threads={torch_threads}, so the simulated twins price steps measured otherwise "
             f"(re-measure: testbed profile --workers {num_workers} --threads {torch_threads} "
             f"--out conf/hardware/{hw.name}-{num_workers}w.yaml, then experiment.hardware=[...] and "
-            f"experiment.decision_real_hardware={hw.name}-{num_workers}w)")
+            f"experiment.real_hardware={hw.name}-{num_workers}w)")

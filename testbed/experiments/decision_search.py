@@ -287,29 +287,29 @@ def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targe
 
 def point_cfg(cfg: RunConfig, model_name: str, hardware_name: str) -> RunConfig:
     """The run on the simulator with this model and hardware, its tp from
-    decision_tp, num_kv_blocks from decision_kv_blocks or else auto (the KV
+    experiment.tp, num_kv_blocks from experiment.kv_blocks or else auto (the KV
     memory one GPU of each pool's split has after weights and activations),
     and prefix caching only where the workload reuses prefixes."""
     e = cfg.experiment
     model, hardware = load_model_preset(model_name), load_hardware_preset(hardware_name)
-    parallel = dataclasses.replace(cfg.parallel, tp=e.decision_tp.get(model_name, cfg.parallel.tp))
+    parallel = dataclasses.replace(cfg.parallel, tp=e.tp.get(model_name, cfg.parallel.tp))
     # without shared prefixes the prefix cache never hits, and its block hashing was ~2/3 of a
     # long-context probe's time (131K tokens, sarathi-512: 3.96 s -> 1.34 s, the same service times)
     return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, name="sim"), model=model,
                                hardware=hardware, parallel=parallel,
-                               num_kv_blocks=e.decision_kv_blocks.get(hardware_name, "auto"),
+                               num_kv_blocks=e.kv_blocks.get(hardware_name, "auto"),
                                token_budget=hardware.token_budget_default, progress=False,
-                               enable_prefix_caching=e.decision_reuse > 0)
+                               enable_prefix_caching=e.reuse > 0)
 
 
 def _workload(e, L: int) -> WorkloadConfig:
-    reuse = e.decision_reuse > 0
+    reuse = e.reuse > 0
     return WorkloadConfig(
         name=f"decision-L{L}", arrival="poisson", prompt_dist="lognormal", prompt_len=L,
-        prompt_sigma=e.decision_prompt_sigma, prompt_min=max(1, L // 2), prompt_max=2 * L,
-        output_dist="fixed", output_len=e.decision_output_len,
-        conversation_turns=e.decision_turns if reuse else 0,
-        reuse_fraction=e.decision_reuse if reuse else WorkloadConfig.reuse_fraction)
+        prompt_sigma=e.prompt_sigma, prompt_min=max(1, L // 2), prompt_max=2 * L,
+        output_dist="fixed", output_len=e.output_len,
+        conversation_turns=e.turns if reuse else 0,
+        reuse_fraction=e.reuse if reuse else WorkloadConfig.reuse_fraction)
 
 
 def isolated_s(cost, L: int, output_len: int) -> float:
@@ -323,22 +323,22 @@ def never_fit_share(e, L: int, num_kv_blocks: int, block_size: int) -> float:
     to [L/2, 2L]) whose KV, prompt and answer, needs more blocks than one worker holds: they can
     never be scheduled, and a probe of them fails `unfinished` at any rate (tiny on cpu-2w at
     L = 32K: 2,048 blocks, half the prompts)."""
-    longest = num_kv_blocks * block_size - e.decision_output_len + 1      # the last token's KV is never written
+    longest = num_kv_blocks * block_size - e.output_len + 1      # the last token's KV is never written
     if longest >= 2 * L:
         return 0.0
     if longest < max(1, L // 2):
         return 1.0
-    if e.decision_prompt_sigma == 0:
+    if e.prompt_sigma == 0:
         return float(longest < L)
-    return 0.5 * math.erfc(math.log(longest / L) / e.decision_prompt_sigma / math.sqrt(2))
+    return 0.5 * math.erfc(math.log(longest / L) / e.prompt_sigma / math.sqrt(2))
 
 
 def length_point(e, base: RunConfig, one_gpu, L: int, tbt: float) -> tuple[RunConfig, SLOTargets]:
     """A deployment's probe config at L (rate and size still to set) and the
     SLO targets it is judged by: TTFT k x one GPU's (`one_gpu`, a CostModel)
     whole prefill of L, the TBT target `tbt` ms."""
-    targets = SLOTargets(e.decision_ttft_k * one_gpu.iteration_time_s([(L, L)]) * 1e3, float(tbt),
-                         e.decision_fluidity_min)
+    targets = SLOTargets(e.ttft_k * one_gpu.iteration_time_s([(L, L)]) * 1e3, float(tbt),
+                         e.fluidity_min)
     return replace_run(base, workload=_workload(e, L), slo=dataclasses.replace(
         base.slo, ttft_ms=targets.ttft_ms, tpot_ms=float(tbt))), targets
 
@@ -372,7 +372,7 @@ def length_rows(prober: Prober, e, point: RunConfig, dep: Deployment, num_gpus: 
     base = dep.apply(point)
     validate(base)
     gpus = dep.num_gpus(base)
-    service_s = isolated_s(worker, L, e.decision_output_len)
+    service_s = isolated_s(worker, L, e.output_len)
     bracket = None
     if seed is not None:
         bracket, service_s = (seed.capacity, seed.first_failing), seed.service_s or service_s
@@ -382,8 +382,8 @@ def length_rows(prober: Prober, e, point: RunConfig, dep: Deployment, num_gpus: 
         if share > 0.01:
             log(f"decision: {dep.label} at L={L}: {share:.0%} of the requests need more KV than a worker's "
                 f"{base.num_kv_blocks} blocks ({base.num_kv_blocks * base.block_size} tokens) and never finish; "
-                f"raise it with +experiment.decision_kv_blocks.{point.hardware.name}=N")
-    for tbt in e.decision_tbt_slos_ms:
+                f"raise it with +experiment.kv_blocks.{point.hardware.name}=N")
+    for tbt in e.tbt_slos_ms:
         slo_cfg, targets = length_point(e, base, one_gpu, L, tbt)
         for smooth in smooths:
             run_cfg = judged_run(slo_cfg, smooth)
@@ -393,8 +393,8 @@ def length_rows(prober: Prober, e, point: RunConfig, dep: Deployment, num_gpus: 
                    *(("no-slack",) if run_cfg is not slo_cfg else ()))
             t0 = time.monotonic()
             res = Search(None, "none", skip, False, 0) if skip else search(
-                prober, key, run_cfg, smooth, targets, start, service_s, rel_tol or e.capacity_rel_tol,
-                max_probes or e.capacity_max_probes, bracket, e.decision_max_requests_per_gpu * num_gpus)
+                prober, key, run_cfg, smooth, targets, start, service_s, rel_tol or e.rel_tol,
+                max_probes or e.max_probes, bracket, e.max_requests_per_gpu * num_gpus)
             if first is None or (first.capacity is None and res.capacity is not None):
                 first = res
             rows += [_row(point, link, num_gpus, smooth.name, tbt, targets, L, dep, gpus, res, prober.runner.source)

@@ -71,5 +71,5 @@ SMOOTHNESS = {cls.name: cls for cls in (P99TBT, Fluidity)}
 
 def get_smoothness(name: str) -> Smoothness:
     if name not in SMOOTHNESS:
-        raise ValueError(f"experiment.decision_smoothness: '{name}' is not known; choose from {', '.join(SMOOTHNESS)}")
+        raise ValueError(f"experiment.smoothness: '{name}' is not known; choose from {', '.join(SMOOTHNESS)}")
     return SMOOTHNESS[name]()

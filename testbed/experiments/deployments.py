@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from itertools import product
 
 from testbed.config import RunConfig
-from testbed.experiments.config import ExperimentConfig
+from testbed.experiments.decision_config import DecisionConfig
 from testbed.pool_config import PoolConfig
 
 FAMILIES = ("colocated", "disaggregated", "hybrid")
@@ -40,7 +40,7 @@ class Deployment:
         return replace_run(
             cfg, mode=self.mode, scheduler=self.scheduler, token_budget=self.token_budget or cfg.token_budget,
             replicas=self.replicas, prefill_workers=self.prefill_workers, decode_workers=self.decode_workers,
-            prefill=pool(self.prefill_tp), decode=pool(self.decode_tp), experiment=ExperimentConfig(),
+            prefill=pool(self.prefill_tp), decode=pool(self.decode_tp), experiment=None,
             wandb=dataclasses.replace(cfg.wandb, mode="disabled"), progress=False)
 
     def num_gpus(self, cfg: RunConfig) -> int:
@@ -58,23 +58,23 @@ def replace_run(cfg: RunConfig, **changes) -> RunConfig:
     return dataclasses.replace(cfg, **changes)
 
 
-def deployments(e: ExperimentConfig, num_gpus: int, tp: int, reuse: bool) -> list[Deployment]:
+def deployments(e: DecisionConfig, num_gpus: int, tp: int, reuse: bool) -> list[Deployment]:
     """Every deployment on `num_gpus` GPUs, each worker at least `tp` GPUs:
     sarathi at each of e.token_budgets and adaptive on num_gpus/tp replicas;
     disagg (e.disagg_scheduler in both pools) at every xPyD split and tensor
-    parallelism per pool from e.decision_pool_tp (at least `tp`) with
+    parallelism per pool from e.pool_tp (at least `tp`) with
     x * prefill tp + y * decode tp = num_gpus; the same with the KV store when
-    the workload reuses prefixes. e.decision_deployments, when given, keeps
+    the workload reuses prefixes. e.deployments, when given, keeps
     only those labels (each must name one of them)."""
     out = []
     if num_gpus % tp == 0:
         replicas = num_gpus // tp
         out += [Deployment(f"sarathi-{c}", "colocated", "colocated", "sarathi", c, replicas=replicas,
                            uses_link=False) for c in e.token_budgets]
-        if "adaptive" in e.decision_colocated:
+        if "adaptive" in e.colocated:
             out.append(Deployment("adaptive", "colocated", "colocated", "adaptive", replicas=replicas,
                                   reads_slo=True, uses_link=False))
-    tps = sorted({t for t in e.decision_pool_tp if t >= tp} | {tp})
+    tps = sorted({t for t in e.pool_tp if t >= tp} | {tp})
     splits = [(x, tp_p, (num_gpus - x * tp_p) // tp_d, tp_d) for tp_p, tp_d in product(tps, tps)
               for x in range(1, num_gpus // tp_p + 1)
               if num_gpus - x * tp_p >= tp_d and (num_gpus - x * tp_p) % tp_d == 0]
@@ -85,11 +85,11 @@ def deployments(e: ExperimentConfig, num_gpus: int, tp: int, reuse: bool) -> lis
             out.append(Deployment(f"{mode}-{x}P{y}D{suffix}", "disaggregated", mode, e.disagg_scheduler,
                                   prefill_workers=x, decode_workers=y, prefill_tp=tp_p, decode_tp=tp_d,
                                   reads_slo=reads_slo))
-    if not e.decision_deployments:
+    if not e.deployments:
         return out
     labels = [d.label for d in out]
-    unknown = [k for k in e.decision_deployments if k not in labels]
+    unknown = [k for k in e.deployments if k not in labels]
     if unknown:
-        raise ValueError(f"experiment.decision_deployments: {unknown} not among the deployments on {num_gpus} "
+        raise ValueError(f"experiment.deployments: {unknown} not among the deployments on {num_gpus} "
                          f"GPUs: choose from {', '.join(labels)}")
-    return [d for d in out if d.label in e.decision_deployments]
+    return [d for d in out if d.label in e.deployments]

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from testbed.experiments import save_figure
 from testbed.config import RunConfig
-from testbed.experiments.config import ExperimentConfig, parse_split
+from testbed.experiments.config import parse_split
+from testbed.experiments.serving_config import StallConfig
 from testbed.metrics import read_requests
 from testbed.model.config import load_model_preset
 from testbed.sim.config import load_hardware_preset
@@ -52,10 +53,10 @@ class Policy:
             cfg, mode=self.mode, scheduler=self.scheduler,
             token_budget=self.token_budget or cfg.token_budget, replicas=self.replicas,
             prefill_workers=self.prefill_workers, decode_workers=self.decode_workers,
-            experiment=ExperimentConfig(), wandb=dataclasses.replace(cfg.wandb, mode="disabled"), **changes)
+            experiment=None, wandb=dataclasses.replace(cfg.wandb, mode="disabled"), **changes)
 
 
-def policies(e: ExperimentConfig, num_gpus: int = 1) -> list[Policy]:
+def policies(e: StallConfig, num_gpus: int = 1) -> list[Policy]:
     """The colocated schedulers (sarathi once per token budget) on `num_gpus`
     replicas, then each xPyD split of e.disagg_splits with that many GPUs
     (all of them when num_gpus is 1, the stall study's single worker)."""
@@ -156,24 +157,24 @@ def _capacity_rows(cfg: RunConfig, source: str, labels: list[str] | None, out: P
     rows, probe_rows = [], []
     gpu_counts = sorted({sum(parse_split(s)) for s in e.disagg_splits}) if labels is None else [1]
     if labels is None:
-        specs = list(e.capacity_workloads.items())
+        specs = list(e.workloads.items())
     else:
-        specs = [(e.real_capacity_workload.get("name", "small"), e.real_capacity_workload)]
+        specs = [(e.real_workload.get("name", "small"), e.real_workload)]
     # the real-engine point's probes reach a steady state (testbed/steady_state.py): a burst of a
     # dozen requests measures nothing; the simulator's workloads are fixed request sets
-    steady = (SteadyRule(e.capacity_span_factor, e.capacity_min_judged, e.capacity_max_requests)
+    steady = (SteadyRule(e.span_factor, e.min_judged, e.max_requests)
               if source == "real" else None)
     for name, spec in specs:
         slo, workload = dict(spec["slo"]), _workload(name, spec)
-        start = spec.get("rate_start", e.capacity_rate_start)
-        max_probes = spec.get("max_probes", e.capacity_max_probes)
+        start = spec.get("rate_start", e.rate_start)
+        max_probes = spec.get("max_probes", e.max_probes)
         for gpus in gpu_counts:
             for policy in [p for p in policies(e, gpus) if labels is None or p.label in labels]:
                 run_cfg = policy.apply(
                     cfg, workload=dataclasses.replace(workload, arrival="poisson", time_scale=1.0,
                                                       rate=start * policy.num_gpus), slo=_slo(cfg, slo))
                 res = find_capacity(run_cfg, out / "probes" / name / f"{policy.label}-{policy.num_gpus}gpu",
-                                    e.capacity_rel_tol, max_probes, log=lambda *_: None, steady=steady)
+                                    e.rel_tol, max_probes, log=lambda *_: None, steady=steady)
                 bound = ("below_lowest" if res.rate is None else "no_failure" if res.first_failing_rate is None
                          else "found")
                 at = next((p for p in res.probes if p.meets_slo and p.rate == res.rate), None)
@@ -280,22 +281,22 @@ def _plot_capacity(rows: list[dict], probe_rows: list[dict], path: Path) -> None
 
 def run_capacity(cfg: RunConfig, out: Path, log=print) -> dict:
     e = cfg.experiment
-    for name, spec in e.capacity_workloads.items():      # every spec checked before the first run
-        _check_spec(f"experiment.capacity_workloads.{name}", spec)
+    for name, spec in e.workloads.items():      # every spec checked before the first run
+        _check_spec(f"experiment.workloads.{name}", spec)
         _workload(name, spec)
-    if e.real and e.real_capacity_policies:
-        _check_spec("experiment.real_capacity_workload", e.real_capacity_workload)
+    if e.real and e.real_policies:
+        _check_spec("experiment.real_workload", e.real_workload)
         known = [p.label for p in policies(e)]
-        unknown = [label for label in e.real_capacity_policies if label not in known]
+        unknown = [label for label in e.real_policies if label not in known]
         if unknown:
-            raise ValueError(f"experiment.real_capacity_policies: {unknown} not among this experiment's policies "
+            raise ValueError(f"experiment.real_policies: {unknown} not among this experiment's policies "
                              f"{known} (schedulers x token_budgets, disagg_splits)")
-    if not e.capacity_workloads:
-        raise ValueError("experiment.capacity_workloads: empty; conf/experiment/capacity.yaml sets the workloads "
+    if not e.workloads:
+        raise ValueError("experiment.workloads: empty; conf/experiment/capacity.yaml sets the workloads "
                          "and their SLOs (run `testbed run experiment=capacity`)")
     rows, probe_rows = _capacity_rows(_sim_cfg(cfg), "sim", None, out, log)
-    if e.real and e.real_capacity_policies:
-        real_rows, real_probes = _capacity_rows(_real_cfg(cfg), "real", list(e.real_capacity_policies), out, log)
+    if e.real and e.real_policies:
+        real_rows, real_probes = _capacity_rows(_real_cfg(cfg), "real", list(e.real_policies), out, log)
         rows, probe_rows = rows + real_rows, probe_rows + real_probes
     _write_csv(out / "capacity.csv", rows)
     _write_csv(out / "capacity_probes.csv", probe_rows)

@@ -53,7 +53,7 @@ def scheduler_config(cfg: RunConfig) -> SchedulerConfig:
     token_budget = resolve_token_budget(cfg.token_budget, lambda: predictor(cfg), cfg.slo.tpot_ms,
                                         cfg.max_num_seqs, cfg.adaptive)
     return SchedulerConfig(token_budget=token_budget, max_num_seqs=cfg.max_num_seqs,
-                           max_num_batched_tokens=cfg.max_num_batched_tokens, adaptive=cfg.adaptive)
+                           max_num_batched_tokens=cfg.max_num_batched_tokens, settings=cfg.adaptive)
 
 
 def predictor(cfg: RunConfig):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from testbed.config import RunConfig
 from testbed.metrics import IterationRecord, RequestRecord
@@ -50,10 +50,8 @@ def record_log(cfg: RunConfig, record_dir=None) -> RecordLog:
 
 
 def mode_settings(cfg: RunConfig) -> ModeSettings:
-    return ModeSettings(replicas=cfg.replicas, prefill_workers=cfg.prefill_workers,
-                        decode_workers=cfg.decode_workers, router=cfg.router, prefill_router=cfg.prefill_router,
-                        decode_router=cfg.decode_router, num_kv_blocks=cfg.num_kv_blocks, block_size=cfg.block_size,
-                        kvstore=cfg.kvstore, slo_ttft_ms=cfg.slo.ttft_ms,
+    shared = {f.name for f in fields(ModeSettings)} & {f.name for f in fields(cfg)}
+    return ModeSettings(**{name: getattr(cfg, name) for name in shared}, slo_ttft_ms=cfg.slo.ttft_ms,
                         kv_bytes_per_token=cfg.model.kv_bytes_per_token,
                         router_context=lambda: router_context(cfg),
                         pool_kv_blocks={p: pool_config(cfg, p).num_kv_blocks for p in POOLS},

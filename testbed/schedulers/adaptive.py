@@ -43,6 +43,7 @@ from typing import Callable
 from testbed.batch import Batch
 from testbed.block_manager import BlockManager
 from testbed.request import Request
+from testbed.schedulers.adaptive_config import AdaptiveConfig
 from testbed.schedulers.base import SchedulerConfig
 from testbed.schedulers.budget import largest_fitting
 from testbed.schedulers.context import SchedulerContext
@@ -67,7 +68,7 @@ class AdaptiveScheduler(SarathiScheduler):
         if context is None or context.predictor is None:
             raise ValueError("scheduler=adaptive: needs a SchedulerContext with a step-time predictor "
                              "(testbed/runtime/build.py's scheduler_context builds one)")
-        self.acfg = cfg.adaptive
+        self.acfg = cfg.settings if cfg.settings is not None else AdaptiveConfig()
         self.acfg.validate()
         self.min_chunk = self.acfg.min_budget
         self.predictor = context.predictor

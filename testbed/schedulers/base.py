@@ -11,13 +11,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import deque
-from dataclasses import dataclass, field
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from testbed.batch import Batch, ScheduledSlice
 from testbed.block_manager import BlockManager
 from testbed.request import Request, RequestStatus
-from testbed.schedulers.adaptive_config import AdaptiveConfig
 from testbed.schedulers.context import SchedulerContext
 
 
@@ -27,7 +26,7 @@ class SchedulerConfig:
     token_budget: int             # sarathi / adaptive: tokens per iteration
     max_num_seqs: int             # requests running at once
     max_num_batched_tokens: int   # whole-prefill policies: prompt tokens per iteration
-    adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)   # adaptive's bounds (its defaults)
+    settings: Any = None          # the policy's own section of the run config (adaptive: AdaptiveConfig)
 
     def validate(self) -> None:
         for f in ("token_budget", "max_num_seqs", "max_num_batched_tokens"):

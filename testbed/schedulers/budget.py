@@ -49,11 +49,12 @@ def auto_token_budget(predictor: StepTimePredictor, slo_tbt_ms: float, max_num_s
 
 
 def resolve_token_budget(token_budget: int | str, predictor: Callable[[], StepTimePredictor],
-                         slo_tbt_ms: float, max_num_seqs: int, cfg: AdaptiveConfig) -> int:
-    """`token_budget` as an int; "auto" asks `predictor()` (built only then)."""
+                         slo_tbt_ms: float, max_num_seqs: int, cfg: AdaptiveConfig | None) -> int:
+    """`token_budget` as an int; "auto" asks `predictor()` (built only then),
+    bounded by the run's adaptive section (its defaults where it has none)."""
     check_token_budget(token_budget)
     if token_budget == AUTO:
-        return auto_token_budget(predictor(), slo_tbt_ms, max_num_seqs, cfg)
+        return auto_token_budget(predictor(), slo_tbt_ms, max_num_seqs, cfg or AdaptiveConfig())
     return token_budget
 
 
