@@ -41,6 +41,8 @@ from testbed.sim.kv_sharding import handoff_links
 from testbed.sim.link_model import LinkModel
 from testbed.sim.memory import format_footprint, kv_footprint
 from testbed.runtime.sim_arrivals import Arrivals
+from testbed.runtime.sim_decode_run import deliver_run, steady_step, worker_decode_run
+from testbed.runtime.sim_fast_forward import ShowsApart, SteadyDecodes
 from testbed.runtime.sim_iteration_order import IterationOrder
 from testbed.runtime.sim_store import SimStoreNode, SimStorePort
 from testbed.worker import WorkerService
@@ -129,11 +131,14 @@ class SimRuntime:
         # fast-forward (_run_ahead): only without frontend hops, whose delivery times would
         # let a worker's later events overtake its earlier ones
         self.fast_forward = cfg.runtime.sim_fast_forward and not (self.hop_s or self.message_s)
+        # workers whose scheduler has the steady-decode short path (SteadyDecodes)
+        self.steady = {w for w, svc in self.services.items() if isinstance(svc.engine.scheduler, SteadyDecodes)}
         # with fast-forward, a steady decode batch takes its short path in _step too where the controller
         # may answer events (a disagg decode worker, whose run-ahead the other workers' events keep short,
         # steps most of its iterations there; a colocated one runs ahead at once, and asking first would
         # cost its prefill iterations a scan of the running requests)
-        self.steady_in_step = self.fast_forward and self.controller.commands_on_events
+        self.steady_in_step = self.steady if self.fast_forward and self.controller.commands_on_events else set()
+        self._apart_from = self.controller.apart_from if isinstance(self.controller, ShowsApart) else None
         self.arrivals = Arrivals([], self.controller, len(self.workers))     # run()'s
         # iterations run ahead, iterations on the steady-decode short path (run ahead or not), and
         # iterations in a DecodeRun
@@ -196,7 +201,7 @@ class SimRuntime:
     def _step(self, worker_id: str) -> None:
         self.step_scheduled.discard(worker_id)
         svc = self.services[worker_id]
-        out = svc.step(steady_decodes_only=True) if self.steady_in_step else None
+        out = svc.step(steady_step) if worker_id in self.steady_in_step else None
         if out is not None:
             self.num_steady += 1
         else:
@@ -227,15 +232,16 @@ class SimRuntime:
         next iteration then (the same code, or its steady-decode short path).
         So do it now, iteration after iteration. Where nothing but an arrival
         can reach it (colocated), or its controller shows which workers' events
-        cannot (disagg's decode workers, controller.apart_from), the steady
-        decode iterations before the last go as one DecodeRun
-        (Engine.step_decode_run): the controller and IterationOrder take them
+        cannot (disagg's decode workers: ShowsApart), the steady decode
+        iterations before the last go as one DecodeRun
+        (sim_decode_run.decode_run): the controller and IterationOrder take them
         at their own instants all at once, and the controller hears the free
         blocks after the last. The clock runs ahead meanwhile; IterationOrder
         puts the iteration records back in time order. Returns the last
         iteration, whose events go through the heap as usual, or None where
         the worker went back to the heap's order (as _deliver and _step do)."""
         svc, box, clock, heap = self.services[worker_id], self.outbox[worker_id], self.clock, self._heap
+        steady = worker_id in self.steady
         bounded_by_heap = self.controller.commands_on_events
         # colocated: only an arrival reaches it
         until, runs = (self.arrivals.next_s if bounded_by_heap else self.arrivals.planned_s(worker_id)), True
@@ -263,21 +269,21 @@ class SimRuntime:
                 return None
             self.num_run_ahead += 1
             out = None
-            if runs:
+            if runs and steady:
                 # the controller only records what the iterations before it emit: run them as one
-                run, out = svc.step_decode_run(until)
+                run, out = worker_decode_run(svc, until)
                 if run is not None:
                     ends = run.ends_s
                     self.num_run_ahead += len(ends)
                     self.num_steady += len(ends)
                     self.num_in_runs += len(ends)
                     clock.t = self.busy_until[worker_id] = ends[-1]
-                    self.controller.on_decode_run(run)
+                    deliver_run(self.controller, run)
                     self.order.iterations(run.iterations, ends)
                     if bounded_by_heap:
                         self.controller.on_free_blocks(worker_id, run.free_blocks, ends[-1])
-            else:
-                out = svc.step(steady_decodes_only=True)
+            elif steady:
+                out = svc.step(steady_step)
             if out is not None:
                 self.num_steady += 1
             else:
@@ -292,14 +298,14 @@ class SimRuntime:
         its steady decodes may run as one DecodeRun up to it. Colocated: the
         next arrival. A controller that may answer any event with a command:
         also the heap's next event, except the events of the workers its
-        controller shows apart from this one (apart_from; then runs are
+        controller shows apart from this one (ShowsApart; then runs are
         allowed), unless a worker outside them has work and nothing in the
         heap (waiting for memory: any event might start it)."""
         arrival = self.arrivals.next_s
         if not self.controller.commands_on_events:
             return arrival, True
         heap = self._heap
-        apart = self.controller.apart_from(worker_id)
+        apart = self._apart_from(worker_id) if self._apart_from is not None else None
         if apart is None:
             return (min(arrival, heap[0][0]) if heap else arrival), False
         until, owners = arrival, set()
