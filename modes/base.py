@@ -149,7 +149,7 @@ class ModeController(ABC):
         after it reach the client now, in order."""
         rec = self.records[rid]
         if index == len(rec.output_token_ids) and rid not in self.early_tokens:
-            # in order, nothing held: the common case, ~10^6 times in a long simulation
+            # in order, nothing held: the common case, once per token
             rec.output_token_ids.append(token)
             rec.token_times_s.append(now)
             if rec.first_token_s is None:

@@ -21,7 +21,8 @@ from testbed.runtime.messages import (Abort, Add, Command, Connect, Event, Expec
 from testbed.runtime.store_port import StorePort
 
 Emit = Callable[[Event], None]
-LayerHook = Callable[[int, Batch], None]     # after each layer of the forward pass
+# a step's call into the engine: Engine.step, or a runtime's own path (None: it ran nothing)
+EngineStep = Callable[[Engine, Callable[[int, Batch], None] | None], StepOutput | None]
 
 
 class WorkerService:
@@ -96,7 +97,7 @@ class WorkerService:
         """The frontend still counts on these requests (its heartbeat says so):
         what is held for them is waiting, not lost, and its lease starts over."""
 
-    def _layer_hook(self) -> LayerHook | None:
+    def _layer_hook(self) -> Callable[[int, Batch], None] | None:
         return None
 
     def _before_step(self) -> None:
@@ -105,9 +106,8 @@ class WorkerService:
     def _after_finished(self, out: StepOutput) -> None:
         """Between the step's `finished` events and its `preempted` ones."""
 
-    def step(self, run: Callable[[Engine, LayerHook | None], StepOutput | None] = Engine.step) -> StepOutput | None:
-        """One iteration: `run` steps the engine (a runtime's own path may
-        return None having run nothing)."""
+    def step(self, run: EngineStep = Engine.step) -> StepOutput | None:
+        """One iteration, or None where `run` ran nothing."""
         self._before_step()
         out = run(self.engine, self._layer_hook())
         if out is not None:
