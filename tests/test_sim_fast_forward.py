@@ -134,9 +134,8 @@ def test_the_fast_path_writes_the_same_run(case, tmp_path):
                                 if json.loads(line)["worker"].startswith("decode"))
         if case != "disagg_seats":
             assert on.num_steady > decode_iterations / 2
-    if CASES[case][0] in ("mode=disagg", "mode=kvstore") and case != "disagg_seats":
+    if CASES[case][0] == "mode=disagg" and case != "disagg_seats":
         # with nothing queued for a decode worker, it decodes past the other decode worker's events
-        # (kvstore: the store's events and the prefill workers' bound it, as disagg's prefill workers' do)
         assert on.num_in_runs > decode_iterations / 10
     if "adaptive" in case:
         # its steady decodes ran in DecodeRuns, each iteration still with its prediction
