@@ -13,11 +13,9 @@ mode's routers (modes/routers.py) read."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Callable, ClassVar
 
-from testbed.engine import DecodeRun
 from testbed.metrics import RequestRecord
 from testbed.modes.pool import PoolState
 from testbed.record_log import RecordList, RecordSink
@@ -104,46 +102,6 @@ class ModeController(ABC):
         else:
             self.on_mode_event(ev, now)
 
-    def planned_targets(self, upcoming: list[Request]) -> Iterator[str]:
-        """The worker each of the `upcoming` arrivals (in arrival order, none
-        arrived yet) will be sent to, "" for one that ends at its arrival;
-        stops at the first it cannot say (the default: at once). A
-        controller that sends nothing but arrivals (commands_on_events False)
-        lets the simulator run a worker ahead up to the first arrival planned
-        for it (runtime/sim.py)."""
-        return iter(())
-
-    def apart_from(self, worker_id: str) -> frozenset[str] | None:
-        """The workers whose events, from now until the next arrival, can
-        neither reach `worker_id` (a command, KV), nor make this controller
-        read its state, nor give work to a worker outside them that has none
-        (possibly none: then only the others' events can). The simulator runs
-        `worker_id`'s steady decodes past their events as one DecodeRun
-        (runtime/sim.py, _horizon). None, the default: not known (a controller
-        with commands_on_events is then asked at every event)."""
-        return None
-
-    def on_decode_run(self, run: DecodeRun) -> None:
-        """The tokens of a worker's DecodeRun (the simulator's fast-forward):
-        on_event of each iteration's Tokens at its end, less the per-token calls.
-        The runtime hands the run's iteration records to the sink."""
-        ends = run.ends_s
-        records, unresolved = self.records, self.unresolved
-        for req, first, tokens in zip(run.requests, run.first_index, zip(*run.tokens)):
-            rid = req.request_id
-            if rid not in unresolved:
-                continue
-            rec = records[rid]
-            if first == len(rec.output_token_ids) and rid not in self.early_tokens:
-                rec.output_token_ids += tokens
-                rec.token_times_s += ends
-                if rec.first_token_s is None:
-                    rec.first_token_s = ends[0]
-                continue
-            for index, token, now in zip(range(first, first + len(ends)), tokens, ends):
-                if rid in unresolved:
-                    self._deliver(rid, index, token, now)
-
     def abort(self, request_id: str, now: float, status: str = "aborted",
               error: str = "aborted by the client") -> None:
         """The client gave up on the request (the runtime: it timed out, status failed)."""
@@ -191,7 +149,7 @@ class ModeController(ABC):
         after it reach the client now, in order."""
         rec = self.records[rid]
         if index == len(rec.output_token_ids) and rid not in self.early_tokens:
-            # in order, nothing held: the common case, ~10^6 times in a long simulation
+            # in order, nothing held: the common case, once per token
             rec.output_token_ids.append(token)
             rec.token_times_s.append(now)
             if rec.first_token_s is None:

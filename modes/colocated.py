@@ -48,6 +48,7 @@ class ColocatedController(ReplicaRouting):
         self._to_replica(req, self.router, now)
 
     def planned_targets(self, upcoming: list[Request]) -> Iterator[str]:
+        # runtime=sim's PlansArrivals (testbed/runtime/sim_fast_forward.py):
         # on_arrival's and _to_replica's steps, without their effects
         alive, picks = self.alive(self.replicas), 0
         for req in upcoming:

@@ -93,10 +93,11 @@ class DisaggController(ModeController):
             self.send(best, Reserve(self.request_msg(ho.request)))
 
     def apart_from(self, worker_id: str) -> frozenset[str] | None:
-        # with nothing queued or being reserved, a Reserve (the only command that gives a decode
-        # worker work, and the only reading of its free blocks) goes out on an arrival alone;
-        # another decode worker's events then deliver tokens, end requests and release blocks
-        # (a prefill worker's too: that gives it no work)
+        # runtime=sim's ShowsApart (testbed/runtime/sim_fast_forward.py). With nothing queued
+        # or being reserved, a Reserve (the only command that gives a decode worker work, and
+        # the only reading of its free blocks) goes out on an arrival alone; another decode
+        # worker's events then deliver tokens, end requests and release blocks (a prefill
+        # worker's too: that gives it no work)
         if worker_id not in self.decode_set or self.queue or self.reserving:
             return None
         return self._decode_peers[worker_id]

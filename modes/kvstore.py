@@ -37,6 +37,11 @@ class KVStoreController(DisaggController):
         self.uncached: dict[str, tuple[str, int]] = {}     # id -> (prefill worker, tokens it must compute)
         self.num_rejected = 0
 
+    def apart_from(self, worker_id: str) -> frozenset[str] | None:
+        # runtime=sim: no decode worker shown apart. Disagg's DecodeRuns bought kvstore no
+        # speed beyond the noise (experiments/benchmarks/bench_kvstore.py speed --cases kvstore)
+        return None
+
     def route(self, req: Request, now: float) -> None:
         why = self._rejection(req) if self.estimator is not None else None
         if why is not None:

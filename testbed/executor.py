@@ -21,15 +21,16 @@ class Executor(ABC):
         and sample a token for every slice that brings its request up to date."""
 
     def execute_decodes(self, requests: list[Request]) -> tuple[list[int], float, int]:
-        """execute() of a batch of one decode per request (Engine.step_steady_decodes):
-        the sampled tokens in request order, the duration and the KV bytes read."""
+        """execute() of a batch of one decode per request (the simulator's
+        steady decodes, testbed/runtime/sim_decode_run.py): the sampled tokens
+        in request order, the duration and the KV bytes read."""
         result = self.execute(Batch([ScheduledSlice(r, 1) for r in requests]))
         return ([result.sampled[r.request_id] for r in requests], result.duration_s, result.kv_bytes_read)
 
     def decode_steps(self, requests: list[Request]) -> Iterator[tuple[list[int], float, int]]:
         """execute_decodes(requests) of successive iterations, each when every
         request has one more computed token than at the one before
-        (Engine.step_decode_run, where nothing else changes between them)."""
+        (a decode run, where nothing else changes between them)."""
         while True:
             yield self.execute_decodes(requests)
 

@@ -1,8 +1,9 @@
 """WorkerService: an engine that takes frontend commands and emits events
 (testbed/runtime/messages.py). This class is the colocated worker: it
 prefills and decodes its own requests. A mode's other roles subclass it
-(modes/roles.py) and say, as class attributes, what their engine is built
-with, so that neither the runtimes nor this class test a role's name.
+(modes/disagg_roles.py, modes/kvstore_roles.py) and say, as class
+attributes, what their engine is built with, so that neither the runtimes
+nor this class test a role's name.
 
 The real runtime runs one per process and moves the messages over ZMQ; the
 simulator calls the same methods in virtual-time order. Neither the engine nor
@@ -12,7 +13,7 @@ from __future__ import annotations
 from typing import Callable, ClassVar
 
 from testbed.batch import Batch
-from testbed.engine import DecodeRun, Engine, StepOutput
+from testbed.engine import Engine, StepOutput
 from testbed.request import RequestStatus
 from testbed.runtime.kv_port import KVPort
 from testbed.runtime.messages import (Abort, Add, Command, Connect, Event, ExpectSenders, Finished, IterationDone,
@@ -20,6 +21,8 @@ from testbed.runtime.messages import (Abort, Add, Command, Connect, Event, Expec
 from testbed.runtime.store_port import StorePort
 
 Emit = Callable[[Event], None]
+# a step's call into the engine: Engine.step, or a runtime's own path (None: it ran nothing)
+EngineStep = Callable[[Engine, Callable[[int, Batch], None] | None], StepOutput | None]
 
 
 class WorkerService:
@@ -103,13 +106,10 @@ class WorkerService:
     def _after_finished(self, out: StepOutput) -> None:
         """Between the step's `finished` events and its `preempted` ones."""
 
-    def step(self, steady_decodes_only: bool = False) -> StepOutput | None:
-        """One iteration. `steady_decodes_only`: only if it is a steady decode
-        batch (Engine.step_steady_decodes), else None, having run nothing:
-        the simulator's short path for back-to-back decodes."""
+    def step(self, run: EngineStep = Engine.step) -> StepOutput | None:
+        """One iteration, or None where `run` ran nothing."""
         self._before_step()
-        engine = self.engine
-        out = (engine.step_steady_decodes if steady_decodes_only else engine.step)(self._layer_hook())
+        out = run(self.engine, self._layer_hook())
         if out is not None:
             self._emit_step(out)
         return out
@@ -128,20 +128,6 @@ class WorkerService:
             self.emit(Preempted(req.request_id))
         out.iteration.worker = self.worker_id
         self.emit(IterationDone(out.iteration, self.engine.bm.num_free_blocks))
-
-    def step_decode_run(self, until_s: float) -> tuple[DecodeRun | None, StepOutput | None]:
-        """Engine.step_decode_run: the iterations of the run emit nothing (the
-        simulator hands the run to the controller and its records to the
-        sink); the last, if any, emits as step() does. Only where no event of
-        the run could change what the worker does next (runtime/sim.py)."""
-        self._before_step()
-        run, out = self.engine.step_decode_run(until_s)
-        if run is not None:
-            for record in run.iterations:
-                record.worker = self.worker_id
-        if out is not None:
-            self._emit_step(out)
-        return run, out
 
     def _forget(self, request_id: str) -> None:
         """A request finished in this step: drop the role's state for it."""

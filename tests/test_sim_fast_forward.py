@@ -23,6 +23,7 @@ from testbed.modes.routers import RoundRobin, Router
 from testbed.request import Request
 from testbed.runtime.build import sampled
 from testbed.runtime.sim import SimRuntime
+from testbed.runtime.sim_decode_run import decode_run, steady_step
 from testbed.sim.config import load_hardware_preset
 from testbed.sim.cost_executor import CostModelExecutor
 from testbed.sim.cost_model import CostModel
@@ -125,7 +126,7 @@ def test_the_fast_path_writes_the_same_run(case, tmp_path):
     if case == "colocated":
         iterations = sum(1 for _ in open(tmp_path / "on" / "iterations.jsonl"))
         assert on.num_run_ahead > iterations / 2 and on.num_steady > on.num_run_ahead / 2
-        assert on.num_in_runs > on.num_steady / 4      # steady stretches ran as DecodeRuns (Engine.step_decode_run)
+        assert on.num_in_runs > on.num_steady / 4      # steady stretches ran as DecodeRuns (decode_run)
     if CASES[case][0] != "mode=colocated":
         # decode workers step their steady decode batches on the short path, run ahead or not
         # (not while KV waits for a seat, as it mostly does in disagg_seats: step() seats it)
@@ -133,9 +134,8 @@ def test_the_fast_path_writes_the_same_run(case, tmp_path):
                                 if json.loads(line)["worker"].startswith("decode"))
         if case != "disagg_seats":
             assert on.num_steady > decode_iterations / 2
-    if CASES[case][0] in ("mode=disagg", "mode=kvstore") and case != "disagg_seats":
+    if CASES[case][0] == "mode=disagg" and case != "disagg_seats":
         # with nothing queued for a decode worker, it decodes past the other decode worker's events
-        # (kvstore: the store's events and the prefill workers' bound it, as disagg's prefill workers' do)
         assert on.num_in_runs > decode_iterations / 10
     if "adaptive" in case:
         # its steady decodes ran in DecodeRuns, each iteration still with its prediction
@@ -214,7 +214,7 @@ def _sim_engine(num_blocks: int):
 @pytest.mark.parametrize("num_blocks", [200, 24])     # 24: a block runs short, the run stops, step() preempts
 @pytest.mark.parametrize("horizon_s", [float("inf"), 0.002])
 def test_a_decode_run_is_its_steady_decode_steps_one_by_one(num_blocks, horizon_s):
-    """Engine.step_decode_run against step_steady_decodes/step one call at a
+    """sim_decode_run.decode_run against steady_step/Engine.step one call at a
     time: the same iteration records (floats exact), tokens and token times,
     block tables as they go and the prefix cache at the end; the run stops
     before an iteration that would end past `until_s` or finish a request."""
@@ -227,12 +227,12 @@ def test_a_decode_run_is_its_steady_decode_steps_one_by_one(num_blocks, horizon_
 
     free_after_steps, free_after_runs = [], {}       # what each iteration's IterationDone would say
     while by_steps.has_work():
-        out = by_steps.step_steady_decodes() or by_steps.step()
+        out = steady_step(by_steps) or by_steps.step()
         seen_steps.append((out.iteration.__dict__.copy(), state(by_steps)))
         free_after_steps.append(by_steps.bm.num_free_blocks)
     while by_runs.has_work():
         until = by_runs.clock.t + horizon_s
-        run, out = by_runs.step_decode_run(until)
+        run, out = decode_run(by_runs, until)
         if run is not None:
             num_in_runs += len(run.iterations)
             assert all(end < until for end in run.ends_s)

@@ -4,16 +4,19 @@ discrete-event loop over a virtual clock. Only the executor (cost model) and
 the KV transport (link model) are models.
 
 Events are (time, seq, action, arg) in a heap; arrivals wait in their own
-sorted stream beside it (a 100K-request workload never sits in the heap;
-sim_arrivals.py, which plans where the next few go). A
-worker steps whenever it is idle and has work; the events it emits reach the
-controller when its iteration ends. Commands from the controller and events
-from workers take hardware.frontend_hop_ms, and the frontend spends
-frontend_message_ms on each command it sends: 0 on the GPU presets (control
-messages are small next to iterations), measured on this CPU, where the real
-runtime's loopback ZMQ hop is a few percent of a tiny model's TTFT. Commands
-carry the request's prompt as it is: a lazy 1M-token prompt is never copied,
-only materialized for a worker whose block manager hashes it (materialize_prompt)."""
+sorted stream beside it (sim_arrivals.py: a 100K-request workload never sits
+in the heap). A worker steps whenever it is idle and has work; the events it
+emits reach the controller when its iteration ends. Commands from the
+controller and events from workers take hardware.frontend_hop_ms, and the
+frontend spends frontend_message_ms on each command it sends (0 on the GPU
+presets: control messages are small next to iterations; the CPU preset's are
+measured). Commands carry the request's prompt as it is: a lazy 1M-token
+prompt is never copied, only materialized for a worker whose block manager
+hashes it (materialize_prompt).
+
+With runtime.sim_fast_forward, a worker that nothing can reach runs ahead of
+the heap, its steady decodes on the short paths of sim_decode_run.py where
+its scheduler and controller implement sim_fast_forward.py's protocols."""
 from __future__ import annotations
 
 import contextlib
@@ -41,6 +44,8 @@ from testbed.sim.kv_sharding import handoff_links
 from testbed.sim.link_model import LinkModel
 from testbed.sim.memory import format_footprint, kv_footprint
 from testbed.runtime.sim_arrivals import Arrivals
+from testbed.runtime.sim_decode_run import deliver_run, steady_step, worker_decode_run
+from testbed.runtime.sim_fast_forward import ShowsApart, SteadyDecodes
 from testbed.runtime.sim_iteration_order import IterationOrder
 from testbed.runtime.sim_store import SimStoreNode, SimStorePort
 from testbed.worker import WorkerService
@@ -50,12 +55,10 @@ _JITTER_STREAM = 0x6A17   # keeps each worker's jitter draws apart from the work
 
 
 def materialize_prompt(request_msg: RequestMsg) -> RequestMsg:
-    """With prefix caching on, the block manager hashes every full block,
-    fetching the tokens of each chunk that filled blocks; a lazy prompt
-    computes each fetch with a dozen numpy calls (~28 µs), an int64 array
-    slices in well under a microsecond. So a worker that hashes gets the
-    prompt materialized once, as an array (8 bytes a token), as it reads it
-    all anyway; a decode worker, which does not hash, gets it lazy."""
+    """A worker that hashes prompt blocks reads the whole prompt, a chunk at
+    a time: a lazy prompt computes each read, an array slices it. So it gets
+    the prompt once as an array (8 bytes a token); a decode worker, which
+    does not hash, gets it lazy."""
     numpy = getattr(request_msg.prompt, "numpy", None)
     return request_msg if numpy is None else dataclasses.replace(request_msg, prompt=numpy())
 
@@ -129,11 +132,12 @@ class SimRuntime:
         # fast-forward (_run_ahead): only without frontend hops, whose delivery times would
         # let a worker's later events overtake its earlier ones
         self.fast_forward = cfg.runtime.sim_fast_forward and not (self.hop_s or self.message_s)
-        # with fast-forward, a steady decode batch takes its short path in _step too where the controller
-        # may answer events (a disagg decode worker, whose run-ahead the other workers' events keep short,
-        # steps most of its iterations there; a colocated one runs ahead at once, and asking first would
-        # cost its prefill iterations a scan of the running requests)
-        self.steady_in_step = self.fast_forward and self.controller.commands_on_events
+        # workers whose scheduler has the steady-decode short path
+        self.steady = {w for w, svc in self.services.items() if isinstance(svc.engine.scheduler, SteadyDecodes)}
+        # _step tries the short path first only where the controller answers events: a disagg decode
+        # worker steps most of its iterations there, a colocated one runs ahead at once instead
+        self.steady_in_step = self.steady if self.fast_forward and self.controller.commands_on_events else set()
+        self._apart_from = self.controller.apart_from if isinstance(self.controller, ShowsApart) else None
         self.arrivals = Arrivals([], self.controller, len(self.workers))     # run()'s
         # iterations run ahead, iterations on the steady-decode short path (run ahead or not), and
         # iterations in a DecodeRun
@@ -196,7 +200,7 @@ class SimRuntime:
     def _step(self, worker_id: str) -> None:
         self.step_scheduled.discard(worker_id)
         svc = self.services[worker_id]
-        out = svc.step(steady_decodes_only=True) if self.steady_in_step else None
+        out = svc.step(steady_step) if worker_id in self.steady_in_step else None
         if out is not None:
             self.num_steady += 1
         else:
@@ -222,20 +226,16 @@ class SimRuntime:
 
     def _run_ahead(self, worker_id: str, out: StepOutput) -> StepOutput | None:
         """Fast-forward: while nothing can reach the worker before its iteration
-        ends (`_horizon`), what the heap would do next is this: the frontend
-        receives the iteration's events at its end, and the worker starts its
-        next iteration then (the same code, or its steady-decode short path).
-        So do it now, iteration after iteration. Where nothing but an arrival
-        can reach it (colocated), or its controller shows which workers' events
-        cannot (disagg's decode workers, controller.apart_from), the steady
-        decode iterations before the last go as one DecodeRun
-        (Engine.step_decode_run): the controller and IterationOrder take them
-        at their own instants all at once, and the controller hears the free
-        blocks after the last. The clock runs ahead meanwhile; IterationOrder
-        puts the iteration records back in time order. Returns the last
-        iteration, whose events go through the heap as usual, or None where
-        the worker went back to the heap's order (as _deliver and _step do)."""
+        ends (`_horizon`), the heap would hand the frontend the iteration's
+        events at its end and start the worker's next iteration then: do it
+        now, iteration after iteration. Where nothing but an arrival can reach
+        it (colocated), or its controller shows which workers' events cannot
+        (ShowsApart), the steady decode iterations before the last go as one
+        DecodeRun; IterationOrder puts the records back in time order. Returns
+        the last iteration, whose events go through the heap as usual, or None
+        where the worker went back to the heap's order."""
         svc, box, clock, heap = self.services[worker_id], self.outbox[worker_id], self.clock, self._heap
+        steady = worker_id in self.steady
         bounded_by_heap = self.controller.commands_on_events
         # colocated: only an arrival reaches it
         until, runs = (self.arrivals.next_s if bounded_by_heap else self.arrivals.planned_s(worker_id)), True
@@ -263,21 +263,21 @@ class SimRuntime:
                 return None
             self.num_run_ahead += 1
             out = None
-            if runs:
+            if runs and steady:
                 # the controller only records what the iterations before it emit: run them as one
-                run, out = svc.step_decode_run(until)
+                run, out = worker_decode_run(svc, until)
                 if run is not None:
                     ends = run.ends_s
                     self.num_run_ahead += len(ends)
                     self.num_steady += len(ends)
                     self.num_in_runs += len(ends)
                     clock.t = self.busy_until[worker_id] = ends[-1]
-                    self.controller.on_decode_run(run)
+                    deliver_run(self.controller, run)
                     self.order.iterations(run.iterations, ends)
                     if bounded_by_heap:
                         self.controller.on_free_blocks(worker_id, run.free_blocks, ends[-1])
-            else:
-                out = svc.step(steady_decodes_only=True)
+            elif steady:
+                out = svc.step(steady_step)
             if out is not None:
                 self.num_steady += 1
             else:
@@ -292,14 +292,14 @@ class SimRuntime:
         its steady decodes may run as one DecodeRun up to it. Colocated: the
         next arrival. A controller that may answer any event with a command:
         also the heap's next event, except the events of the workers its
-        controller shows apart from this one (apart_from; then runs are
+        controller shows apart from this one (ShowsApart; then runs are
         allowed), unless a worker outside them has work and nothing in the
         heap (waiting for memory: any event might start it)."""
         arrival = self.arrivals.next_s
         if not self.controller.commands_on_events:
             return arrival, True
         heap = self._heap
-        apart = self.controller.apart_from(worker_id)
+        apart = self._apart_from(worker_id) if self._apart_from is not None else None
         if apart is None:
             return (min(arrival, heap[0][0]) if heap else arrival), False
         until, owners = arrival, set()
@@ -387,12 +387,9 @@ def _only_progress(events: list[Event]) -> bool:
 
 @contextlib.contextmanager
 def _cyclic_gc_paused() -> Iterator[None]:
-    """The event loop allocates millions of short-lived objects (events,
-    batches, records) and makes no reference cycles to speak of; the cyclic
-    collector's passes over them cost ~5% of the loop, so it waits until the
-    loop is over (reference counting still frees everything as it goes). What
-    the loop leaves alive is scanned once afterwards (~0.1 s for the Azure
-    trace's records), so a run gains about half of that 5%."""
+    """The event loop allocates millions of short-lived objects and makes no
+    reference cycles to speak of: the cyclic collector waits until the loop
+    is over (reference counting still frees everything as it goes)."""
     enabled = gc.isenabled()
     gc.disable()
     try:

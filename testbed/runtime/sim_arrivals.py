@@ -7,10 +7,10 @@ In colocated mode only an arrival reaches a replica, so the simulator runs a
 replica ahead (runtime/sim.py, _run_ahead) up to the next arrival that can
 reach it. Behind a router whose picks depend on neither the request nor the
 pool (round_robin: Router.planned) the controller plans where the next
-arrivals go (ModeController.planned_targets), and a replica runs on past
-the arrivals planned for the others: they change nothing it reads. The
-arrivals themselves, their routing and the other replicas' events still
-happen in time order."""
+arrivals go (PlansArrivals, testbed/runtime/sim_fast_forward.py), and a
+replica runs on past the arrivals planned for the others: they change
+nothing it reads. The arrivals themselves, their routing and the other
+replicas' events still happen in time order."""
 from __future__ import annotations
 
 import itertools
@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 
 from testbed.modes.base import ModeController
+from testbed.runtime.sim_fast_forward import PlansArrivals
 from testbed.request import Request
 
 LOOKAHEAD_PER_WORKER = 4  # arrivals pulled ahead of the clock to plan, per worker
@@ -28,7 +29,7 @@ class Arrivals:
         """`requests`: a list (sorted here), or an iterator already in arrival order."""
         self._source = iter(sorted(requests, key=lambda r: r.arrival_s)) if isinstance(requests, list) else \
             _in_arrival_order(requests)
-        self._controller = controller
+        self._planned_targets = controller.planned_targets if isinstance(controller, PlansArrivals) else None
         self._cap = LOOKAHEAD_PER_WORKER * num_workers
         self._after: deque[Request] = deque()        # pulled after `next`
         self._plan: tuple[dict[str, float], float] | None = None     # planned_s's, until the next pop
@@ -48,11 +49,13 @@ class Arrivals:
         worker, from its plan of the next few; the next arrival's where it
         cannot say, and the last planned one's where none of those goes to
         the worker."""
+        if self._planned_targets is None:
+            return self.next_s
         if self._plan is None:
             upcoming = self._lookahead()
             first: dict[str, float] = {}
             planned = 0
-            for target in self._controller.planned_targets(upcoming):
+            for target in self._planned_targets(upcoming):
                 if target and target not in first:
                     first[target] = upcoming[planned].arrival_s
                 planned += 1

@@ -153,45 +153,6 @@ class Scheduler(ABC):
     def schedule(self) -> Batch:
         """The slices to run in the next iteration."""
 
-    def steady_decodes(self) -> tuple[list[Request], int | None] | None:
-        """When schedule() would return only one decode of each running request
-        (in running order), those requests, their KV grown as schedule() grows
-        it, and the batch's token_budget: the engine's short path
-        (Engine.step_steady_decodes), which calls no on_step. None, changing
-        nothing, when this policy has no such path or the next iteration may
-        be anything else (a prompt to schedule, a preemption). After such a
-        batch ran, the answer is the same requests again unless one of them
-        now starts a KV block or the queues changed: Engine.step_decode_run
-        asks again only then."""
-        return None
-
-    def _steady_running(self, budget: int | None) -> tuple[list[Request], int | None] | None:
-        """steady_decodes() for a policy whose schedule(), with nothing waiting,
-        gives each running request its one missing token in running order
-        (sarathi's decodes first, vllm_v0's continue-running), within `budget`
-        tokens (None: no budget): nothing waits, every running request is one
-        token behind and each one that starts a block gets one, so nothing is
-        preempted."""
-        running, bm = self.running, self.bm
-        if self.waiting or not running or (budget is not None and len(running) > budget):
-            return None
-        bs = bm.block_size
-        starting = 0
-        for req in running:
-            computed = req.num_computed_tokens
-            if computed < req.prompt_len or req.prompt_len + len(req.output_token_ids) - computed != 1:
-                return None
-            if not computed % bs:
-                starting += 1
-        if starting:
-            if starting > bm.num_free_blocks:
-                return None
-            batch = Batch()           # no preemption can reach it
-            for req in running:
-                if not req.num_computed_tokens % bs:
-                    self._grow(req, 1, batch)
-        return list(running), budget
-
     # -- hooks ---------------------------------------------------------------
     def iteration_budget(self) -> int:
         """Tokens the next iteration may schedule (a budgeted policy's input)."""
@@ -199,20 +160,6 @@ class Scheduler(ABC):
 
     def on_step(self, batch: Batch, duration_s: float) -> None:
         """A scheduled batch ran and took `duration_s` (wall or virtual time)."""
-
-    # a policy that plans and observes every batch, steady decodes included (observe_steady)
-    observes_steady = False
-
-    def observe_steady(self, num_decodes: int, context_tokens: int, longest_context: int,
-                       start_s: float, end_s: float) -> float | None:
-        """A steady decode batch (steady_decodes) ran without a Batch from
-        `start_s` to `end_s` (the clock may stand elsewhere: a decode run
-        observes its iterations before it moves the clock past them): what
-        schedule() and on_step would have done with it, for
-        a policy with observes_steady. `context_tokens` is the sum of the
-        decodes' contexts after the step, `longest_context` the longest.
-        Returns the batch's predicted_s (None: none)."""
-        return None
 
     def _admit_whole_prefills(self, batch: Batch) -> None:
         """FCFS whole prompts into `batch` while memory, max_num_seqs and

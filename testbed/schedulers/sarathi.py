@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from testbed.batch import Batch, ScheduledSlice
 from testbed.request import Request, RequestStatus
-from testbed.schedulers.base import Scheduler
+from testbed.schedulers.steady_running import SteadyRunning
 
 
-class SarathiScheduler(Scheduler):
+class SarathiScheduler(SteadyRunning):
     name = "sarathi"
     min_chunk = 1
 
@@ -61,9 +61,6 @@ class SarathiScheduler(Scheduler):
             self._start(req)
             batch.slices.append(ScheduledSlice(req, n))
             budget -= n
-
-    def steady_decodes(self) -> tuple[list[Request], int] | None:
-        return self._steady_running(self.iteration_budget())
 
     def _add_slice(self, req: Request, budget: int, batch: Batch) -> int:
         """Schedule up to `budget` of a running request's missing tokens; returns how many."""

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from testbed.batch import Batch
 from testbed.request import Request
-from testbed.schedulers.base import Scheduler
+from testbed.schedulers.steady_running import SteadyRunning
 
 
-class VllmV0Scheduler(Scheduler):
+class VllmV0Scheduler(SteadyRunning):
     name = "vllm_v0"
 
     def schedule(self) -> Batch:
