@@ -22,6 +22,7 @@ from testbed.modes.hybrid_config import HybridConfig
 from testbed.pool_config import POOLS, ParallelOverride, PoolConfig
 from testbed.schedulers.adaptive_config import AdaptiveConfig
 from testbed.sim.config import HardwareConfig, LinkConfig, ParallelConfig, load_hardware_preset, load_link_preset
+from testbed.sim.engine_config import EngineConfig, resolve_engine
 from testbed.workloads.config import WorkloadConfig
 
 RUNTIMES = ("real", "sim")
@@ -151,6 +152,10 @@ class RunConfig:
     # the preset named in their profiled_for, so cpu.yaml's never leak into a GPU's
     hardware: HardwareConfig = field(default_factory=lambda: load_hardware_preset("cpu"))
     link: LinkConfig = field(default_factory=lambda: load_link_preset("tcp-25"))
+    # the serving engine `runtime=sim` prices (engine=NAME, conf/engine/); auto: the
+    # hardware's default (testbed on a profiled CPU, vllm-v1 on a GPU), resolved where
+    # it is priced, so a config whose hardware is replaced gets the new hardware's
+    engine: EngineConfig = field(default_factory=EngineConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     ray: RayConfig = field(default_factory=RayConfig)      # launcher=ray
@@ -163,15 +168,16 @@ class RunConfig:
 
     def _resolve_hardware_defaults(self) -> str:
         """The knobs whose defaults follow the hardware, once: token_budget
-        (hardware.token_budget_default: 256 on this CPU, 2,048 on the GPU
-        presets, vLLM V1's online-serving value) and num_kv_blocks=auto
+        (the engine's: 256 for this CPU's testbed engine, 2,048 for vLLM's
+        online serving) and num_kv_blocks=auto
         (hardware.kv_blocks_default, or where that is 0 the KV memory left
         after weights and activations: testbed/sim/defaults.py). An explicit
         value always wins. Returns what was chosen ('' if both were given)."""
         notes = []
         if self.token_budget is None:
-            self.token_budget = self.hardware.token_budget_default
-            notes.append(f"token_budget={self.token_budget} ({self.hardware.name}'s default)")
+            engine = self.run_engine()
+            self.token_budget = engine.token_budget
+            notes.append(f"token_budget={self.token_budget} (engine {engine.name}'s default)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization: a fraction in (0, 1], got {self.gpu_memory_utilization}")
         if not isinstance(self.block_size, int) or self.block_size < 1:     # num_kv_blocks=auto divides by it
@@ -206,6 +212,10 @@ class RunConfig:
         elif isinstance(self.num_kv_blocks, (str, bool)):
             raise ValueError(f"num_kv_blocks: expected a number of blocks or 'auto', got '{self.num_kv_blocks}'")
         return "; ".join(notes)
+
+    def run_engine(self) -> EngineConfig:
+        """The engine this run's hardware runs (engine=auto resolved)."""
+        return resolve_engine(self.engine, self.hardware)
 
     def _run_parallel_users(self) -> list[str | None]:
         """The pools of this mode whose workers run with the run's own `parallel`:
@@ -293,7 +303,7 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError(f"temperature: must be >= 0 (0: greedy), got {cfg.temperature}")
     if not 0.0 < cfg.top_p <= 1.0:
         raise ValueError(f"top_p: must be in (0, 1], got {cfg.top_p}")
-    for sub in (cfg.runtime, cfg.model, cfg.workload, cfg.transfer, cfg.kvstore, cfg.hardware, cfg.link,
+    for sub in (cfg.runtime, cfg.model, cfg.workload, cfg.transfer, cfg.kvstore, cfg.hardware, cfg.engine, cfg.link,
                 cfg.parallel, cfg.experiment, cfg.adaptive, cfg.ray, cfg.hybrid, cfg.slo):
         sub.validate()
     if cfg.transfer.lease_s <= 2 * cfg.runtime.heartbeat_s:

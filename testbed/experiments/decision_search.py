@@ -17,6 +17,7 @@ from typing import Callable, Protocol
 
 from testbed.capacity import search_rate
 from testbed.config import RunConfig, validate
+from testbed.sim.engine_config import resolve_engine
 from testbed.experiments.decision_slo import SLOTargets, Smoothness
 from testbed.experiments.deployments import Deployment, replace_run
 from testbed.experiments.probe_cache import ProbeCache, entry_of, same_counts
@@ -298,7 +299,7 @@ def point_cfg(cfg: RunConfig, model_name: str, hardware_name: str) -> RunConfig:
     return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, name="sim"), model=model,
                                hardware=hardware, parallel=parallel,
                                num_kv_blocks=e.decision_kv_blocks.get(hardware_name, "auto"),
-                               token_budget=hardware.token_budget_default, progress=False,
+                               token_budget=resolve_engine(cfg.engine, hardware).token_budget, progress=False,
                                enable_prefix_caching=e.decision_reuse > 0)
 
 
