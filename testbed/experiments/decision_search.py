@@ -368,8 +368,8 @@ def length_rows(prober: Prober, e, point: RunConfig, dep: Deployment, num_gpus: 
     at L on another link: each search probes its bracket first (req/s of the
     deployment), the first probe sized from the service time it measured."""
     from testbed.sim.cost_model import CostModel
-    one_gpu = CostModel(point.model, point.hardware, ParallelConfig())
-    worker = CostModel(point.model, point.hardware, point.parallel)
+    one_gpu = CostModel(point.model, point.hardware, ParallelConfig(), point.engine)
+    worker = CostModel(point.model, point.hardware, point.parallel, point.engine)
     base = dep.apply(point)
     validate(base)
     gpus = dep.num_gpus(base)
