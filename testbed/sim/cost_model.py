@@ -152,12 +152,13 @@ class CostModel:
 
     def breakdown(self, slices: Slices, num_sampled: int | None = None) -> dict[str, float]:
         """The iteration's seconds by part (keys ending in _s, and total_s),
-        plus num_tokens and kv_bytes_read; for plots and debugging."""
+        plus num_tokens, kv_bytes_read and host_seconds (the engine's host time,
+        of which overhead_s holds what the GPU does not hide); for plots and debugging."""
         terms = self._terms(slices, num_sampled)
         out = dict(zip(("gemm_s", "experts_s", "attention_s", "elementwise_s", "lm_head_s",
                         "allreduce_s", "pp_transfer_s", "overhead_s"), terms))
         q = [q for q, _ in _pairs(slices)]
-        out["host_s"] = self._engine.host_s(len(q), float(sum(q)))
+        out["host_seconds"] = self._engine.host_s(len(q), float(sum(q)))
         out["total_s"] = sum(terms)
         out["num_tokens"] = float(sum(q for q, _ in _pairs(slices)))
         out["kv_bytes_read"] = float(self.kv_bytes_read(slices))
