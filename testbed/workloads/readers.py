@@ -244,7 +244,13 @@ READERS = {
     "mooncake": lambda cfg, vocab_size: MooncakeReader(cfg.hash_block_size),
     "sarathi_csv": lambda cfg, vocab_size: SarathiCsvReader(),
     "jsonl": lambda cfg, vocab_size: JsonlReader(vocab_size),
+    "otel": lambda cfg, vocab_size: _otel(),
 }
+
+
+def _otel():
+    from testbed.workloads.otel_reader import OtelReader     # it imports this module
+    return OtelReader()
 
 
 def read_trace(cfg: WorkloadConfig, vocab_size: int) -> list[TraceRow]:
