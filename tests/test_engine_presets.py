@@ -4,13 +4,11 @@ overlap, and engine=vllm-v0's host time against the rows it was fitted to."""
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).parent))
 from data_fixture import SHARED, testbed_data  # noqa: E402,F401  (a fixture)
 
 from testbed.config import RunConfig

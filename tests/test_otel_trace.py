@@ -6,12 +6,10 @@ import dataclasses
 import gzip
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 from data_fixture import SHARED  # noqa: E402
 
 from testbed.workloads.otel_reader import OtelReader

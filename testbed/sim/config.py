@@ -115,9 +115,10 @@ class HardwareConfig:
                 raise ValueError(f"hardware.{f}: a fraction in (0, 1], got {getattr(self, f)}")
         if not self.calibration_scale > 0:
             raise ValueError(f"hardware.calibration_scale: must be > 0, got {self.calibration_scale}")
-        if self.attention_kernel:
-            from testbed.sim.attention_kernels import attention_kernel
-            attention_kernel(self.attention_kernel)     # names the field and the known kernels
+        from testbed.sim.attention_kernels import attention_kernel_names
+        if self.attention_kernel and self.attention_kernel not in attention_kernel_names():
+            raise ValueError(f"hardware.attention_kernel: '{self.attention_kernel}' is not known; choose one of: "
+                             f"{', '.join(attention_kernel_names())} (or '' for the roofline)")
         if self.allreduce_table:
             from testbed.sim.operator_table import network_table_names
             if self.allreduce_table not in network_table_names():

@@ -90,10 +90,17 @@ class CostModel:
         if hardware.attention_profile:
             self._attention = ProfiledAttention(shapes.attention, shapes.num_layers, hardware.attention_profile)
         elif engine.attention_kernel or hardware.attention_kernel:
-            self._attention = KernelAttention(shapes.attention, shapes.num_layers,
-                                              attention_kernel(engine.attention_kernel or hardware.attention_kernel),
-                                              hardware.gemm_table or "h100", hardware.peak_flops(model.dtype),
-                                              hardware.hbm_bw_gbps * 1e9)
+            generation = hardware.gemm_table or "h100"
+            kernel = attention_kernel(engine.attention_kernel, "engine.attention_kernel") \
+                if engine.attention_kernel else None
+            if kernel is None:
+                kernel = attention_kernel(hardware.attention_kernel)
+            elif generation not in kernel.peak_fraction:
+                # the engine's kernel does not run on this chip (FA3 needs Hopper): vLLM runs
+                # FlashAttention-2 there
+                kernel = attention_kernel("flash_attn")
+            self._attention = KernelAttention(shapes.attention, shapes.num_layers, kernel, generation,
+                                              hardware.peak_flops(model.dtype), hardware.hbm_bw_gbps * 1e9)
         else:
             self._attention = RooflineAttention(shapes.attention, shapes.num_layers,
                                                 self._s_per_flop, self._s_per_byte)

@@ -111,9 +111,10 @@ class EngineConfig:
         for f in ("token_budget", "max_num_seqs", "block_size"):
             if getattr(self, f) < 1:
                 raise ValueError(f"engine.{f}: must be >= 1, got {getattr(self, f)}")
-        if self.attention_kernel:
-            from testbed.sim.attention_kernels import attention_kernel
-            attention_kernel(self.attention_kernel)
+        from testbed.sim.attention_kernels import attention_kernel_names
+        if self.attention_kernel and self.attention_kernel not in attention_kernel_names():
+            raise ValueError(f"engine.attention_kernel: '{self.attention_kernel}' is not known; choose one of: "
+                             f"{', '.join(attention_kernel_names())} (or '' for the hardware's)")
         if self.host_model != "linear" and not self.calibration:
             raise ValueError(f"engine.calibration: host_model '{self.host_model}' is fitted to a dataset; "
                              "name it (e.g. vidur-profiles)")
