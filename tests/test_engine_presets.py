@@ -109,3 +109,21 @@ def test_vllm_v0_prices_its_host_time_serially_and_the_ray_round_trip_at_tp(test
         cost = CostModel(model, hw, ParallelConfig(tp=tp), engine=v0)
         b = cost.breakdown([(1, 1024)] * 32)
         assert b["overhead_s"] == pytest.approx(fit.host_ms(32, tp) * 1e-3, rel=1e-12)
+
+
+# -- engine=vllm-v1's attention: FA3 / FlashInfer tables ----------------------------------------
+
+def test_fa3_flashinfer_is_refitted_from_the_tables_and_prices_their_rows(testbed_data):
+    import numpy as np
+    from testbed.sim.attention_kernels import attention_kernel
+    from testbed.sim.blis_attention import H100_HBM_BYTES_PER_S, fit_kernel, fitted_kernel
+    kernel = fitted_kernel()
+    assert kernel == fit_kernel(testbed_data / "blis-h100") == attention_kernel("fa3_flashinfer")
+    assert len(list((testbed_data / ".fitted").glob("fa3_flashinfer-*.json"))) == 1
+    # FlashInfer decode, Llama-2-7B's 32 KV heads on one H100: 32 sequences of 1K tokens, 192.5 us measured
+    nbytes = 32 * 1024 * 32 * 128 * 2 * 2
+    seconds = nbytes / (H100_HBM_BYTES_PER_S * kernel.decode_bw_fraction) + kernel.decode_floor_us * 1e-6
+    assert seconds == pytest.approx(192.487e-6, rel=0.10)
+    # FA3 prefill reaches ~3/4 of the H100's peak on long prompts, a third of it at 1K
+    eff = [kernel.peak_fraction["h100"] * (n / (n + kernel.q_half)) ** 2 for n in (1024, 16384)]
+    assert 0.2 < eff[0] < 0.4 and 0.65 < eff[1] < 0.8 and np.isclose(kernel.q_half, kernel.ctx_half)

@@ -1,16 +1,18 @@
 """trace_format=otel: a vLLM server's OpenTelemetry trace replayed as it
-arrived, and engine=vllm-v1 replaying one of the blis-h100 calibration runs."""
+arrived, and engine=vllm-v1 replaying the blis-h100 per-request runs."""
 from __future__ import annotations
 
-import dataclasses
 import gzip
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import pytest
 
 from data_fixture import SHARED  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments" / "tools"))
 
 from testbed.workloads.otel_reader import OtelReader
 
@@ -50,45 +52,15 @@ def test_a_bad_line_names_file_and_line(tmp_path, line, error):
         OtelReader().read(path)
 
 
-def test_vllm_v1_replays_the_llama7b_run_within_15_percent(tmp_path):
-    """jan21-llama7b-train-1 (vLLM 0.11, one H100): mean and p50 TTFT, mean
-    TPOT of the replay against the spans' own."""
-    from testbed.config import from_dict
-    from testbed.run import execute
-    trace = SHARED / "blis-h100" / "vllm-0.11-runs" / "jan21-llama7b-train-1" / "traces.json.gz"
-    from testbed.model.config import load_model_preset
-    from testbed.sim.config import load_hardware_preset
+@pytest.mark.parametrize("run_name", ["jan21-llama7b-train-1", "jan20-codellama-train-1"])
+def test_vllm_v1_replays_the_per_request_runs_within_15_percent(run_name, tmp_path):
+    """The two vLLM 0.11 runs on one H100 (Llama-2-7B, CodeLlama-34B):
+    mean and p50 TTFT and mean TPOT of the replay against the spans' own."""
+    from blis_replay import per_request_runs, replay
     from testbed.sim.engine_config import load_engine_preset
-    cfg = from_dict({"runtime": {"name": "sim"}, "model": dataclasses.asdict(load_model_preset("llama2-7b")),
-                     "hardware": dataclasses.asdict(load_hardware_preset("h100-sxm")),
-                     "engine": dataclasses.asdict(load_engine_preset("vllm-v1")),
-                     "wandb": {"mode": "disabled"}, "progress": False,
-                     # the server's knobs (exp-config.yaml)
-                     "max_num_seqs": 256, "token_budget": 4096, "max_num_batched_tokens": 4096,
-                     "num_kv_blocks": 7600,      # what one H100 holds after the weights (the run header)
-                     "workload": {"name": "otel", "arrival": "trace", "prompt_dist": "trace", "output_dist": "trace",
-                                  "trace_format": "otel", "trace_path": str(trace)}})
-    execute(cfg, tmp_path)
-    sim = [json.loads(line) for line in open(tmp_path / "requests.jsonl")]
-    real = [a for a in _span_attributes(trace)]
-    sim_ttft = [(r["first_token_s"] - r["arrival_s"]) * 1e3 for r in sim]
-    real_ttft = [a["gen_ai.latency.time_to_first_token"] * 1e3 for a in real]
-    sim_tpot = [(r["finish_s"] - r["first_token_s"]) / (len(r["output_token_ids"]) - 1) * 1e3 for r in sim
-                if len(r["output_token_ids"]) > 1]
-    real_tpot = [(a["gen_ai.latency.e2e"] - a["gen_ai.latency.time_to_first_token"])
-                 / (int(a["gen_ai.usage.completion_tokens"]) - 1) * 1e3 for a in real
-                 if int(a["gen_ai.usage.completion_tokens"]) > 1]
-    assert len(sim) == len(real) == 282
-    for name, s, r in (("mean TTFT", statistics.mean(sim_ttft), statistics.mean(real_ttft)),
-                       ("p50 TTFT", statistics.median(sim_ttft), statistics.median(real_ttft)),
-                       ("mean TPOT", statistics.mean(sim_tpot), statistics.mean(real_tpot))):
-        assert abs(s / r - 1) < 0.15, (name, s, r)
-
-
-def _span_attributes(path: Path):
-    with gzip.open(path, "rt") as f:
-        for line in f:
-            for rs in json.loads(line)["resourceSpans"]:
-                for ss in rs["scopeSpans"]:
-                    for span in ss["spans"]:
-                        yield {a["key"]: next(iter(a["value"].values())) for a in span["attributes"]}
+    (run,) = [r for r in per_request_runs(SHARED / "blis-h100") if r.name == run_name]
+    got = replay(run, load_engine_preset("vllm-v1"), tmp_path)
+    assert got["num_requests"] == {"jan21-llama7b-train-1": 282, "jan20-codellama-train-1": 280}[run_name]
+    assert set(run.measured) == {"ttft_mean", "ttft_p50", "tpot_mean"}
+    for metric, measured in run.measured.items():
+        assert abs(got[metric] / measured - 1) < 0.15, (metric, got[metric], measured)
