@@ -21,12 +21,14 @@ measurements they were built from.
 
 Datasets come from $TESTBED_DATA (testbed.data.dataset_dir).
 
-    python experiments/benchmarks/bench_engine_presets.py [--iterations] [--v0] [--replay [--allreduce-grid ...]]
+    python experiments/benchmarks/bench_engine_presets.py [--iterations] [--v0] [--replay [--allreduce-grid ...]
+        [--cache FILE]]
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -91,21 +93,40 @@ def print_v0() -> None:
             print(f"  leaving out {model:<40s} ({len(held):2d} rows): max |error| {worst:.1%}")
 
 
-def print_replay(grid: list[float]) -> None:
+def _load_cache(path: str | None) -> dict:
+    """Replays already done, by (run, allreduce_latency_us), from --cache's JSON lines."""
+    results = {}
+    if path and Path(path).exists():
+        for line in Path(path).read_text().splitlines():
+            row = json.loads(line)
+            results[row.pop("run"), row.pop("allreduce_latency_us")] = row
+    return results
+
+
+def print_replay(grid: list[float], cache: str | None = None) -> None:
     engine = load_engine_preset("vllm-v1")
     runs = per_request_runs() + aggregate_runs()[0]
     skipped = aggregate_runs()[1]
-    results = {}
+    results = _load_cache(cache)
     for run in runs:
         latencies = grid if (grid and run.tp > 1) else [engine.allreduce_latency_us]
         for us in latencies:
-            with tempfile.TemporaryDirectory() as tmp:
-                results[run.name, us] = replay(run, dataclasses.replace(engine, allreduce_latency_us=us), Path(tmp))
+            if (run.name, us) not in results:
+                with tempfile.TemporaryDirectory() as tmp:
+                    got = replay(run, dataclasses.replace(engine, allreduce_latency_us=us), Path(tmp))
+                results[run.name, us] = got
+                if cache:
+                    with open(cache, "a") as f:
+                        f.write(json.dumps({"run": run.name, "allreduce_latency_us": us, **got}) + "\n")
             print(f"  replayed {run.name} (allreduce_latency_us={us:g})", file=sys.stderr, flush=True)
     multi = [r for r in runs if r.tp > 1]
 
+    def result(run, us) -> dict:
+        # a TP 1 run has no all-reduce: its one replay stands for every latency
+        return results[run.name, us if run.tp > 1 and grid else engine.allreduce_latency_us]
+
     def worst(run, us) -> float:
-        got = results[run.name, us]
+        got = result(run, us)
         return max(abs(got[k] / v - 1) for k, v in run.measured.items())
 
     chosen, loo = engine.allreduce_latency_us, {}
@@ -118,8 +139,8 @@ def print_replay(grid: list[float]) -> None:
     print(f"\n{'run':<48s}{'TP':>3s}  {'metric':<10s}{'measured':>10s}{'in sample':>18s}{'leave run out':>18s}")
     for run in runs:
         for metric, measured in run.measured.items():
-            got = results[run.name, chosen][metric]
-            out = results[run.name, loo.get(run.name, chosen)][metric]
+            got = result(run, chosen)[metric]
+            out = result(run, loo.get(run.name, chosen))[metric]
             print(f"{run.name:<48s}{run.tp:>3d}  {metric:<10s}{measured:10.2f}{got:10.2f} ({got / measured - 1:+6.1%})"
                   f"{out:10.2f} ({out / measured - 1:+6.1%})")
     for name, why in skipped.items():
@@ -132,6 +153,7 @@ def main() -> None:
     parser.add_argument("--v0", action="store_true")
     parser.add_argument("--replay", action="store_true")
     parser.add_argument("--allreduce-grid", default="", help="comma-separated allreduce_latency_us values")
+    parser.add_argument("--cache", default=None, help="a JSON lines file keeping each replay's figures")
     args = parser.parse_args()
     if not (args.iterations or args.v0 or args.replay):
         args.iterations = args.v0 = True
@@ -140,7 +162,7 @@ def main() -> None:
     if args.v0:
         print_v0()
     if args.replay:
-        print_replay([float(x) for x in args.allreduce_grid.split(",") if x])
+        print_replay([float(x) for x in args.allreduce_grid.split(",") if x], args.cache)
 
 
 if __name__ == "__main__":
