@@ -13,7 +13,7 @@ from testbed.sim.attention_kernels import KERNELS, attention_kernel
 from testbed.sim.config import ParallelConfig, load_hardware_preset
 from testbed.sim.cost_model import CostModel
 from testbed.sim.defaults import kv_blocks_from_memory
-from testbed.sim.engine_config import EngineConfig
+from testbed.sim.engine_config import EngineConfig, load_engine_preset
 from testbed.sim.engine_overhead import kernels_per_layer
 from engine_fixture import STATED_ENGINE  # noqa: E402
 
@@ -88,7 +88,7 @@ def test_cpu_keeps_its_own_tables_and_defaults():
 def test_gpu_defaults_follow_the_hardware_and_explicit_values_win():
     hw, model = load_hardware_preset("h100-sxm"), load_model_preset("llama3-8b")
     cfg = RunConfig(hardware=hw, model=model)
-    assert cfg.token_budget == 2048
+    assert (cfg.token_budget, cfg.max_num_seqs, cfg.scheduler) == (2048, 256, "sarathi")     # vllm-v1's
     assert cfg.num_kv_blocks == kv_blocks_from_memory(cfg.model, cfg.hardware, cfg.parallel, cfg.block_size,
                                                       cfg.gpu_memory_utilization,
                                                       max(cfg.token_budget, cfg.max_num_batched_tokens),
@@ -96,8 +96,12 @@ def test_gpu_defaults_follow_the_hardware_and_explicit_values_win():
     capacity = CostModel(model, hw).kv_capacity_tokens() // cfg.block_size     # weights only, no activations
     assert 0.9 * capacity < cfg.num_kv_blocks < capacity
     assert "num_kv_blocks=auto" in cfg.hardware_defaults_note
-    explicit = RunConfig(hardware=hw, model=model, token_budget=512, num_kv_blocks=1000)
+    explicit = RunConfig(hardware=hw, model=model, token_budget=512, num_kv_blocks=1000, scheduler="orca",
+                         max_num_seqs=8, block_size=32)
     assert (explicit.token_budget, explicit.num_kv_blocks, explicit.hardware_defaults_note) == (512, 1000, "")
+    assert (explicit.scheduler, explicit.max_num_seqs, explicit.block_size) == ("orca", 8, 32)
+    v0 = RunConfig(hardware=hw, model=model, engine=load_engine_preset("vllm-v0"), num_kv_blocks=1000)
+    assert (v0.scheduler, v0.max_num_seqs, v0.block_size) == ("vllm_v0", 256, 16)
     assert from_dict({"num_kv_blocks": 77}).num_kv_blocks == 77
 
 
