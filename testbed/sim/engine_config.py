@@ -153,14 +153,15 @@ def load_engine_preset(name: str, **overrides) -> EngineConfig:
 def default_engine_name(hardware) -> str:
     """`engine=auto` on `hardware`: the engine preset profiled for this
     machine (`testbed profile` writes one beside the hardware preset), else
-    vLLM V1 (what GPU users run)."""
+    on a GPU preset (one with operator tables) vLLM V1, what GPU users run."""
     if hardware.profiled_for:
         for path in sorted((CONF_DIR / "engine").glob("*.yaml")):
             raw = OmegaConf.load(path)
             if raw.get("profiled_for") == hardware.name:
                 return path.stem
-        raise ValueError(f"engine=auto: no engine preset in conf/engine/ is profiled for hardware "
-                         f"'{hardware.name}'; rerun `testbed profile`, or name one (engine=testbed)")
+        if not hardware.gemm_table:     # a CPU profile: its engine's terms were measured with it
+            raise ValueError(f"engine=auto: no engine preset in conf/engine/ is profiled for hardware "
+                             f"'{hardware.name}'; rerun `testbed profile`, or name one (engine=testbed)")
     return GPU_DEFAULT
 
 
