@@ -106,8 +106,7 @@ def _section(path: list[str]):
 
 def _no_such_field(full_key: str, cls) -> str:
     parent, _, key = full_key.rpartition(".")
-    from testbed.sim.config import HardwareConfig
-    from testbed.sim.engine_config import moved_field_error
+    from testbed.sim.config import HardwareConfig, moved_field_error
     if cls is HardwareConfig and (moved := moved_field_error(parent, key)):
         return moved
     names = [f.name for f in dataclasses.fields(cls)]

@@ -14,7 +14,7 @@ from data_fixture import SHARED  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments" / "tools"))
 
-from testbed.workloads.otel_reader import OtelReader
+from testbed.workloads.readers import OtelReader
 
 
 def _span(start_ns: int, prompt: int, max_tokens: int, name: str = "llm_request") -> dict:

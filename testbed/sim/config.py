@@ -150,6 +150,25 @@ _MEASURED = [f for f in fields(HardwareConfig) if f.name in (
     "gemm_profile", "attention_profile", "step_jitter_ms", "profiled_threads", "profiled_workers")]
 
 
+# Engine terms that hardware presets used to carry: an old config that sets
+# hardware.X is told to set engine.Y instead (testbed/sim/config.py, cli_errors.py)
+MOVED_FROM_HARDWARE = {
+    "overhead_ms": "overhead_ms", "overhead_per_seq_ms": "overhead_per_seq_ms",
+    "overhead_per_token_ms": "overhead_per_token_ms", "kernel_launch_us": "kernel_launch_us",
+    "cuda_graphs": "cuda_graphs", "cuda_graph_max_tokens": "cuda_graph_sizes",
+    "token_budget_default": "token_budget",
+}
+
+
+def moved_field_error(section: str, name: str) -> str | None:
+    """The one-line error for an engine term set on the hardware, or None."""
+    new = MOVED_FROM_HARDWARE.get(name)
+    if new is None:
+        return None
+    return (f"{section}.{name}: the engine's term now lives in the engine preset; set engine.{new} "
+            f"(conf/engine/, engine=testbed|vllm-v0|vllm-v1) instead")
+
+
 @dataclass
 class LinkConfig:
     """A point-to-point link. Bandwidth is per direction, in Gbit/s."""
@@ -218,7 +237,6 @@ def _load(group: str, cls, name_or_path: str, overrides: dict):
     raw.update(overrides)
     unknown = set(raw) - {f.name for f in fields(cls)}
     if unknown and cls is HardwareConfig:
-        from testbed.sim.engine_config import moved_field_error
         moved = next((e for e in map(lambda n: moved_field_error("hardware", n), sorted(unknown)) if e), None)
         if moved:
             raise ValueError(f"{path}: {moved}")

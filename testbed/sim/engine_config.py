@@ -25,25 +25,6 @@ from testbed.model.config import CONF_DIR
 AUTO = "auto"
 GPU_DEFAULT = "vllm-v1"
 TP_COLLECTIVES = ("nccl", "custom_allreduce", "ray")
-# Engine terms that hardware presets used to carry: an old config that sets
-# hardware.X is told to set engine.Y instead (testbed/sim/config.py, cli_errors.py)
-MOVED_FROM_HARDWARE = {
-    "overhead_ms": "overhead_ms", "overhead_per_seq_ms": "overhead_per_seq_ms",
-    "overhead_per_token_ms": "overhead_per_token_ms", "kernel_launch_us": "kernel_launch_us",
-    "cuda_graphs": "cuda_graphs", "cuda_graph_max_tokens": "cuda_graph_sizes",
-    "token_budget_default": "token_budget",
-}
-
-
-def moved_field_error(section: str, name: str) -> str | None:
-    """The one-line error for an engine term set on the hardware, or None."""
-    new = MOVED_FROM_HARDWARE.get(name)
-    if new is None:
-        return None
-    return (f"{section}.{name}: the engine's term now lives in the engine preset; set engine.{new} "
-            f"(conf/engine/, engine=testbed|vllm-v0|vllm-v1) instead")
-
-
 @dataclass
 class EngineConfig:
     """One serving engine. Units: ms, µs, tokens."""
