@@ -144,6 +144,9 @@ def _no_such_field(full_key: str, cls) -> str:
         from testbed.experiments.studies import renamed
         if message := renamed(cls, key):
             return message
+    from testbed.sim.config import HardwareConfig, moved_field_error
+    if cls is HardwareConfig and (moved := moved_field_error(parent, key)):
+        return moved
     names = [f.name for f in dataclasses.fields(cls)]
     where = f"{parent} ({cls.__name__})" if parent else "the run config"
     candidates = names + (_groups() if not parent else [])

@@ -24,6 +24,7 @@ from testbed.pool_config import POOLS, ParallelOverride, PoolConfig
 from testbed.schedulers.adaptive_config import AdaptiveConfig
 from testbed.sim.config import HardwareConfig, LinkConfig, ParallelConfig, load_hardware_preset, load_link_preset
 from testbed.sim.engine_overhead import VLLM_CUDA_GRAPH_SIZES
+from testbed.sim.engine_config import EngineConfig, resolve_engine
 from testbed.workloads.config import WorkloadConfig
 
 RUNTIMES = ("real", "sim")
@@ -108,17 +109,18 @@ class WandbConfig:
 @dataclass
 class RunConfig:
     mode: str = "colocated"        # a name in modes.registry.MODES: colocated | disagg | kvstore | hybrid
-    scheduler: str = "sarathi"     # request_level | vllm_v0 | orca | sarathi | adaptive
+    # request_level | vllm_v0 | orca | sarathi | adaptive; None: the engine's (sarathi; vllm_v0 for engine=vllm-v0)
+    scheduler: str | None = None
     # two budgets because they bound different things: token_budget caps every token of a
     # chunking policy's iteration (decodes included; a prompt is cut to fit), while
     # max_num_batched_tokens caps the whole prompts a whole-prefill policy admits together
     # None: the hardware's default; "auto": derived from slo.tpot_ms and the cost model (sarathi)
     token_budget: int | str | None = None   # sarathi / adaptive: tokens per iteration
-    max_num_seqs: int = 64
+    max_num_seqs: int | None = None     # None: the engine's (64 for the testbed engine, 256 for vLLM's)
     max_num_batched_tokens: int = 8192   # whole-prefill schedulers: prompt tokens per iteration
     num_kv_blocks: Any = "auto"    # KV memory per worker, in blocks; auto: testbed/sim/defaults.py
     gpu_memory_utilization: float = 0.9   # num_kv_blocks=auto: the share of the accelerator's memory used
-    block_size: int = 16
+    block_size: int | None = None       # None: the engine's (16)
     enable_prefix_caching: bool = True
     attention_backend: str = "torch"
     device: str = "cpu"
@@ -161,6 +163,10 @@ class RunConfig:
     # the preset named in their profiled_for, so cpu.yaml's never leak into a GPU's
     hardware: HardwareConfig = field(default_factory=lambda: load_hardware_preset("cpu"))
     link: LinkConfig = field(default_factory=lambda: load_link_preset("tcp-25"))
+    # the serving engine `runtime=sim` prices (engine=NAME, conf/engine/); auto: the
+    # hardware's default (testbed on a profiled CPU, vllm-v1 on a GPU), resolved where
+    # it is priced, so a config whose hardware is replaced gets the new hardware's
+    engine: EngineConfig = field(default_factory=EngineConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     ray: RayConfig = field(default_factory=RayConfig)      # launcher=ray
@@ -177,16 +183,20 @@ class RunConfig:
         self.hardware_defaults_note = self._resolve_hardware_defaults()    # not a field: the run header's line
 
     def _resolve_hardware_defaults(self) -> str:
-        """The knobs whose defaults follow the hardware, once: token_budget
-        (hardware.token_budget_default: 256 on this CPU, 2,048 on the GPU
-        presets, vLLM V1's online-serving value) and num_kv_blocks=auto
+        """The knobs whose defaults follow the hardware, once: the serving
+        defaults of its engine (scheduler, token_budget: 256 for this CPU's
+        testbed engine, 2,048 for vLLM's online serving; max_num_seqs,
+        block_size) and num_kv_blocks=auto
         (hardware.kv_blocks_default, or where that is 0 the KV memory left
         after weights and activations: testbed/sim/defaults.py). An explicit
         value always wins. Returns what was chosen ('' if both were given)."""
         notes = []
-        if self.token_budget is None:
-            self.token_budget = self.hardware.token_budget_default
-            notes.append(f"token_budget={self.token_budget} ({self.hardware.name}'s default)")
+        unset = [f for f in ("scheduler", "token_budget", "max_num_seqs", "block_size") if getattr(self, f) is None]
+        if unset:
+            engine = self.run_engine()
+            for f in unset:
+                setattr(self, f, getattr(engine, f))
+            notes.append(" ".join(f"{f}={getattr(self, f)}" for f in unset) + f" (engine {engine.name}'s defaults)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization: a fraction in (0, 1], got {self.gpu_memory_utilization}")
         if not isinstance(self.block_size, int) or self.block_size < 1:     # num_kv_blocks=auto divides by it
@@ -225,6 +235,10 @@ class RunConfig:
     def schedulers(self) -> set[str]:
         """The schedulers this run's workers may run: the run's and each pool's own."""
         return {self.scheduler} | {getattr(self, p).scheduler for p in POOLS if getattr(self, p).scheduler}
+
+    def run_engine(self) -> EngineConfig:
+        """The engine this run's hardware runs (engine=auto resolved)."""
+        return resolve_engine(self.engine, self.hardware)
 
     def _run_parallel_users(self) -> list[str | None]:
         """The pools of this mode whose workers run with the run's own `parallel`:
@@ -322,8 +336,8 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError(f"temperature: must be >= 0 (0: greedy), got {cfg.temperature}")
     if not 0.0 < cfg.top_p <= 1.0:
         raise ValueError(f"top_p: must be in (0, 1], got {cfg.top_p}")
-    for sub in (cfg.runtime, cfg.model, cfg.workload, cfg.transfer, cfg.kvstore, cfg.hardware, cfg.link,
-                cfg.parallel, cfg.experiment, cfg.adaptive, cfg.ray, cfg.hybrid, cfg.slo, cfg.data):
+    for sub in (cfg.runtime, cfg.model, cfg.workload, cfg.transfer, cfg.kvstore, cfg.hardware, cfg.engine,
+                cfg.link, cfg.parallel, cfg.experiment, cfg.adaptive, cfg.ray, cfg.hybrid, cfg.slo, cfg.data):
         if sub is not None:
             sub.validate()
     if cfg.transfer.lease_s <= 2 * cfg.runtime.heartbeat_s:
@@ -345,6 +359,7 @@ def register_configs() -> None:
     not profiled for it (HardwareConfig.__post_init__)."""
     schema = RunConfig()
     schema.token_budget, schema.num_kv_blocks = None, "auto"      # resolved per run, after the presets merge
+    schema.scheduler = schema.max_num_seqs = schema.block_size = None
     schema.hardware = dataclasses.replace(schema.hardware, gemm_profile=[], attention_profile=[], step_jitter_ms=[])
     for name in POOLS:     # settable field by field from the command line (pool_config.py)
         setattr(schema, name, PoolConfig(parallel=ParallelOverride()))
@@ -361,13 +376,16 @@ def register_configs() -> None:
 
 
 def register_resolvers() -> None:
-    """conf/config.yaml's resolvers: `dir_safe` names a sweep point's directory by its overrides
+    """conf/config.yaml's resolvers: `or_engine` writes a knob the engine
+    will set as 'engine'; `dir_safe` names a sweep point's directory by its overrides
     with each '/' of a value (a path: workload.trace_path, experiment.probe_cache) as '_', and cut
     with a hash past 200 bytes (sweep_names.py); Hydra's override_dirname keeps the '/', and the
     point's files went into directories named by the path's parts."""
     from omegaconf import OmegaConf
     from testbed.sweep_names import dir_safe
     OmegaConf.register_new_resolver("dir_safe", dir_safe, replace=True)
+    # a knob left to the engine's default is still None while Hydra names the run's directory
+    OmegaConf.register_new_resolver("or_engine", lambda value: "engine" if value is None else value, replace=True)
 
 
 def to_dict(cfg: RunConfig) -> dict:

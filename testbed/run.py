@@ -57,6 +57,7 @@ def execute(cfg: RunConfig, out_dir: str | Path) -> dict:
         "num_gpus": num_gpus(cfg),          # per-GPU figures (testbed report SWEEP_DIR) divide by this
         "hardware": {"name": cfg.hardware.name, "provenance": cfg.hardware.provenance,
                      "defaults": getattr(cfg, "hardware_defaults_note", "")},
+        "engine": engine_summary(cfg.run_engine()),
         "kv_blocks_leaked": {w: s["num_blocks"] - s["num_free_blocks"]
                              for w, s in result.worker_stats.items() if not s["all_free"]},
         "workers": result.worker_stats,
@@ -73,6 +74,11 @@ def execute(cfg: RunConfig, out_dir: str | Path) -> dict:
         log_run(cfg, out, summary, result)
     print_summary(summary, out)
     return summary
+
+
+def engine_summary(engine) -> dict:
+    """The engine preset a run was priced with: its name, dataset and each term's source."""
+    return {"name": engine.name, "calibration": engine.calibration, "provenance": engine.term_provenance()}
 
 
 def _stderr(line: str) -> None:

@@ -10,6 +10,8 @@ error too.
 """
 from __future__ import annotations
 
+import gzip
+
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,10 +23,12 @@ MAX_LINE_BYTES = 64 * MiB
 
 
 def text_lines(path: str | Path, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[int, str]]:
-    """(1-based line number, text without its line ending) for each line."""
+    """(1-based line number, text without its line ending) for each line;
+    a file whose name ends in .gz is read through gzip."""
     if max_line_bytes < 1:
         raise ValueError(f"max_line_bytes must be >= 1, got {max_line_bytes}")
-    with open(path, "rb") as f:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rb") as f:
         line_no = 0
         while True:
             raw = f.readline(max_line_bytes + 2)    # + 2: room for the line's own \r\n

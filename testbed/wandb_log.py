@@ -22,6 +22,14 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def _config(cfg: RunConfig) -> dict:
+    """The resolved config, its engine as priced (engine=auto resolved, with each term's provenance)."""
+    import dataclasses
+    config = to_dict(cfg)
+    config["engine"] = dataclasses.asdict(cfg.run_engine())
+    return config
+
+
 def log_run(cfg: RunConfig, out_dir: Path, summary: dict, result) -> str | None:
     """Returns the wandb run's directory (None when disabled)."""
     if cfg.wandb.mode == "disabled":
@@ -29,7 +37,7 @@ def log_run(cfg: RunConfig, out_dir: Path, summary: dict, result) -> str | None:
     import wandb
     os.environ.setdefault("WANDB_SILENT", "true")
     run = wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, group=cfg.wandb.group,
-                     mode=cfg.wandb.mode, dir=str(out_dir), config=to_dict(cfg),
+                     mode=cfg.wandb.mode, dir=str(out_dir), config=_config(cfg),
                      name=cfg.wandb.name or f"{cfg.mode}-{cfg.scheduler}-{cfg.model.name}-{cfg.workload.name}",
                      reinit="finish_previous")
     try:
@@ -69,7 +77,7 @@ def log_experiment(cfg: RunConfig, out_dir: Path, result: dict, rows: list[dict]
     the contract of a study's result dict (testbed/experiments/__init__.py)."""
     import wandb
     run = wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, group=cfg.wandb.group or cfg.experiment.name,
-                     mode=cfg.wandb.mode, dir=str(out_dir), config=to_dict(cfg), job_type="experiment",
+                     mode=cfg.wandb.mode, dir=str(out_dir), config=_config(cfg), job_type="experiment",
                      name=cfg.wandb.name or f"experiment-{cfg.experiment.name}",
                      reinit="finish_previous")
     try:

@@ -26,6 +26,7 @@ from testbed.config import from_dict
 
 DATA = Path(__file__).resolve().parent / "data"
 GRID = [512, 1024, 4096, 8192]
+ENGINE = {"name": "fixed-10ms", "overhead_ms": 10.0, "token_budget": 1100}     # for data/decision_hardware.yaml
 
 
 def constructed(**experiment) -> object:
@@ -38,7 +39,7 @@ def constructed(**experiment) -> object:
              real=False)
     e.update(experiment)
     return from_dict({"runtime": {"name": "sim"}, "model": {"name": "tiny"}, "max_num_batched_tokens": 1100, "wandb": {"mode": "disabled"}, "progress": False,
-                      "experiment": e})
+                      "engine": ENGINE, "experiment": e})
 
 
 def read_rows(path: Path) -> list[dict]:

@@ -18,6 +18,7 @@ from testbed.sim.crossover import chunked_prefill_s
 from testbed.sim.layer_shapes import Gemm, expected_experts_touched
 from testbed.sim.link_model import LinkModel
 from testbed.profiling.profile import profile_cpu, seconds_per_call
+from testbed.sim.engine_config import EngineConfig, load_engine_preset
 from testbed.sim.timers import ProfiledGemms
 
 
@@ -26,13 +27,16 @@ def h100():
     """h100-sxm priced by the roofline (the tables, the attention kernel model
     and the launch bound off): these tests pin down the roofline's first
     principles; tests/test_gpu_tables.py covers the table-priced preset."""
-    return load_hardware_preset("h100-sxm", gemm_table="", allreduce_table="", attention_kernel="",
-                                kernel_launch_us=0.0)
+    return load_hardware_preset("h100-sxm", gemm_table="", allreduce_table="", attention_kernel="")
+
+
+# the engine's part off but a stated 0.3 ms of host time per iteration, added
+BARE_ENGINE = EngineConfig(name="bare", overhead_ms=0.3)
 
 
 @pytest.fixture(scope="module")
 def llama(h100):
-    return CostModel(load_model_preset("llama3-8b"), h100)
+    return CostModel(load_model_preset("llama3-8b"), h100, engine=BARE_ENGINE)
 
 
 def hbm_s(h100, nbytes):
@@ -68,7 +72,7 @@ def test_decode_batch_one_streams_the_weights(llama, h100):
     t = llama.iteration_time_s([(1, 1024)])
     assert 5.5e-3 < t < 8e-3                      # 16 GB / 3.35 TB/s at ~80%
     streamed = llama.shapes.weight_bytes - 128256 * 4096 * 2      # the embedding table is not streamed
-    assert t == pytest.approx(hbm_s(h100, streamed) + h100.overhead_ms * 1e-3, rel=0.05)
+    assert t == pytest.approx(hbm_s(h100, streamed) + BARE_ENGINE.overhead_ms * 1e-3, rel=0.05)
 
 
 def test_prefill_4k_is_compute_bound(llama, h100):
@@ -87,7 +91,7 @@ def test_kv_bytes_read_counts_each_slices_context(llama):
 
 def test_chunk_attention_rereads_its_prefix(h100):
     # MHA decode-like chunks are memory-bound: attention time follows the context read
-    cost = CostModel(load_model_preset("llama2-7b"), h100)
+    cost = CostModel(load_model_preset("llama2-7b"), h100, engine=BARE_ENGINE)
     short = cost.breakdown([(1, 4096)])["attention_s"]
     long = cost.breakdown([(1, 8192)])["attention_s"]
     assert long == pytest.approx(2 * short, rel=0.01)
@@ -112,7 +116,7 @@ def test_lm_head_only_for_sampled_rows(llama):
 def test_mla_kv_bytes_come_from_the_latent_rank(h100):
     model = load_model_preset("deepseek-v2-lite")
     assert model.kv_bytes_per_token == (512 + 64) * 2 * 27
-    cost = CostModel(model, h100)
+    cost = CostModel(model, h100, engine=BARE_ENGINE)
     assert cost.shapes.attention.kv_bytes_per_token == (512 + 64) * 2
     assert cost.kv_bytes_read([(1, 10000)]) == 10000 * 31104
     # a long decode is memory-bound on the latent KV
@@ -124,7 +128,7 @@ def test_mla_kv_bytes_come_from_the_latent_rank(h100):
 
 def test_moe_flops_count_active_experts_bytes_count_touched_experts(h100):
     model = load_model_preset("mixtral-8x7b")
-    cost = CostModel(model, h100)
+    cost = CostModel(model, h100, engine=BARE_ENGINE)
     expert_bytes = 3 * 4096 * 14336 * 2
     all_experts = 32 * 8 * expert_bytes
     assert expected_experts_touched(8, 2, 1) == pytest.approx(2.0)
@@ -142,8 +146,8 @@ def test_moe_flops_count_active_experts_bytes_count_touched_experts(h100):
 
 def test_tensor_parallel_splits_work_and_adds_allreduces(h100):
     model = load_model_preset("llama3-8b")
-    one = CostModel(model, h100).breakdown([(4096, 4096)])
-    two = CostModel(model, h100, ParallelConfig(tp=2)).breakdown([(4096, 4096)])
+    one = CostModel(model, h100, engine=BARE_ENGINE).breakdown([(4096, 4096)])
+    two = CostModel(model, h100, ParallelConfig(tp=2), engine=BARE_ENGINE).breakdown([(4096, 4096)])
     assert one["allreduce_s"] == 0
     nvlink = LinkModel(load_link_preset("nvlink"))
     assert two["allreduce_s"] == pytest.approx(2 * 32 * nvlink.allreduce_time_s(4096 * 4096 * 2, 2))
@@ -153,8 +157,8 @@ def test_tensor_parallel_splits_work_and_adds_allreduces(h100):
 
 def test_pipeline_parallel_adds_stage_handoffs(h100):
     model = load_model_preset("llama3-8b")
-    one = CostModel(model, h100).breakdown([(2048, 2048)])
-    four = CostModel(model, h100, ParallelConfig(pp=4, pp_link="rdma-400")).breakdown([(2048, 2048)])
+    one = CostModel(model, h100, engine=BARE_ENGINE).breakdown([(2048, 2048)])
+    four = CostModel(model, h100, ParallelConfig(pp=4, pp_link="rdma-400"), engine=BARE_ENGINE).breakdown([(2048, 2048)])
     handoff = LinkModel(load_link_preset("rdma-400")).transfer_time_s(2048 * 4096 * 2)
     assert four["pp_transfer_s"] == pytest.approx(3 * handoff)
     assert four["total_s"] == pytest.approx(one["total_s"] + 3 * handoff)
@@ -180,7 +184,7 @@ def test_bad_inputs_name_the_field(llama, h100):
     with pytest.raises(ValueError, match="num_new_tokens >= 1"):
         llama.iteration_time_s([(0, 3)])
     with pytest.raises(ValueError, match="parallel.tp"):
-        CostModel(load_model_preset("llama3-8b"), h100, ParallelConfig(tp=3))
+        CostModel(load_model_preset("llama3-8b"), h100, ParallelConfig(tp=3), engine=BARE_ENGINE)
     with pytest.raises(ValueError, match="parallel.pp"):
         ParallelConfig(pp=0)
     with pytest.raises(ValueError, match="hardware.compute_efficiency"):
@@ -235,7 +239,9 @@ def test_profiled_cpu_predicts_a_real_prefill_within_a_sane_factor(tmp_path):
     typed = OmegaConf.merge(OmegaConf.structured(HardwareConfig), OmegaConf.load(tmp_path / "cpu.yaml"))
     assert HardwareConfig(**OmegaConf.to_container(typed)) == hardware         # and passes Hydra's typing
     model = load_model_preset("tiny")
-    cost = CostModel(model, hardware)
+    engine = load_engine_preset(str(tmp_path / "cpu-engine.yaml"))        # the second file the profile wrote
+    assert engine.profiled_for == "cpu" and engine.overhead_ms + engine.overhead_per_seq_ms > 0
+    cost = CostModel(model, hardware, engine=engine)
     measured = seconds_per_call(_tiny_forward(model, 512), min_time_s=0.3)
     predicted = cost.iteration_time_s([(512, 512)])
     assert 1 / 3 < predicted / measured < 3, (predicted, measured)

@@ -18,7 +18,7 @@ from testbed.metrics import RequestRecord
 from testbed.experiments.decision import run_decision
 from testbed.steady_state import SteadyRule, judged_window
 
-from decision_case import DATA, GRID, constructed, read_rows  # noqa: E402  (tests/ on sys.path: conftest)
+from decision_case import DATA, ENGINE, GRID, constructed, read_rows  # noqa: E402  (tests/ on sys.path: conftest)
 
 def test_the_study_finds_the_crossover_the_arithmetic_gives(tmp_path):        # ~5 s here
     cfg = constructed()
@@ -302,7 +302,7 @@ def test_find_capacity_with_the_steady_rule_lengthens_a_short_probe_and_judges_t
     from omegaconf import OmegaConf
     hardware = OmegaConf.to_container(OmegaConf.load(DATA / "decision_hardware.yaml"))
     cfg = from_dict({"runtime": {"name": "sim"}, "model": {"name": "tiny"}, "wandb": {"mode": "disabled"},
-                     "progress": False, "hardware": hardware,
+                     "progress": False, "hardware": hardware, "engine": ENGINE,
                      "slo": {"ttft_ms": 35.0, "tpot_ms": 50.0}, "token_budget": 1100,
                      "workload": {"name": "w", "arrival": "poisson", "rate": 50.0, "num_requests": 10,
                                   "prompt_dist": "fixed", "prompt_len": 512, "output_dist": "fixed",
@@ -329,7 +329,7 @@ def test_a_probe_too_short_to_judge_anyone_is_lengthened_not_counted_as_a_failur
     from testbed.experiments.decision_slo import SLOTargets, get_smoothness
     hardware = OmegaConf.to_container(OmegaConf.load(DATA / "decision_hardware.yaml"))
     cfg = from_dict({"runtime": {"name": "sim"}, "model": {"name": "tiny"}, "wandb": {"mode": "disabled"},
-                     "progress": False, "hardware": hardware, "token_budget": 1100,
+                     "progress": False, "hardware": hardware, "engine": ENGINE, "token_budget": 1100,
                      "workload": {"name": "w", "arrival": "poisson", "rate": 1.0, "num_requests": 10,
                                   "prompt_dist": "fixed", "prompt_len": 64, "output_dist": "fixed",
                                   "output_len": 400}})

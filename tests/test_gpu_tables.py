@@ -18,6 +18,7 @@ from testbed.sim.elementwise_kernels import elementwise_kernel
 from testbed.sim.gpu_tables import elementwise_ops
 from testbed.sim.layer_shapes import layer_shapes
 from testbed.sim.table_pricing import TableElementwise, TableGemms, local_loglinear
+from engine_fixture import STATED_ENGINE  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -149,7 +150,7 @@ def test_local_loglinear_reproduces_a_power_law_exactly():
 @pytest.mark.parametrize("model, tp", [("yi-34b", 2), ("mixtral-8x7b", 2), ("falcon-180b", 8), ("deepseek-v2-lite", 1),
                                        ("llama3-8b", 1)])
 def test_unprofiled_models_get_prices_that_grow_with_the_batch(model, tp):
-    cost = CostModel(load_model_preset(model), load_hardware_preset("h100-sxm"), ParallelConfig(tp=tp))
+    cost = CostModel(load_model_preset(model), load_hardware_preset("h100-sxm"), ParallelConfig(tp=tp), engine=STATED_ENGINE)
     decodes = [cost.iteration_time_s([(1, 1024)] * b) for b in (1, 16, 64, 256)]
     prefills = [cost.iteration_time_s([(n, n)]) for n in (2048, 8192, 32768)]
     assert all(math.isfinite(t) and t > 0 for t in decodes + prefills)
@@ -169,7 +170,7 @@ def test_allreduce_follows_its_table_and_grows_with_size_past_it():
 
 def test_tp_prices_its_allreduces_from_the_preset_table():
     hw = load_hardware_preset("h100-sxm")
-    cost = CostModel(load_model_preset("llama2-70b"), hw, ParallelConfig(tp=8))
+    cost = CostModel(load_model_preset("llama2-70b"), hw, ParallelConfig(tp=8), engine=STATED_ENGINE)
     table = allreduce_table("h100_dgx", 8)
     hidden = 64 * cost.shapes.hidden_bytes_per_token
     assert cost.breakdown([(1, 1024)] * 64)["allreduce_s"] == pytest.approx(
@@ -179,8 +180,8 @@ def test_tp_prices_its_allreduces_from_the_preset_table():
 def test_h200_memory_bound_gemms_move_with_the_bandwidth():
     """A decode's GEMMs are memory-bound: the H100 table's time, times 3.35/4.8."""
     model = load_model_preset("llama3-8b")
-    h100 = CostModel(model, load_hardware_preset("h100-sxm")).breakdown([(1, 1024)])["gemm_s"]
-    h200 = CostModel(model, load_hardware_preset("h200")).breakdown([(1, 1024)])["gemm_s"]
+    h100 = CostModel(model, load_hardware_preset("h100-sxm"), engine=STATED_ENGINE).breakdown([(1, 1024)])["gemm_s"]
+    h200 = CostModel(model, load_hardware_preset("h200"), engine=STATED_ENGINE).breakdown([(1, 1024)])["gemm_s"]
     assert h200 == pytest.approx(h100 * 3350 / 4800, rel=1e-9)
 
 
@@ -188,7 +189,7 @@ def test_every_gpu_preset_names_its_sources():
     for name in ("h100-sxm", "h200", "a100-80gb-sxm", "a100-80gb-pcie"):
         hw = load_hardware_preset(name)
         assert hw.gemm_table and hw.attention_kernel and "vidur@7d47513" in hw.provenance
-        assert hw.token_budget_default == 2048 and hw.kv_blocks_default == 0
+        assert hw.kv_blocks_default == 0
 
 
 def test_no_preset_reads_shared():

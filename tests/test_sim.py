@@ -21,6 +21,7 @@ from testbed.runtime.messages import Add
 from testbed.runtime.wire import decode, encode
 from testbed.sim.config import HardwareConfig, load_hardware_preset
 from testbed.sim.cost_model import CostModel
+from testbed.sim.engine_config import EngineConfig
 from testbed.sim.memory import kv_footprint
 from testbed.workloads.tokens import synthesize_prompt
 
@@ -236,9 +237,9 @@ def test_short_batches_on_a_profiled_cpu_cost_the_same_in_python_as_in_numpy(mod
                                              (4, 0, 2, 1, 0, 0, 3e6), (1, 1, 0, 0, 0, 9e8, 2e6),
                                              (1, 1, 0, 0, 0, 3e7, 1e6), (16, 0, 4, 4, 0, 0, 5e6),
                                              (3, 3, 0, 0, 2e7, 0, 1e6), (6, 0, 2, 2, 0, 0, 2e6)]]
-    hw = HardwareConfig(**{**base.__dict__, "attention_profile": rows, "overhead_per_seq_ms": 0.05,
-                           "overhead_per_token_ms": 0.02})
-    cost = CostModel(load_model_preset(model), hw)
+    hw = HardwareConfig(**{**base.__dict__, "attention_profile": rows})
+    engine = EngineConfig(name="linear", overhead_per_seq_ms=0.05, overhead_per_token_ms=0.02)
+    cost = CostModel(load_model_preset(model), hw, engine=engine)
     for pairs in _batches(np.random.default_rng(1)):
         assert cost.iteration_time_s(pairs) == pytest.approx(cost.iteration_time_s(np.array(pairs)), rel=1e-12)
     one, two = cost.breakdown([(1, 100)]), cost.breakdown([(1, 100), (1, 100)])
@@ -258,7 +259,6 @@ def test_gpu_presets_do_not_inherit_the_cpus_measurements(tmp_path):
     import yaml
     measured = HardwareConfig(**{**load_hardware_preset("cpu").__dict__, "gemm_profile": [[1.0, 8.0, 8.0, 1e-6],
                               [64.0, 8.0, 8.0, 2e-6]], "calibration_scale": 1.3, "frontend_hop_ms": 0.8,
-                              "overhead_per_seq_ms": 0.2, "overhead_per_token_ms": 0.03,
                               "step_jitter_ms": [-0.5, 0.0, 1.9], "profiled_for": "cpu"})
     (tmp_path / "cpu.yaml").write_text(yaml.safe_dump(asdict(measured)))
     base = OmegaConf.structured(load_hardware_preset(str(tmp_path / "cpu.yaml")))
@@ -267,4 +267,4 @@ def test_gpu_presets_do_not_inherit_the_cpus_measurements(tmp_path):
         merged = OmegaConf.to_object(OmegaConf.merge(base, OmegaConf.load(CONF_DIR / "hardware" / f"{name}.yaml")))
         assert merged == load_hardware_preset(name)
         assert not merged.gemm_profile and merged.calibration_scale == 1.0 and merged.frontend_hop_ms == 0.0
-        assert not merged.step_jitter_ms and merged.overhead_per_token_ms == 0.0
+        assert not merged.step_jitter_ms

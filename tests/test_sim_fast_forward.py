@@ -25,6 +25,7 @@ from testbed.runtime.build import sampled
 from testbed.runtime.sim import SimRuntime
 from testbed.runtime.sim_decode_run import decode_run, steady_step
 from testbed.sim.config import load_hardware_preset
+from testbed.sim.engine_config import EngineConfig
 from testbed.sim.cost_executor import CostModelExecutor
 from testbed.sim.cost_model import CostModel
 from testbed.sim.jitter import StepJitter
@@ -190,8 +191,9 @@ def test_decodes_priced_by_their_sum_and_longest_equal_the_slices(model, scale):
             assert type(fast) is float
             assert cost.decode_pricer(n)(sum(contexts), max(contexts)) == fast
     roofline = dataclasses.replace(load_hardware_preset("h100-sxm"), attention_kernel="")
-    assert CostModel(load_model_preset(model), roofline).decode_iteration_s(2, 10, 6) is None
-    assert not CostModelExecutor(CostModel(load_model_preset(model), roofline)).prices_decodes_by_sum
+    bare = EngineConfig(name="bare")         # no attention kernel of its own: the hardware's roofline
+    assert CostModel(load_model_preset(model), roofline, engine=bare).decode_iteration_s(2, 10, 6) is None
+    assert not CostModelExecutor(CostModel(load_model_preset(model), roofline, engine=bare)).prices_decodes_by_sum
 
 
 def _sim_engine(num_blocks: int):

@@ -71,7 +71,7 @@ def main() -> None:
             with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
                 summary = execute(cfg, Path(tmp) / name)
             computed = summary["iterations"]["num_prefill_tokens"] / len(requests)
-            cm = CostModel(cfg.model, cfg.hardware, cfg.parallel)
+            cm = CostModel(cfg.model, cfg.hardware, cfg.parallel, cfg.engine)
             dense = dense_tokens_per_s(cm)
             per_request = computed + outputs.mean() - 1
             attention = float(np.mean([attention_s(cm, int(p)) for p in prompts]))

@@ -154,11 +154,13 @@ def stall(cfg, out: Path, repeats: int, runs_per_repeat: int = 1, policies=POLIC
     return rows
 
 
-def doubled(hw):
-    """Every term of the cost model twice as long: a profile 2x off."""
-    return dataclasses.replace(hw, calibration_scale=2 * hw.calibration_scale, overhead_ms=2 * hw.overhead_ms,
-                               overhead_per_seq_ms=2 * hw.overhead_per_seq_ms,
-                               overhead_per_token_ms=2 * hw.overhead_per_token_ms)
+def doubled(cfg):
+    """Every term of the cost model twice as long: a profile 2x off (the hardware's and its engine's)."""
+    hw, engine = cfg.hardware, cfg.run_engine()
+    return (dataclasses.replace(hw, calibration_scale=2 * hw.calibration_scale),
+            dataclasses.replace(engine, overhead_ms=2 * engine.overhead_ms,
+                                overhead_per_seq_ms=2 * engine.overhead_per_seq_ms,
+                                overhead_per_token_ms=2 * engine.overhead_per_token_ms))
 
 
 def errors(out: Path) -> np.ndarray:
@@ -189,9 +191,9 @@ def crossing(err: np.ndarray) -> int | None:
 def selfcorrect(cfg, out: Path) -> dict:
     wl = dataclasses.replace(cfg.workload, output_len=400)
     result = {}
-    for label, hw in (("2x_off", doubled(cfg.hardware)), ("as_profiled", cfg.hardware)):
+    for label, (hw, engine) in (("2x_off", doubled(cfg)), ("as_profiled", (cfg.hardware, cfg.run_engine()))):
         d = out / "selfcorrect" / label
-        run(dataclasses.replace(cfg, scheduler="adaptive", hardware=hw, workload=wl), d)
+        run(dataclasses.replace(cfg, scheduler="adaptive", hardware=hw, engine=engine, workload=wl), d)
         err = errors(d)
         result[label] = {"num_iterations": len(err), "crossing": crossing(err), "first_crossing": first_crossing(err),
                          "first_error": float(err[0]), "median_first_20": float(np.median(err[:WINDOW])),

@@ -38,6 +38,14 @@ import numpy as np
 L = 1024
 
 
+def profile_engine(profile: str):
+    """The testbed engine preset `testbed profile --out PROFILE` wrote beside the hardware one."""
+    from testbed.profiling.profile import engine_path_for
+    from testbed.sim.config import load_hardware_preset
+    from testbed.sim.engine_config import load_engine_preset
+    return load_engine_preset(str(engine_path_for(profile, load_hardware_preset(profile).name)))
+
+
 def decision_point(rate: float, span_s: float, replicas: int, budget: int, torch_threads: int,
                    profile: str | None = None):
     """The decision-real probe's run config (decision_real.real_point of
@@ -60,11 +68,11 @@ def decision_point(rate: float, span_s: float, replicas: int, budget: int, torch
     point = point_cfg(cfg, "tiny", "cpu")
     if profile:          # another `testbed profile` of this machine prices the steps (and the twin)
         from testbed.sim.config import load_hardware_preset
-        point = replace_run(point, hardware=load_hardware_preset(profile))
+        point = replace_run(point, hardware=load_hardware_preset(profile), engine=profile_engine(profile))
     dep = Deployment(f"sarathi-{budget}", "colocated", "colocated", "sarathi", budget, replicas=replicas,
                      uses_link=False)
     run = dep.apply(real_point(point, load_link_preset(e.links[0]), e.real_probe_s))
-    one_gpu = CostModel(point.model, point.hardware, ParallelConfig())
+    one_gpu = CostModel(point.model, point.hardware, ParallelConfig(), point.engine)
     targets = SLOTargets(e.ttft_k * one_gpu.iteration_time_s([(L, L)]) * 1e3,
                          float(e.tbt_slos_ms[0]))
     workload = dataclasses.replace(_workload(e, L), rate=rate, num_requests=max(2, int(rate * span_s)))
@@ -159,7 +167,7 @@ def analyse(result, cfg, targets, label: str) -> dict:
     from testbed.experiments.decision_slo import P99TBT
     from testbed.sim.cost_model import CostModel
     from testbed.steady_state import SteadyRule
-    cost = CostModel(cfg.model, cfg.hardware, cfg.parallel)
+    cost = CostModel(cfg.model, cfg.hardware, cfg.parallel, cfg.engine)
     records = result.records
     iterations = result.iterations
     rebuilt = rebuild(iterations, records, cfg.model.kv_bytes_per_token)
@@ -274,13 +282,13 @@ def sensitivity(scales: list[float], replicas: int, budget: int, profile: str | 
         point = point_cfg(cfg, "tiny", "cpu")
         if profile:
             from testbed.sim.config import load_hardware_preset
-            point = replace_run(point, hardware=load_hardware_preset(profile))
-        h = point.hardware
-        hw = dataclasses.replace(h, calibration_scale=h.calibration_scale * s, overhead_ms=h.overhead_ms * s,
-                                 overhead_per_seq_ms=h.overhead_per_seq_ms * s,
-                                 overhead_per_token_ms=h.overhead_per_token_ms * s,
+            point = replace_run(point, hardware=load_hardware_preset(profile), engine=profile_engine(profile))
+        h, g = point.hardware, point.run_engine()
+        hw = dataclasses.replace(h, calibration_scale=h.calibration_scale * s,
                                  step_jitter_ms=[q * s for q in h.step_jitter_ms])
-        point = replace_run(point, hardware=hw)
+        engine = dataclasses.replace(g, overhead_ms=g.overhead_ms * s, overhead_per_seq_ms=g.overhead_per_seq_ms * s,
+                                     overhead_per_token_ms=g.overhead_per_token_ms * s)
+        point = replace_run(point, hardware=hw, engine=engine)
         rows, _ = length_rows(Prober(rule, lambda *_: None), e, point, dep, replicas, [point.link],
                               [get_smoothness(e.smoothness[0])], L, 2.0 * replicas, lambda *_: None)
         r = rows[0]

@@ -63,7 +63,7 @@ def main() -> int:
     hardware, num_gpus = e.real_hardware, e.real_num_gpus
     point = point_cfg(cfg, e.real_models[0], hardware)
     link = load_link_preset(e.links[0])
-    worker = CostModel(point.model, point.hardware, point.parallel)
+    worker = CostModel(point.model, point.hardware, point.parallel, point.engine)
     service_s = isolated_s(worker, args.context_len, e.output_len)
     run_point = real_point(point, link, min(e.real_probe_s, 3 * service_s + 10.0))
     deps = {d.label: d for d in deployments(e, num_gpus, point.parallel.tp * point.parallel.pp, False)}
@@ -71,7 +71,7 @@ def main() -> int:
         print(f"deployment: '{args.deployment}' is not one of {', '.join(deps)}", file=sys.stderr)
         return 2
     base = deps[args.deployment].apply(run_point)
-    run_cfg, targets = length_point(e, base, CostModel(point.model, point.hardware, ParallelConfig()),
+    run_cfg, targets = length_point(e, base, CostModel(point.model, point.hardware, ParallelConfig(), point.engine),
                                    args.context_len, args.tbt_ms)
     smooth = get_smoothness("p99_tbt")
     run_cfg = replace_run(run_cfg if args.keep_slack else judged_run(run_cfg, smooth), workload=dataclasses.replace(run_cfg.workload, rate=args.rate,

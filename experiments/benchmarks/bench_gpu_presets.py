@@ -31,6 +31,7 @@ from testbed.sim.config import ParallelConfig, load_hardware_preset
 from testbed.sim.cost_model import CostModel
 from testbed.sim.operator_table import GEMM_OPS, elementwise_samples, gemm_samples, tables_dir
 from testbed.sim.operator_table import load_compute_table as load_table
+from testbed.sim.engine_config import EngineConfig
 from testbed.sim.table_pricing import BANDWIDTH, TableElementwise, TableGemms
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -93,10 +94,13 @@ def print_loo(bandwidth: float) -> None:
                       + (f"   [bytes: {pm.elementwise_kernel(op)}]" if bytes_priced else ""))
 
 
+# the hardware's pricing alone: no engine terms, the hardware's attention kernel
+BARE_ENGINE = EngineConfig(name="bare")
+
+
 def roofline_of(hardware):
     """The same preset priced as before the tables: roofline GEMMs and attention, ring all-reduce."""
-    return dataclasses.replace(hardware, gemm_table="", allreduce_table="", attention_kernel="",
-                               kernel_launch_us=0.0, cuda_graphs=False)
+    return dataclasses.replace(hardware, gemm_table="", allreduce_table="", attention_kernel="")
 
 
 def print_iterations() -> None:
@@ -104,7 +108,7 @@ def print_iterations() -> None:
     print("one iteration on h100-sxm, ms: tables (gemm + elementwise + attention + all-reduce + overhead) | old roofline")
     for model, tp in (("llama2-70b", 8), ("llama3-8b", 1)):
         cfg, par = load_model_preset(model), ParallelConfig(tp=tp)
-        new, old = CostModel(cfg, hw, par), CostModel(cfg, roofline_of(hw), par)
+        new, old = CostModel(cfg, hw, par, BARE_ENGINE), CostModel(cfg, roofline_of(hw), par, BARE_ENGINE)
         cases = [(f"decode x{b} @1K", [(1, 1024)] * b) for b in (1, 16, 64, 256)]
         cases += [(f"prefill {n // 1024}K", [(n, n)]) for n in (2048, 8192, 32768)]
         for name, slices in cases:
@@ -129,7 +133,7 @@ def prefill_slices(prompt: int, chunk: int) -> list[list[tuple[int, int]]]:
 
 def print_h200() -> None:
     hw, model = load_hardware_preset("h200"), load_model_preset("llama3-8b")
-    new, old = CostModel(model, hw), CostModel(model, roofline_of(hw))
+    new, old = CostModel(model, hw, engine=BARE_ENGINE), CostModel(model, roofline_of(hw), engine=BARE_ENGINE)
     print("h200 llama3-8b prefill, TTFT ms: measured | preset (error) | old roofline (error)")
     for r in h200_rows():
         prompt, chunk, measured = int(r["prompt_len"]), int(r["chunk"]), float(r["ttft_s"]) * 1e3

@@ -130,7 +130,7 @@ class TTFTDeadline:
         self.floor_s = floor_s
         from testbed.sim.cost_model import CostModel
         from testbed.sim.config import ParallelConfig
-        self.cost = CostModel(cfg.model, cfg.hardware, ParallelConfig())
+        self.cost = CostModel(cfg.model, cfg.hardware, ParallelConfig(), cfg.engine)
         self.memo: dict[int, float] = {}
 
     def __call__(self, prompt_len: int) -> float:

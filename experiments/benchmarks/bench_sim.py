@@ -60,7 +60,8 @@ def compose(overrides: list[str]) -> RunConfig:
 def fidelity(args) -> int:
     from testbed.run import execute
     from testbed.sim.config import load_hardware_preset
-    from testbed.profiling.profile import profile_main
+    from testbed.sim.engine_config import load_engine_preset, resolve_engine
+    from testbed.profiling.profile import engine_path_for, profile_main
     cases = args.cases.split(",")
     for case in cases:
         if case not in CASES:
@@ -81,16 +82,18 @@ def fidelity(args) -> int:
             path = args.hardware if num_profiles == 1 else str(Path(args.out) / f"hardware-{profile}.yaml")
             profile_main(["--out", path, "--name", "cpu"])
             hardware, sims = load_hardware_preset(path), {}
+            engine = load_engine_preset(str(engine_path_for(path, "cpu")))
         elif hardware is None:
             hardware = load_hardware_preset(args.hardware)
+            engine = resolve_engine(None, hardware)
         if args.recalibrate:
-            hardware, sims = recalibrated(hardware), {}
+            (hardware, engine), sims = recalibrated(hardware, engine), {}
         for case in cases:
             out = Path(args.out) / f"{case}-{rep}"
             real = execute(compose(base[case] + ["runtime=real"]), out / "real")
             if case not in sims:
                 cfg = compose(base[case] + ["runtime=sim"])
-                cfg.hardware = hardware
+                cfg.hardware, cfg.engine = hardware, engine
                 sims[case] = execute(cfg, out / "sim")
             rows.append((case, rep, max(profile, 0), real, sims[case]))
     (Path(args.out) / "fidelity.json").write_text(json.dumps(
@@ -130,7 +133,7 @@ def _worst_leave_one_out(xs: list[float]) -> float:
     return max(abs(x - (rest := median(xs[:i] + xs[i + 1:]))) / rest for i, x in enumerate(xs))
 
 
-def recalibrated(hardware):
+def recalibrated(hardware, engine):
     """The hardware config with its overhead terms and calibration scale fitted
     again now, a serving run included (the tables stay): what else runs on a
     shared machine changes from minute to minute, and the real runs that
@@ -151,9 +154,9 @@ def recalibrated(hardware):
     print(f"recalibrated: overhead {fit.overhead_ms:.3f} ms + {fit.overhead_per_seq_ms:.3f} ms/seq "
           f"+ {fit.overhead_per_token_ms * 1e3:.1f} us/token, "
           f"scale {fit.calibration_scale:.3f}")
-    return dataclasses.replace(hardware, overhead_ms=fit.overhead_ms, overhead_per_seq_ms=fit.overhead_per_seq_ms,
-                               overhead_per_token_ms=fit.overhead_per_token_ms,
-                               calibration_scale=fit.calibration_scale)
+    return (dataclasses.replace(hardware, calibration_scale=fit.calibration_scale),
+            dataclasses.replace(engine, overhead_ms=fit.overhead_ms, overhead_per_seq_ms=fit.overhead_per_seq_ms,
+                                overhead_per_token_ms=fit.overhead_per_token_ms))
 
 
 def _timed_run(label: str, overrides: list[str], out: Path) -> None:

@@ -54,7 +54,7 @@ def candidates(cfg: RunConfig, row: dict) -> list[RunConfig]:
                if d.label == label)
     point = replace_run(point, link=load_link_preset(link if link != "-" else e.links[0]))
     base = dep.apply(point)
-    one_gpu = CostModel(point.model, point.hardware, ParallelConfig())
+    one_gpu = CostModel(point.model, point.hardware, ParallelConfig(), point.engine)
     out = []
     for target in (e.tbt_slos_ms if tbt == "-" else [float(tbt)]):
         run_cfg, _ = length_point(e, base, one_gpu, int(L), target)

@@ -131,7 +131,7 @@ def _sweep(prober: Prober, e, point: RunConfig, dep: Deployment, num_gpus: int, 
     capacity, doubling. Searches whose verdicts agree probe the same rates
     and share the runs."""
     from testbed.sim.cost_model import CostModel
-    worker = CostModel(point.model, point.hardware, point.parallel)
+    worker = CostModel(point.model, point.hardware, point.parallel, point.engine)
     gpus = dep.num_gpus(point)
     rows, prev, seeds = [], None, {}
     lengths = sorted(e.context_lens)

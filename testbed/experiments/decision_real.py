@@ -142,7 +142,7 @@ def real_rows(cfg: RunConfig, sim_rows: list[dict], sim_service_s: dict, smooths
     rows = []
     for model_name in e.real_models:
         point = point_cfg(cfg, model_name, hardware)
-        worker = CostModel(point.model, point.hardware, point.parallel)
+        worker = CostModel(point.model, point.hardware, point.parallel, point.engine)
         stopped: dict[tuple, str] = {}
         for L in sorted(e.real_context_lens):
             for dep in deployments(e, num_gpus, point.parallel.tp * point.parallel.pp, e.reuse > 0):

@@ -17,6 +17,7 @@ from typing import Callable, Protocol
 
 from testbed.capacity import search_rate
 from testbed.config import RunConfig, validate
+from testbed.sim.engine_config import resolve_engine
 from testbed.experiments.decision_slo import SLOTargets, Smoothness
 from testbed.experiments.deployments import Deployment, replace_run
 from testbed.experiments.probe_cache import ProbeCache, entry_of, same_counts
@@ -298,7 +299,7 @@ def point_cfg(cfg: RunConfig, model_name: str, hardware_name: str) -> RunConfig:
     return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, name="sim"), model=model,
                                hardware=hardware, parallel=parallel,
                                num_kv_blocks=e.kv_blocks.get(hardware_name, "auto"),
-                               token_budget=hardware.token_budget_default, progress=False,
+                               token_budget=resolve_engine(cfg.engine, hardware).token_budget, progress=False,
                                enable_prefix_caching=e.reuse > 0)
 
 
@@ -367,8 +368,8 @@ def length_rows(prober: Prober, e, point: RunConfig, dep: Deployment, num_gpus: 
     at L on another link: each search probes its bracket first (req/s of the
     deployment), the first probe sized from the service time it measured."""
     from testbed.sim.cost_model import CostModel
-    one_gpu = CostModel(point.model, point.hardware, ParallelConfig())
-    worker = CostModel(point.model, point.hardware, point.parallel)
+    one_gpu = CostModel(point.model, point.hardware, ParallelConfig(), point.engine)
+    worker = CostModel(point.model, point.hardware, point.parallel, point.engine)
     base = dep.apply(point)
     validate(base)
     gpus = dep.num_gpus(base)

@@ -237,7 +237,7 @@ def _real_cfg(cfg: RunConfig) -> RunConfig:
 def _sim_cfg(cfg: RunConfig) -> RunConfig:
     """The simulator on the run's model and hardware, with the KV memory the accelerator has after the weights."""
     from testbed.sim.cost_model import CostModel
-    tokens = CostModel(cfg.model, cfg.hardware, cfg.parallel).kv_capacity_tokens()
+    tokens = CostModel(cfg.model, cfg.hardware, cfg.parallel, cfg.engine).kv_capacity_tokens()
     return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, name="sim"),
                                num_kv_blocks=tokens // cfg.block_size, progress=False)
 

@@ -42,8 +42,12 @@ from testbed.request import Request
 from testbed.schedulers import SchedulerConfig, make_scheduler
 from testbed.sim.config import HardwareConfig
 from testbed.sim.cost_model import CostModel
+from testbed.sim.engine_config import EngineConfig
 from testbed.runtime.wire import encode
 from testbed.worker import WorkerService
+
+# the engine while its terms are being measured: no host time, no launches
+UNMEASURED_ENGINE = EngineConfig(name="testbed-unmeasured")
 
 
 @dataclass
@@ -132,10 +136,8 @@ def measure_overhead(model: ModelConfig, hardware: HardwareConfig, quick: bool =
     given: one before the rounds, one halfway and one after (quick: one), so
     that the fit, whose two kinds of rows otherwise come from two different
     stretches of time, sees this machine over a minute or two."""
-    bare = dataclasses.replace(hardware, overhead_ms=0.0, overhead_per_seq_ms=0.0, overhead_per_token_ms=0.0,
-                               calibration_scale=1.0,
-                               frontend_hop_ms=0.0, frontend_message_ms=0.0)
-    cost = CostModel(model, bare)
+    bare = dataclasses.replace(hardware, calibration_scale=1.0, frontend_hop_ms=0.0, frontend_message_ms=0.0)
+    cost = CostModel(model, bare, engine=UNMEASURED_ENGINE)
     decode_batches = (1, 4, 16) if quick else (1, 2, 3, 4, 6, 8, 16, 32)
     like_batches = (8,) if quick else (4, 8, 16)          # decodes of one length: one SDPA call, no mask
     prefills = (32, 256) if quick else (16, 64, 256, 512, 1024, 2048)
@@ -274,7 +276,8 @@ def measure_serving(model: ModelConfig, hardware: HardwareConfig, quick: bool = 
                               inject_prompt_len=long_prompts, inject_output_len=[16] * len(long_prompts))
     budget = max(long_prompts) + 512         # any prompt whole beside the decodes
     # `hardware` only so that RunConfig does not load the cpu preset this run is about to replace
-    cfg = RunConfig(model=model, workload=workload, hardware=hardware, wandb=WandbConfig(mode="disabled"),
+    cfg = RunConfig(model=model, workload=workload, hardware=hardware, engine=UNMEASURED_ENGINE,
+                    wandb=WandbConfig(mode="disabled"),
                     progress=False, token_budget=budget, max_num_batched_tokens=budget,
                     num_kv_blocks=num_requests * 32 + sum(long_prompts) // 16 + 16)
     result = RealRuntime(cfg).run(build_workload(workload, model.vocab_size, 0))

@@ -1,5 +1,6 @@
 """`testbed profile`: measure this CPU with the real engine's kernels and write
-a hardware config the cost model reads, so that `runtime=sim hardware=cpu`
+two presets the cost model reads, the hardware (conf/hardware/) and the
+testbed engine on it (conf/engine/, engine_path_for), so that `runtime=sim hardware=cpu`
 predicts what `runtime=real` does here.
 
 Measures, with one torch thread per worker as the real engine runs:
@@ -19,7 +20,8 @@ Measures, with one torch thread per worker as the real engine runs:
 - memcpy bandwidth -> hbm_bw_gbps (read plus written bytes), and the best GEMM
   throughput -> peak_tflops, for whatever the tables do not cover;
 - the real engine's step times against the model of them (calibration.py) ->
-  overhead_ms, overhead_per_seq_ms and calibration_scale, and the spread of
+  the engine preset's overhead_ms, overhead_per_seq_ms, overhead_per_token_ms
+  and the hardware's calibration_scale, and the spread of
   serving steps in a real run -> step_jitter_ms (jitter.py); the same run ->
   frontend_hop_ms; the frontend routing and sending commands ->
   frontend_message_ms.
@@ -45,6 +47,7 @@ from testbed.kernels.attention import AttentionMetadata
 from testbed.kernels.torch_backend import TorchAttentionBackend
 from testbed.model.config import ModelConfig, load_model_preset
 from testbed.sim.config import HardwareConfig
+from testbed.sim.engine_config import EngineConfig, load_engine_preset
 from testbed.profiling.engine_gemms import measure_engine_gemms
 from testbed.progress import progress
 from testbed.sim.jitter import jitter_quantiles
@@ -142,12 +145,23 @@ def memcpy_gbps(nbytes: int = 64 << 20, min_time_s: float = 0.1) -> float:
     return 2 * nbytes / seconds_per_call(lambda: dst.copy_(src), min_time_s) / 1e9
 
 
+def engine_path_for(hardware_path: str | Path, name: str) -> Path:
+    """Where a profile's engine preset goes: for a hardware file in a config
+    directory's hardware/, its engine/testbed.yaml (the cpu preset) or
+    engine/testbed-NAME.yaml; else beside the hardware file as STEM-engine.yaml."""
+    path = Path(hardware_path)
+    if path.parent.name == "hardware":
+        return path.parent.parent / "engine" / ("testbed.yaml" if name == "cpu" else f"testbed-{name}.yaml")
+    return path.with_name(f"{path.stem}-engine.yaml")
+
+
 def profile_cpu(out_path: str | Path, model_name: str = "tiny", quick: bool = False, name: str = "cpu",
                 num_threads: int = 1, engine_overhead: bool = True, log=lambda _: None,
-                num_workers: int = 1) -> HardwareConfig:
+                num_workers: int = 1, engine_path: str | Path | None = None) -> HardwareConfig:
     """Measure this machine on the GEMM and attention shapes of `model_name`
     and (engine_overhead) the real engine's per-iteration overhead and frontend
-    hop (a short real run), write the hardware YAML to out_path (e.g. conf/hardware/cpu.yaml) and return it.
+    hop (a short real run), write the hardware YAML to out_path (e.g. conf/hardware/cpu.yaml)
+    and the testbed engine's to engine_path (default: engine_path_for), and return the hardware.
     With num_workers > 1, num_workers - 1 busy neighbours (neighbors.py) step
     the same model meanwhile: the tables are then one of num_workers workers'.
     The YAML records num_threads and num_workers (profiled_threads, profiled_workers).
@@ -175,7 +189,8 @@ def profile_cpu(out_path: str | Path, model_name: str = "tiny", quick: bool = Fa
                 gemm_profile=[[float(m), float(n), float(k), float(f"{s:.4g}")] for m, n, k, s in gemm_rows],
                 attention_profile=[[*row[:-1], float(f"{row[-1]:.4g}")] for row in attention_rows],
                 profiled_for=name, profiled_threads=num_threads, profiled_workers=num_workers)
-            overhead_note = (calibrate_overhead(model, hardware, quick, log) if engine_overhead
+            engine = EngineConfig(name="", kernel_launch_us=5.0, profiled_for=name)
+            overhead_note = (calibrate_overhead(model, hardware, engine, quick, log) if engine_overhead
                              else "not measured (engine_overhead=False)")
     finally:
         torch.set_num_threads(threads)
@@ -185,8 +200,8 @@ def profile_cpu(out_path: str | Path, model_name: str = "tiny", quick: bool = Fa
               "# peak_tflops: best GEMM throughput seen; hbm_bw_gbps: memcpy, read plus written bytes.\n"
               "# gemm_profile rows [m, n, k, seconds]; attention_profile rows of one torch-backend attention\n"
               f"# forward [{', '.join(ATTENTION_COLUMNS)}].\n"
-              "# overhead_ms + overhead_per_seq_ms * num_seqs + overhead_per_token_ms * num_tokens:\n"
-              f"# {overhead_note}.\n"
+              "# calibration_scale, with the engine preset's overhead_ms + overhead_per_seq_ms * num_seqs +\n"
+              f"# overhead_per_token_ms * num_tokens: {overhead_note}.\n"
               "# step_jitter_ms: quantiles 0%..100% (above 99.9% clipped) of a serving step's time minus the median step of its\n"
               "# shape, in ms (real serving runs spread over the calibration rounds).\n"
               "# frontend_hop_ms: one way, frontend <-> worker process, from the same serving runs;\n"
@@ -194,20 +209,32 @@ def profile_cpu(out_path: str | Path, model_name: str = "tiny", quick: bool = Fa
     body = yaml.safe_dump(dataclasses.asdict(hardware), sort_keys=False, default_flow_style=None, width=120)
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     Path(out_path).write_text(header + body)
+    engine_path = Path(engine_path or engine_path_for(out_path, name))
+    engine.name = engine_path.stem
+    engine.provenance = {"host_model": f"measured by testbed profile on {name} (real engine step times)",
+                         "kernel_launch_us": f"stated assumption off {name} (one PyTorch eager launch)",
+                         "attention_kernel": "the hardware preset's"}
+    engine_header = (f"# This project's engine as testbed.profiling.profile.profile_cpu measured it on hardware "
+                     f"'{name}' ({time.strftime('%Y-%m-%d %H:%M')}):\n# overhead_ms + overhead_per_seq_ms * num_seqs "
+                     f"+ overhead_per_token_ms * num_tokens: {overhead_note}.\n"
+                     "# On other hardware those terms do not carry (EngineConfig.for_hardware).\n")
+    engine_path.parent.mkdir(parents=True, exist_ok=True)
+    engine_path.write_text(engine_header + yaml.safe_dump(dataclasses.asdict(engine), sort_keys=False,
+                                                          default_flow_style=None, width=120))
     return hardware
 
 
-def calibrate_overhead(model, hardware: HardwareConfig, quick: bool, log) -> str:
-    """Fit `hardware`'s per-iteration overhead, calibration scale, step jitter
-    and frontend hop to the real engine's steps (short real runs), log the
-    model's error per batch shape, and return the YAML header's note on it."""
+def calibrate_overhead(model, hardware: HardwareConfig, engine: EngineConfig, quick: bool, log) -> str:
+    """Fit `engine`'s per-iteration overhead and `hardware`'s calibration
+    scale, step jitter and frontend hop to the real engine's steps (short real
+    runs), log the model's error per batch shape, and return the YAML header's note on it."""
     from testbed.config import RuntimeConfig
     from testbed.profiling.calibration import measure_frontend_message, measure_overhead, measure_serving
     fit = measure_overhead(model, hardware, quick, lambda: measure_serving(model, hardware, quick))
     serving = fit.serving
-    hardware.overhead_ms = round(fit.overhead_ms, 4)
-    hardware.overhead_per_seq_ms = round(fit.overhead_per_seq_ms, 4)
-    hardware.overhead_per_token_ms = round(fit.overhead_per_token_ms, 5)
+    engine.overhead_ms = round(fit.overhead_ms, 4)
+    engine.overhead_per_seq_ms = round(fit.overhead_per_seq_ms, 4)
+    engine.overhead_per_token_ms = round(fit.overhead_per_token_ms, 5)
     hardware.calibration_scale = round(fit.calibration_scale, 4)
     hardware.step_jitter_ms = [round(q, 4) for q in jitter_quantiles(serving.step_deviations_ms)]
     hardware.frontend_hop_ms = round(serving.hop_ms, 4)
@@ -277,7 +304,7 @@ def profile_main(argv: list[str]) -> int:
     from testbed.model.config import CONF_DIR
     parser = argparse.ArgumentParser(prog="testbed profile", description=(
         "Measure this machine (GEMMs, attention, memory bandwidth, the real engine's per-iteration "
-        "overhead) and write the hardware config that `runtime=sim hardware=cpu` reads."))
+        "overhead) and write the hardware and engine presets that `runtime=sim hardware=cpu` reads."))
     parser.add_argument("--quick", action="store_true", help="a small grid (seconds, for tests); default: full")
     parser.add_argument("--out", default=None,
                         help="where to write the YAML (default: conf/hardware/cpu.yaml; with --device cuda "
@@ -308,15 +335,18 @@ def profile_main(argv: list[str]) -> int:
     _check_writable(parser, "--out", out)
     t0 = time.perf_counter()
     try:
-        hw = profile_cpu(out, args.model, args.quick, args.name or out.stem, args.threads, log=print,
-                         num_workers=args.workers)
+        name = args.name or out.stem
+        engine_out = engine_path_for(out, name)
+        hw = profile_cpu(out, args.model, args.quick, name, args.threads, log=print,
+                         num_workers=args.workers, engine_path=engine_out)
+        engine = load_engine_preset(str(engine_out))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {out} in {time.perf_counter() - t0:.0f} s: {len(hw.gemm_profile)} GEMM rows, "
           f"{len(hw.attention_profile)} attention rows, {hw.peak_tflops * 1e3:.1f} GFLOP/s peak, "
-          f"{hw.hbm_bw_gbps:.1f} GB/s copy, overhead {hw.overhead_ms:.3f} ms + {hw.overhead_per_seq_ms:.3f} ms/seq "
-          f"+ {hw.overhead_per_token_ms * 1e3:.1f} us/token, "
+          f"{hw.hbm_bw_gbps:.1f} GB/s copy; engine preset {engine_out}: overhead {engine.overhead_ms:.3f} ms "
+          f"+ {engine.overhead_per_seq_ms:.3f} ms/seq + {engine.overhead_per_token_ms * 1e3:.1f} us/token, "
           f"calibration scale {hw.calibration_scale:.3f}, frontend hop {hw.frontend_hop_ms:.3f} ms "
           f"+ {hw.frontend_message_ms:.3f} ms per command")
     hint = f"hardware={out.stem}" if out.parent.resolve() == (CONF_DIR / "hardware").resolve() else \

@@ -60,7 +60,7 @@ def predictor(cfg: RunConfig):
     """The step-time predictor policies plan with: the cost model of cfg.hardware
     (a GPU preset on runtime=sim, the `testbed profile` tables on runtime=real)."""
     from testbed.sim.cost_model import CostModel
-    return CostModel(cfg.model, cfg.hardware, cfg.parallel)
+    return CostModel(cfg.model, cfg.hardware, cfg.parallel, cfg.engine)
 
 
 def scheduler_context(cfg: RunConfig, clock: Clock) -> SchedulerContext:

@@ -80,7 +80,8 @@ def router_context(cfg: RunConfig) -> RouterContext:
     from testbed.sim.cost_model import CostModel
     from testbed.sim.link_model import LinkModel
     link = LinkModel(cfg.link)
-    return RouterContext(CostModel(cfg.model, cfg.hardware, pool_parallel(cfg, "prefill")), link.transfer_time_s,
+    cost = CostModel(cfg.model, cfg.hardware, pool_parallel(cfg, "prefill"), cfg.engine)
+    return RouterContext(cost, link.transfer_time_s,
                          cfg.model.kv_bytes_per_token, pool_config(cfg, "prefill").token_budget)
 
 

@@ -87,7 +87,7 @@ class SimRuntime:
         footprints, printed = {}, set()
         for pool in sorted({get_role(w.role).pool or "" for w in self.workers}):
             pcfg = pool_config(cfg, pool or None)
-            costs[pool] = CostModel(cfg.model, cfg.hardware, pcfg.parallel)
+            costs[pool] = CostModel(cfg.model, cfg.hardware, pcfg.parallel, cfg.engine)
             footprints[pool] = kv_footprint(costs[pool], pcfg.num_kv_blocks, cfg.block_size,
                                             getattr(cfg, "hardware_defaults_note", ""))
             # a pool with its own parallel config gets its own line; the run's is printed once
@@ -97,6 +97,9 @@ class SimRuntime:
                 printed.add(line)
                 (log or _stderr)(line)
         self.footprint = footprints.get("", next(iter(footprints.values())))
+        engine = next(iter(costs.values())).engine
+        (log or _stderr)(f"engine: {engine.name} (" + "; ".join(f"{k}: {v}" for k, v in engine.term_provenance().items())
+                         + ")")
         # a hand-off crosses from the prefill pool's layout to the decode pool's (sim/kv_sharding.py)
         links = handoff_links(cfg.model, pool_parallel(cfg, "prefill"), pool_parallel(cfg, "decode"))
         self.services: dict[str, WorkerService] = {}

@@ -34,6 +34,7 @@ class AttentionKernel:
     ctx_half: float                    # context length at half the long-context efficiency
     decode_bw_fraction: float          # batched decodes: fraction of hbm_bw_gbps
     single_seq_bw_fraction: float      # one decode alone: fraction of hbm_bw_gbps
+    decode_floor_us: float = 0.0       # per layer, the decodes' call whatever its bytes (launch, reduction)
 
 
 KERNELS = {
@@ -61,11 +62,22 @@ KERNELS = {
 }
 
 
-def attention_kernel(name: str) -> AttentionKernel:
-    if name not in KERNELS:
-        raise ValueError(f"hardware.attention_kernel: '{name}' is not known; choose one of: "
-                         f"{', '.join(sorted(KERNELS))} (or '' for the roofline)")
-    return KERNELS[name]
+# kernels whose efficiency model is fitted at first use to a dataset (module: fitted_kernel())
+FITTED_KERNELS = {"fa3_flashinfer": "testbed.sim.blis_attention"}
+
+
+def attention_kernel_names() -> list[str]:
+    return sorted(KERNELS) + sorted(FITTED_KERNELS)
+
+
+def attention_kernel(name: str, field: str = "hardware.attention_kernel") -> AttentionKernel:
+    if name in KERNELS:
+        return KERNELS[name]
+    if name in FITTED_KERNELS:
+        import importlib
+        return importlib.import_module(FITTED_KERNELS[name]).fitted_kernel()
+    raise ValueError(f"{field}: '{name}' is not known; choose one of: "
+                     f"{', '.join(attention_kernel_names())} (or '' for the roofline)")
 
 
 class KernelAttention:
@@ -80,6 +92,7 @@ class KernelAttention:
         self._flops_per_s = peak_flops * kernel.peak_fraction[generation]
         self._decode_s_per_byte = 1.0 / (hbm_bytes_per_s * kernel.decode_bw_fraction)
         self._single_s_per_byte = 1.0 / (hbm_bytes_per_s * kernel.single_seq_bw_fraction)
+        self._floor_s = kernel.decode_floor_us * 1e-6
 
     def efficiency(self, q: np.ndarray | float, ctx: np.ndarray | float):
         """Fraction of the long-query, long-context throughput."""
@@ -111,16 +124,16 @@ class KernelAttention:
         shape = self.shape
         kv, io = shape.kv_bytes_per_token, shape.io_bytes_per_token
         io_decodes, num_layers = io * num_decodes, self.num_layers
-        decode_s_per_byte, single_s_per_byte = self._decode_s_per_byte, self._single_s_per_byte
+        decode_s_per_byte, single_s_per_byte, floor = self._decode_s_per_byte, self._single_s_per_byte, self._floor_s
 
         def seconds(context_tokens: int, longest_context: int) -> float:
-            return num_layers * (0.0 + max((kv * context_tokens + io_decodes) * decode_s_per_byte,
-                                           (kv * longest_context + io) * single_s_per_byte))
+            return num_layers * (0.0 + (max((kv * context_tokens + io_decodes) * decode_s_per_byte,
+                                            (kv * longest_context + io) * single_s_per_byte) + floor))
         return seconds
 
     def _decodes_s(self, decode_bytes: float, longest_bytes: float) -> float:
         """The decodes stream their KV together, no faster than the longest one alone."""
-        return max(decode_bytes * self._decode_s_per_byte, longest_bytes * self._single_s_per_byte)
+        return max(decode_bytes * self._decode_s_per_byte, longest_bytes * self._single_s_per_byte) + self._floor_s
 
     def seconds_pairs(self, slices: Sequence[tuple[int, int]]) -> float:
         shape = self.shape

@@ -1,6 +1,6 @@
 """The physical inputs of `runtime=sim`: an accelerator (`HardwareConfig`), a
 link (`LinkConfig`) and how one model replica is split over accelerators
-(`ParallelConfig`). The cost model (cost_model.py) turns a batch into seconds
+(`ParallelConfig`); the serving software is engine_config.py's. The cost model (cost_model.py) turns a batch into seconds
 from a ModelConfig and these; the link model (link_model.py) turns bytes into
 seconds. Presets are YAML files in conf/hardware/, conf/link/, conf/parallel/;
 `testbed profile` (profile.py) writes a measured HardwareConfig for this CPU.
@@ -34,15 +34,6 @@ class HardwareConfig:
     # tile and wave quantisation leave SMs idle on short GEMMs. This is what makes
     # 512-token chunks cost more per token than whole 4K prefills. 0: no ramp.
     gemm_ramp_tokens: float = 0.0
-    overhead_ms: float = 0.0              # per iteration: launch, sampling, scheduling
-    # per scheduled request per iteration: the Python work of building its
-    # inputs, sampling and updating it (measured for this CPU's engine; ~0 in
-    # a CUDA-graph engine on a GPU)
-    overhead_per_seq_ms: float = 0.0
-    # per new token per iteration: the inputs built token by token, and the
-    # norms, rope and activations, which on this CPU run well below the copy
-    # bandwidth the roofline prices them at (measured; 0 on the GPU presets)
-    overhead_per_token_ms: float = 0.0
     # multiplies every modeled term but the overheads: `testbed profile` fits it
     # so that the kernels timed alone predict them inside the real engine (cold
     # caches, the machine's other processes); 1 on the GPU presets
@@ -76,21 +67,12 @@ class HardwareConfig:
     gemm_table: str = ""
     allreduce_table: str = ""
     attention_kernel: str = ""
-    # Engine overhead (engine_overhead.py): the host's cost of one kernel launch
-    # in eager mode (an iteration can be no faster than its launches), and
-    # whether decode iterations of up to cuda_graph_max_tokens replay a CUDA
-    # graph instead (no per-kernel launches). Sources in each preset.
     # a measured dense bf16 matmul of 8192^3 on this chip, TFLOP/s (0: none):
     # when set, the tables' times are transferred to this chip by it against the
     # tables' own 8192^3 throughput, not by the datasheet peaks (gpu_tables.py)
     matmul_tflops_measured: float = 0.0
-    kernel_launch_us: float = 0.0
-    cuda_graphs: bool = False
-    cuda_graph_max_tokens: int = 512
-    # What a run gets when it leaves the knob unset: RunConfig.token_budget, and
     # the blocks num_kv_blocks=auto means (0: what the memory holds after the
     # weights and activations at RunConfig.gpu_memory_utilization; sim/defaults.py)
-    token_budget_default: int = 256
     kv_blocks_default: int = 2048
     # where the preset's numbers come from (printed by `testbed run --cfg job`
     # and in summary.json)
@@ -144,12 +126,10 @@ class HardwareConfig:
                 raise ValueError(f"hardware.{f}: a fraction in (0, 1], got {getattr(self, f)}")
         if not self.calibration_scale > 0:
             raise ValueError(f"hardware.calibration_scale: must be > 0, got {self.calibration_scale}")
-        for f in ("token_budget_default", "cuda_graph_max_tokens"):
-            if getattr(self, f) < 1:
-                raise ValueError(f"hardware.{f}: must be >= 1, got {getattr(self, f)}")
-        if self.attention_kernel:
-            from testbed.sim.attention_kernels import attention_kernel
-            attention_kernel(self.attention_kernel)     # names the field and the known kernels
+        from testbed.sim.attention_kernels import attention_kernel_names
+        if self.attention_kernel and self.attention_kernel not in attention_kernel_names():
+            raise ValueError(f"hardware.attention_kernel: '{self.attention_kernel}' is not known; choose one of: "
+                             f"{', '.join(attention_kernel_names())} (or '' for the roofline)")
         if self.gemm_table or self.allreduce_table:
             # the dataset is checked here, so that a missing one stops the run at start-up
             from testbed.sim.operator_table import gpu_table_names, network_table_names
@@ -167,9 +147,8 @@ class HardwareConfig:
                 raise ValueError(f"hardware.{f}: must be >= 0 (0: not profiled), got {getattr(self, f)}")
         if self.kv_blocks_default < 0:
             raise ValueError(f"hardware.kv_blocks_default: must be >= 0 (0: from memory), got {self.kv_blocks_default}")
-        for f in ("peak_tflops_fp8", "gemm_ramp_tokens", "overhead_ms", "overhead_per_seq_ms", "kernel_launch_us",
-                  "matmul_tflops_measured",
-                  "overhead_per_token_ms", "frontend_hop_ms", "frontend_message_ms"):
+        for f in ("peak_tflops_fp8", "gemm_ramp_tokens", "matmul_tflops_measured", "frontend_hop_ms",
+                  "frontend_message_ms"):
             if getattr(self, f) < 0:
                 raise ValueError(f"hardware.{f}: must be >= 0, got {getattr(self, f)}")
         jitter = self.step_jitter_ms
@@ -184,8 +163,27 @@ class HardwareConfig:
 
 
 _MEASURED = [f for f in fields(HardwareConfig) if f.name in (
-    "overhead_per_seq_ms", "overhead_per_token_ms", "calibration_scale", "frontend_hop_ms", "frontend_message_ms",
+    "calibration_scale", "frontend_hop_ms", "frontend_message_ms",
     "gemm_profile", "attention_profile", "step_jitter_ms", "profiled_threads", "profiled_workers")]
+
+
+# Engine terms that hardware presets used to carry: an old config that sets
+# hardware.X is told to set engine.Y instead (testbed/sim/config.py, cli_errors.py)
+MOVED_FROM_HARDWARE = {
+    "overhead_ms": "overhead_ms", "overhead_per_seq_ms": "overhead_per_seq_ms",
+    "overhead_per_token_ms": "overhead_per_token_ms", "kernel_launch_us": "kernel_launch_us",
+    "cuda_graphs": "cuda_graphs", "cuda_graph_max_tokens": "cuda_graph_sizes",
+    "token_budget_default": "token_budget",
+}
+
+
+def moved_field_error(section: str, name: str) -> str | None:
+    """The one-line error for an engine term set on the hardware, or None."""
+    new = MOVED_FROM_HARDWARE.get(name)
+    if new is None:
+        return None
+    return (f"{section}.{name}: the engine's term now lives in the engine preset; set engine.{new} "
+            f"(conf/engine/, engine=testbed|vllm-v0|vllm-v1) instead")
 
 
 @dataclass
@@ -255,6 +253,10 @@ def _load(group: str, cls, name_or_path: str, overrides: dict):
     raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True) or {}
     raw.update(overrides)
     unknown = set(raw) - {f.name for f in fields(cls)}
+    if unknown and cls is HardwareConfig:
+        moved = next((e for e in map(lambda n: moved_field_error("hardware", n), sorted(unknown)) if e), None)
+        if moved:
+            raise ValueError(f"{path}: {moved}")
     if unknown:
         stale = " (a profile written by an older testbed: rerun `testbed profile`)" if raw.get("profiled_for") else ""
         raise ValueError(f"{path}: unknown field(s) {sorted(unknown)}{stale}")

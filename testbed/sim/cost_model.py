@@ -22,10 +22,10 @@ prefix of P is (C, P + C), a whole prefill of L is (L, L). Per iteration:
   time plus pp-1 hand-offs of the hidden states. The engine runs one batch at a
   time, so each stage idles (pp-1)/pp of the iteration: the worst-case bubble.
   (An engine keeping pp batches in flight would start one every latency/pp.)
-- A per-iteration overhead: hardware.overhead_ms plus overhead_per_seq_ms per
-  scheduled request and overhead_per_token_ms per new token (the CPU engine's
-  Python work and small ops; 0 on the GPU presets), and on the GPU presets
-  the eager kernel launches' lower bound (engine_overhead.py).
+- The serving engine's part (engine=, engine_config.py, engine_overhead.py):
+  its host time per iteration, added to the GPU's or overlapped with it; the
+  eager kernel launches' lower bound; CUDA graphs (no launches, the tokens
+  padded to the captured size); a custom all-reduce inside the graph.
   A profiled CPU also scales every other term by hardware.calibration_scale
   (its kernels inside the engine against the same kernels timed alone).
 
@@ -47,6 +47,7 @@ from testbed.model.config import ModelConfig
 from testbed.sim.attention_kernels import KernelAttention, attention_kernel
 from testbed.sim.collectives import AllReduceTable
 from testbed.sim.config import HardwareConfig, ParallelConfig, load_link_preset
+from testbed.sim.engine_config import EngineConfig, resolve_engine
 from testbed.sim.engine_overhead import EngineOverhead
 from testbed.sim.gpu_tables import GpuTablePricing
 from testbed.sim.layer_shapes import expected_experts_touched, layer_shapes
@@ -61,8 +62,11 @@ _SMALL_BATCH = 32
 
 
 class CostModel:
-    def __init__(self, model: ModelConfig, hardware: HardwareConfig, parallel: ParallelConfig | None = None):
+    def __init__(self, model: ModelConfig, hardware: HardwareConfig, parallel: ParallelConfig | None = None,
+                 engine: EngineConfig | None = None):
+        """engine None (or engine=auto): the hardware's default engine (engine_config.resolve_engine)."""
         self.model, self.hardware = model, hardware
+        self.engine = engine = resolve_engine(engine, hardware)
         self.parallel = parallel = parallel or ParallelConfig()
         hardware.validate()
         parallel.validate()
@@ -85,22 +89,30 @@ class CostModel:
             self._elementwise_s = lambda m: m * per_token
         if hardware.attention_profile:
             self._attention = ProfiledAttention(shapes.attention, shapes.num_layers, hardware.attention_profile)
-        elif hardware.attention_kernel:
-            self._attention = KernelAttention(shapes.attention, shapes.num_layers,
-                                              attention_kernel(hardware.attention_kernel),
-                                              hardware.gemm_table or "h100", hardware.peak_flops(model.dtype),
-                                              hardware.hbm_bw_gbps * 1e9)
+        elif engine.attention_kernel or hardware.attention_kernel:
+            generation = hardware.gemm_table or "h100"
+            kernel = attention_kernel(engine.attention_kernel, "engine.attention_kernel") \
+                if engine.attention_kernel else None
+            if kernel is None:
+                kernel = attention_kernel(hardware.attention_kernel)
+            elif generation not in kernel.peak_fraction:
+                # the engine's kernel does not run on this chip (FA3 needs Hopper): vLLM runs
+                # FlashAttention-2 there
+                kernel = attention_kernel("flash_attn")
+            self._attention = KernelAttention(shapes.attention, shapes.num_layers, kernel, generation,
+                                              hardware.peak_flops(model.dtype), hardware.hbm_bw_gbps * 1e9)
         else:
             self._attention = RooflineAttention(shapes.attention, shapes.num_layers,
                                                 self._s_per_flop, self._s_per_byte)
-        self._engine = EngineOverhead.of(hardware, shapes, parallel)
-        self._overhead_s = hardware.overhead_ms * 1e-3
-        self._overhead_per_seq_s = hardware.overhead_per_seq_ms * 1e-3
-        self._overhead_per_token_s = hardware.overhead_per_token_ms * 1e-3
+        self._engine = EngineOverhead.of(engine, shapes, parallel)
         self._scale = hardware.calibration_scale
-        self._tp_link = LinkModel(load_link_preset(parallel.intra_node)) if parallel.tp > 1 else None
-        self._allreduce_table = (AllReduceTable(hardware.operator_tables_dir(), hardware.allreduce_table, parallel.tp)
-                                 if parallel.tp > 1 and hardware.allreduce_table else None)
+        tp_link = load_link_preset(parallel.intra_node) if parallel.tp > 1 else None
+        self._tp_link = LinkModel(tp_link) if tp_link else None
+        self._tp_bytes_per_s = tp_link.bytes_per_s if tp_link else 0.0
+        self._allreduce_table = (AllReduceTable(hardware.operator_tables_dir(), hardware.allreduce_table,
+                                                 parallel.tp)
+                                 if parallel.tp > 1 and hardware.allreduce_table
+                                 and engine.tp_collective != "custom_allreduce" else None)
         self._pp_link = (LinkModel(load_link_preset(parallel.pp_link or parallel.intra_node))
                          if parallel.pp > 1 else None)
         self._counted: dict[tuple[float, int, int], tuple] = {}     # _counted_terms per counts
@@ -131,7 +143,7 @@ class CostModel:
         if decode_seconds_of is None:
             return None
         attention_s, scale = decode_seconds_of(num_decodes), self._scale
-        gemm, experts, elementwise, lm_head, allreduce, pp, overhead, launch_bound = self._counted_for(
+        gemm, experts, elementwise, lm_head, allreduce, pp, overhead, launch_bound, overlapped = self._counted_for(
             float(num_decodes), num_decodes, num_decodes)
 
         # _terms_of's float operations in its order, inlined: two calls fewer per
@@ -141,17 +153,20 @@ class CostModel:
             if scale != 1.0:
                 attention *= scale
             terms = (gemm, experts, attention, elementwise, lm_head, allreduce, pp)
-            if launch_bound is None:
+            if launch_bound is None and overlapped is None:
                 return float(sum(terms + (overhead,)))
-            return float(sum(terms + (overhead + max(0.0, launch_bound - sum(terms)),)))
+            return float(sum(terms + (_engine_s(terms, overhead, launch_bound, overlapped),)))
         return seconds
 
     def breakdown(self, slices: Slices, num_sampled: int | None = None) -> dict[str, float]:
         """The iteration's seconds by part (keys ending in _s, and total_s),
-        plus num_tokens and kv_bytes_read; for plots and debugging."""
+        plus num_tokens, kv_bytes_read and host_seconds (the engine's host time,
+        of which overhead_s holds what the GPU does not hide); for plots and debugging."""
         terms = self._terms(slices, num_sampled)
         out = dict(zip(("gemm_s", "experts_s", "attention_s", "elementwise_s", "lm_head_s",
                         "allreduce_s", "pp_transfer_s", "overhead_s"), terms))
+        q = [q for q, _ in _pairs(slices)]
+        out["host_seconds"] = self._engine.host_s(len(q), float(sum(q)))
         out["total_s"] = sum(terms)
         out["num_tokens"] = float(sum(q for q, _ in _pairs(slices)))
         out["kv_bytes_read"] = float(self.kv_bytes_read(slices))
@@ -186,24 +201,34 @@ class CostModel:
 
     def _counted_terms(self, m: float, sampled: int, num_slices: int) -> tuple:
         """The terms set by the token and slice counts alone (all but attention),
-        scaled, then the overhead and the launch bound (None: no eager launches).
+        scaled, then the host time added to them, the launch bound (None: no
+        eager launches) and the host time overlapped with them (None: none).
         _terms keeps them per (m, sampled, num_slices): a run has ~10^6
         iterations over a few thousand such counts (this took ~40% of _terms)."""
-        terms = (self._gemms_s(m), self._experts_s(m), self._elementwise_s(m),
-                 self._lm_head_s(sampled) if sampled else 0.0, self._allreduce_s(m), self._pp_s(m))
+        engine = self._engine
+        graph = engine.graph_size(m, m == num_slices) if engine.graph_sizes else None
+        padded = m if graph is None else float(graph)      # a graph replays its captured size
+        terms = (self._gemms_s(padded), self._experts_s(padded), self._elementwise_s(padded),
+                 self._lm_head_s(sampled) if sampled else 0.0, self._allreduce_s(padded), self._pp_s(m))
         if self._scale != 1.0:
             terms = tuple(t * self._scale for t in terms)
-        overhead = self._overhead_s + self._overhead_per_seq_s * num_slices + self._overhead_per_token_s * m
-        bound = self._engine.launch_bound(m, m == num_slices) if self._engine.launches_s else None
-        return terms + (overhead, bound)
+        host = engine.host_s(num_slices, m)
+        bound = engine.launch_bound(m, m == num_slices) if engine.launches_s else None
+        if engine.host_overlap:
+            return terms + (0.0, bound, host)
+        return terms + (host, bound, None)
 
     def _allreduce_s(self, m: float) -> float:
         """Two all-reduces of the hidden states per layer (after attention, after the MLP)."""
         if self.parallel.tp == 1:
             return 0.0
         hidden = m * self.shapes.hidden_bytes_per_token
-        one = (self._allreduce_table.seconds(hidden) if self._allreduce_table
-               else self._tp_link.allreduce_time_s(hidden, self.parallel.tp))
+        if self.engine.tp_collective == "custom_allreduce":
+            one = custom_allreduce_s(hidden, self.parallel.tp, self.engine.allreduce_latency_us,
+                                     self._tp_bytes_per_s)
+        else:
+            one = (self._allreduce_table.seconds(hidden) if self._allreduce_table
+                   else self._tp_link.allreduce_time_s(hidden, self.parallel.tp))
         return 2 * self.shapes.num_layers * one
 
     def _pp_s(self, m: float) -> float:
@@ -243,14 +268,33 @@ class CostModel:
 
 def _terms_of(counted: tuple, attention: float, scale: float) -> tuple[float, ...]:
     """An iteration's terms from its _counted_terms and its attention seconds."""
-    gemm, experts, elementwise, lm_head, allreduce, pp, overhead, launch_bound = counted
+    gemm, experts, elementwise, lm_head, allreduce, pp, overhead, launch_bound, overlapped = counted
     if scale != 1.0:
         attention *= scale
     terms = (gemm, experts, attention, elementwise, lm_head, allreduce, pp)
-    if launch_bound is not None:
-        # eager launches bound the kernels' time from below (engine_overhead.py)
-        overhead += max(0.0, launch_bound - sum(terms))
+    if launch_bound is not None or overlapped is not None:
+        overhead = _engine_s(terms, overhead, launch_bound, overlapped)
     return terms + (overhead,)
+
+
+def _engine_s(terms: tuple, overhead: float, launch_bound: float | None, overlapped: float | None) -> float:
+    """The engine's seconds beyond the kernels' `terms`: eager launches bound
+    the kernels' time from below, and host time run beside the GPU shows only
+    where it outlasts it (engine_overhead.py)."""
+    kernels = sum(terms)
+    if launch_bound is not None:
+        overhead += max(0.0, launch_bound - kernels)
+    if overlapped is not None:
+        overhead += max(0.0, overlapped - kernels - overhead)
+    return overhead
+
+
+def custom_allreduce_s(nbytes: float, tp: int, latency_us: float, link_bytes_per_s: float) -> float:
+    """One all-reduce inside a CUDA graph (vLLM's custom all-reduce over
+    NVLink): a fixed cost per call (the barrier and launch inside the graph,
+    engine.allreduce_latency_us) plus each GPU's 2(tp-1)/tp share of the
+    bytes at the link's bandwidth."""
+    return latency_us * 1e-6 + 2.0 * (tp - 1) / tp * nbytes / link_bytes_per_s
 
 
 def _remembered(curve: Curve) -> Curve:

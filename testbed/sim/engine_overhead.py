@@ -1,22 +1,26 @@
-"""The engine's time outside the GPU's kernels on a GPU preset, as stated
-terms (no fit to serving numbers; each preset says where its values come
-from):
+"""The serving engine's part of an iteration's time (engine_config.py), as
+the cost model applies it:
 
-- per iteration, the host's scheduling, input preparation and sampling
-  (hardware.overhead_ms), which the GPU waits for;
-- in eager mode, one host launch per kernel (hardware.kernel_launch_us): the
+- host time (host_time.py) by the batch's sequences and tokens and TP: added
+  to the GPU's time, or with engine.host_overlap run beside it, so that the
+  iteration takes max(GPU, host);
+- in eager mode, one host launch per kernel (engine.kernel_launch_us): the
   host issues a layer's kernels while the GPU runs earlier ones, so an
   iteration takes at least num_layers · kernels_per_layer launches, and
   small decode batches on a fast GPU are launch-bound;
-- with CUDA graphs (hardware.cuda_graphs), decode iterations of up to
-  cuda_graph_max_tokens tokens replay one captured graph: no per-kernel
-  launches (vLLM captures decode batch sizes up to 512 by default); prefills
-  and larger batches run eagerly."""
+- with CUDA graphs (engine.cuda_graphs), an iteration of up to
+  max(cuda_graph_sizes) tokens (decode-only unless cuda_graph_mixed) replays
+  a captured graph: no per-kernel launches, and its token-count terms are
+  those of the next captured size (the batch is padded to it);
+- a custom all-reduce inside the graph (tp_collective=custom_allreduce)."""
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
-from testbed.sim.config import HardwareConfig, ParallelConfig
+from testbed.sim.config import ParallelConfig
+from testbed.sim.engine_config import EngineConfig
+from testbed.sim.host_time import HostSeconds, host_seconds
 from testbed.sim.layer_shapes import LayerShapes
 
 # vLLM's default CUDA-graph capture sizes: decode batches of up to 512 sequences
@@ -36,18 +40,24 @@ def kernels_per_layer(shapes: LayerShapes, parallel: ParallelConfig) -> int:
 
 @dataclass(frozen=True)
 class EngineOverhead:
-    per_iteration_s: float
+    host_s: HostSeconds
+    host_overlap: bool
     launches_s: float             # one eager iteration's kernel launches
-    cuda_graphs: bool
-    cuda_graph_max_tokens: int
+    graph_sizes: tuple[int, ...]  # () without CUDA graphs
+    graph_mixed: bool
 
     @classmethod
-    def of(cls, hardware: HardwareConfig, shapes: LayerShapes, parallel: ParallelConfig) -> "EngineOverhead":
-        launches = shapes.num_layers * kernels_per_layer(shapes, parallel) * hardware.kernel_launch_us * 1e-6
-        return cls(hardware.overhead_ms * 1e-3, launches, hardware.cuda_graphs, hardware.cuda_graph_max_tokens)
+    def of(cls, engine: EngineConfig, shapes: LayerShapes, parallel: ParallelConfig) -> "EngineOverhead":
+        launches = shapes.num_layers * kernels_per_layer(shapes, parallel) * engine.kernel_launch_us * 1e-6
+        sizes = tuple(engine.cuda_graph_sizes) if engine.cuda_graphs else ()
+        return cls(host_seconds(engine, parallel.tp), engine.host_overlap, launches, sizes, engine.cuda_graph_mixed)
+
+    def graph_size(self, num_tokens: float, decode_only: bool) -> int | None:
+        """The captured size this iteration replays (its tokens padded up), or None: eager."""
+        if not self.graph_sizes or num_tokens > self.graph_sizes[-1] or not (decode_only or self.graph_mixed):
+            return None
+        return self.graph_sizes[bisect.bisect_left(self.graph_sizes, num_tokens)]
 
     def launch_bound(self, num_tokens: float, decode_only: bool) -> float:
         """The least time the iteration's kernels can take, set by the host's launches."""
-        if self.cuda_graphs and decode_only and num_tokens <= self.cuda_graph_max_tokens:
-            return 0.0
-        return self.launches_s
+        return 0.0 if self.graph_size(num_tokens, decode_only) is not None else self.launches_s

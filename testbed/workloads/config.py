@@ -25,7 +25,7 @@ from testbed.model.config import CONF_DIR
 # here as plain tuples so validation does not import numpy-heavy modules.
 ARRIVAL_KINDS = ("poisson", "gamma", "constant", "burst", "trace")
 LENGTH_KINDS = ("fixed", "uniform", "lognormal", "zipf", "trace")
-TRACE_FORMATS = ("azure", "mooncake", "sarathi_csv", "jsonl")
+TRACE_FORMATS = ("azure", "mooncake", "sarathi_csv", "jsonl", "otel")
 TRACE_FORMATS_WITHOUT_TIMESTAMPS = ("sarathi_csv",)
 
 # Relative trace paths are resolved against the repository root, never the cwd
@@ -65,7 +65,7 @@ class WorkloadConfig:
     # trace replay
     trace_path: str | None = None          # absolute, or relative to the repository root or trace_dataset
     trace_dataset: str | None = None       # a dataset's name (`testbed data list`): trace_path is a file of it
-    trace_format: str = "azure"            # azure | mooncake | sarathi_csv | jsonl
+    trace_format: str = "azure"            # azure | mooncake | sarathi_csv | jsonl | otel
     hash_block_size: int = 512             # tokens per mooncake hash_ids block
 
     # multi-turn chat (multiturn.py): conversations of this many turns; 0: single requests

@@ -239,11 +239,72 @@ class JsonlReader:
         return tuple(tokens)
 
 
+class OtelReader:
+    """A vLLM server's OpenTelemetry trace (vLLM's --otlp-traces-endpoint,
+    exported as OTLP JSON, one export per line, optionally gzipped): each
+    `llm_request` span is one request arriving at the span's start, with
+    `gen_ai.usage.prompt_tokens` prompt tokens and `gen_ai.request.max_tokens`
+    output tokens (a replay runs with ignore_eos, as the calibration runs did).
+    Replaying a server's own trace on `runtime=sim` is how an engine preset is
+    checked against it (experiments/benchmarks/bench_engine_presets.py)."""
+
+    def read(self, path: Path, limit: int | None = None, max_line_bytes: int = 1 << 24) -> list[TraceRow]:
+        rows = []
+        for line, obj in jsonl_objects(path, None, max(max_line_bytes, MAX_LINE_BYTES)):
+            where = _where(path, line)
+            for span in _otel_spans(obj, where):
+                if not isinstance(span, dict) or span.get("name") != OTEL_SPAN:
+                    continue
+                attrs = _otel_attributes(span, where)
+                missing = [k for k in (OTEL_PROMPT, OTEL_OUTPUT) if k not in attrs]
+                if missing:
+                    raise ValueError(f"{where}: an {OTEL_SPAN} span lacks {missing}; vLLM writes both")
+                start = span.get("startTimeUnixNano")
+                try:
+                    start_ns = int(start)
+                except (TypeError, ValueError):
+                    raise ValueError(f"{where}: startTimeUnixNano={start!r} is not an integer of nanoseconds") \
+                        from None
+                rows.append((start_ns, TraceRow(line, _count(attrs[OTEL_PROMPT], OTEL_PROMPT, where),
+                                                _count(attrs[OTEL_OUTPUT], OTEL_OUTPUT, where))))
+        rows.sort(key=lambda r: r[0])         # export batches end in any order; arrivals are the spans' starts
+        if not rows:
+            return []
+        first = rows[0][0]
+        # relative to the first start in integer ns: the absolute time as a float would round to 0.2 µs
+        kept = [TraceRow(r.line, r.prompt_len, r.output_len, arrival_s=(ns - first) * 1e-9) for ns, r in rows]
+        return kept if limit is None else kept[:limit]
+
+
+OTEL_SPAN = "llm_request"
+OTEL_PROMPT, OTEL_OUTPUT = "gen_ai.usage.prompt_tokens", "gen_ai.request.max_tokens"
+
+
+def _otel_attributes(span: dict, where: str) -> dict:
+    out = {}
+    for a in span.get("attributes", []):
+        if not isinstance(a, dict) or "key" not in a or not isinstance(a.get("value"), dict) or not a["value"]:
+            raise ValueError(f"{where}: a span attribute is not {{key, value: {{...Value}}}}: {str(a)[:80]}")
+        out[a["key"]] = next(iter(a["value"].values()))
+    return out
+
+
+def _otel_spans(obj: dict, where: str):
+    resource_spans = obj.get("resourceSpans")
+    if not isinstance(resource_spans, list):
+        raise ValueError(f"{where}: not an OTLP JSON export (no resourceSpans list); give the trace that "
+                         "vLLM's --otlp-traces-endpoint collector wrote")
+    for rs in resource_spans:
+        for ss in rs.get("scopeSpans", []) if isinstance(rs, dict) else []:
+            yield from (ss.get("spans", []) if isinstance(ss, dict) else [])
+
+
 READERS = {
     "azure": lambda cfg, vocab_size: AzureReader(),
     "mooncake": lambda cfg, vocab_size: MooncakeReader(cfg.hash_block_size),
     "sarathi_csv": lambda cfg, vocab_size: SarathiCsvReader(),
     "jsonl": lambda cfg, vocab_size: JsonlReader(vocab_size),
+    "otel": lambda cfg, vocab_size: OtelReader(),
 }
 
 
