@@ -11,14 +11,15 @@ import torch
 import yaml
 
 from testbed.model.config import load_model_preset
-from testbed.profiling.gpu_profile import ENGINE_FIELDS, fit_nonnegative, profile_gpu, with_engine
+from testbed.profiling.gpu_profile import fit_nonnegative, profile_gpu
 from testbed.profiling.profile import profile_main
 from testbed.sim.config import load_hardware_preset
 from testbed.sim.cost_model import CostModel
+from testbed.sim.engine_config import EngineConfig, load_engine_preset
 from testbed.sim.layer_shapes import layer_shapes
 
-ENGINE_PRESET_FIELDS = ["name", "kernel_launch_us", "cuda_graphs", "cuda_graph_sizes", "overhead_ms",
-                        "overhead_per_seq_ms", "overhead_per_token_ms", "provenance"]
+ENGINE_TERMS = ("overhead_ms", "overhead_per_seq_ms", "overhead_per_token_ms", "kernel_launch_us", "cuda_graphs",
+                "cuda_graph_sizes", "host_model", "host_overlap")
 
 
 def test_fit_nonnegative_recovers_the_coefficients_and_clamps_at_zero():
@@ -35,16 +36,17 @@ def test_engine_and_hardware_presets_rehearsed_on_the_cpu(tmp_path):
     hw_path, engine_path = tmp_path / "h200-measured.yaml", tmp_path / "engine" / "testbed.yaml"
     hardware, engine = profile_gpu(hw_path, engine_path, "tiny", "cpu", base="h200", quick=True, sizes=[4, 1, 2],
                                    attention_backend="torch")
-    written = yaml.safe_load(engine_path.read_text())
-    assert list(written) == ENGINE_PRESET_FIELDS and written == engine
-    assert (written["name"], written["cuda_graphs"], written["cuda_graph_sizes"]) == ("testbed", True, [1, 2, 4])
-    assert all(written[f] >= 0 for f in ("kernel_launch_us", "overhead_ms", "overhead_per_seq_ms",
-                                         "overhead_per_token_ms"))
-    assert written["kernel_launch_us"] > 0 and "3 real-engine steps of tiny" in written["provenance"]
+    written = load_engine_preset(str(engine_path))
+    assert written == engine
+    assert (written.name, written.cuda_graphs, written.cuda_graph_sizes) == ("testbed", True, [1, 2, 4])
+    assert (written.profiled_for, written.host_model, written.host_overlap) == ("h200-measured", "linear", False)
+    assert all(getattr(written, f) >= 0 for f in ("kernel_launch_us", "overhead_ms", "overhead_per_seq_ms",
+                                                  "overhead_per_token_ms"))
+    assert written.kernel_launch_us > 0 and "3 real-engine steps of tiny" in written.provenance["host_model"]
     assert engine_path.read_text().startswith("# This project's engine with CUDA graphs on cpu")
 
     raw = yaml.safe_load(hw_path.read_text())
-    assert not set(ENGINE_FIELDS) & set(raw)                 # the engine's terms live in the engine preset
+    assert not set(ENGINE_TERMS) & set(raw)                  # the engine's terms live in the engine preset
     loaded = load_hardware_preset(str(hw_path))
     assert (loaded.name, loaded.profiled_for, loaded.gemm_table) == ("h200-measured", "h200-measured", "")
     assert (loaded.peak_tflops, loaded.hbm_bw_gbps, loaded.attention_kernel) == (989.4, 4800.0, "triton")
@@ -53,12 +55,10 @@ def test_engine_and_hardware_presets_rehearsed_on_the_cpu(tmp_path):
     assert loaded.gemm_profile == hardware.gemm_profile and "stated preset h200" in loaded.provenance
 
     model = load_model_preset("tiny", dtype="float32")
-    priced = with_engine(loaded, engine)
-    assert (priced.cuda_graphs, priced.cuda_graph_max_tokens, priced.overhead_ms) == \
-        (True, 4, engine["overhead_ms"])
-    kernels = CostModel(model, loaded).iteration_time_s([(1, 100)] * 4)
-    with_overhead = CostModel(model, priced).iteration_time_s([(1, 100)] * 4)
-    expected = (engine["overhead_ms"] + 4 * (engine["overhead_per_seq_ms"] + engine["overhead_per_token_ms"])) * 1e-3
+    # on the hardware it was profiled for, engine=auto finds it only in conf/engine/; named, it prices
+    kernels = CostModel(model, loaded, engine=EngineConfig(name="kernels")).iteration_time_s([(1, 100)] * 4)
+    with_overhead = CostModel(model, loaded, engine=written).iteration_time_s([(1, 100)] * 4)
+    expected = (engine.overhead_ms + 4 * (engine.overhead_per_seq_ms + engine.overhead_per_token_ms)) * 1e-3
     assert with_overhead - kernels == pytest.approx(expected, rel=1e-6, abs=1e-12)
 
 

@@ -20,7 +20,7 @@ linearly), and `chunks_timed` says how many were. Every step time is the
 median of --repeats runs after a warm-up. The simulator prices the same shapes
 with --hardware (CostModel.iteration_time_s; a preset name or a .yaml path,
 e.g. the one `testbed profile --device cuda` wrote) and, with --engine, the
-engine preset's terms (gpu_profile.with_engine); `sim_over_measured` is the
+engine preset's terms (engine=, testbed/sim/engine_config.py); `sim_over_measured` is the
 ratio of the two taxes in ms. With --cuda-graph-sizes the decode-only steps
 (t(B decodes)) replay CUDA graphs, as the engine serves them; steps with a
 chunk run eagerly either way.
@@ -50,7 +50,7 @@ from testbed.experiments.prefill import RealBench
 from testbed.sim.config import load_hardware_preset
 from testbed.sim.cost_model import CostModel
 from testbed.sim.crossover import chunk_slices, piggyback_tax_s
-from testbed.profiling.gpu_profile import load_engine_preset, with_engine
+from testbed.sim.engine_config import load_engine_preset
 
 FIELDS = ["model", "layers", "device", "hardware", "engine", "graphs", "prompt_len", "chunk", "decodes", "decode_context",
           "chunks_timed", "whole_ms", "base_ms", "added_mean_ms", "tax_ms", "sim_whole_ms", "sim_tax_ms", "sim_over_measured", "status"]
@@ -152,11 +152,9 @@ def main() -> None:
     bench = RealBench(args.model, capacity, args.block_size, 0, dtype, args.device, args.backend, graph_sizes,
                       **overrides)
     hardware = load_hardware_preset(args.hardware)
-    engine_name = ""
-    if args.engine:
-        engine = load_engine_preset(args.engine)
-        hardware, engine_name = with_engine(hardware, engine), engine["name"]
-    cost = CostModel(bench.model_cfg, hardware)
+    engine = load_engine_preset(args.engine) if args.engine else None      # None: the hardware's default
+    cost = CostModel(bench.model_cfg, hardware, engine=engine)
+    engine_name = cost.engine.name
     running = bench.decodes(max(max(decodes), 1), args.decode_context)
     timer = Timer(bench, args.repeats)
     warm = Timer(bench, 1)                                                            # warm-up off the clock

@@ -14,9 +14,8 @@ that the simulator prices this engine on this chip:
   against the kernels the hardware preset prices -> overhead_ms +
   overhead_per_seq_ms * seqs + overhead_per_token_ms * tokens, fitted >= 0.
 
-Until the `engine=` config group exists the simulator reads the engine's
-terms from HardwareConfig: `with_engine` is the one place that maps them.
-On the CPU (--device cpu, tests) the same code runs on a tiny model: its
+The engine preset is profiled for the hardware preset (`profiled_for`), so
+`engine=auto` picks it on that hardware. On the CPU (--device cpu, tests) the same code runs on a tiny model: its
 files have the right fields, its numbers mean nothing."""
 from __future__ import annotations
 
@@ -36,12 +35,10 @@ from testbed.experiments.prefill import RealBench
 from testbed.model.config import load_model_preset
 from testbed.sim.config import HardwareConfig, load_hardware_preset
 from testbed.sim.cost_model import CostModel
+from testbed.sim.engine_config import EngineConfig
 from testbed.sim.engine_overhead import VLLM_CUDA_GRAPH_SIZES
 from testbed.sim.layer_shapes import layer_shapes
 
-# the engine's terms, written to the engine preset and left out of the hardware preset
-ENGINE_FIELDS = ("overhead_ms", "overhead_per_seq_ms", "overhead_per_token_ms", "kernel_launch_us", "cuda_graphs",
-                 "cuda_graph_max_tokens")
 # stated presets by the name CUDA reports
 _BASE_PRESETS = {"H200": "h200", "H100": "h100-sxm", "A100": "a100-80gb-sxm"}
 _L2_EVICT_BYTES = 256 << 20           # weights cycled per GEMM shape: more than any L2
@@ -137,19 +134,6 @@ def fit_nonnegative(features: np.ndarray, target: np.ndarray) -> np.ndarray:
     return best
 
 
-def with_engine(hardware: HardwareConfig, engine: dict) -> HardwareConfig:
-    """`hardware` with an engine preset's terms, where this simulator reads them."""
-    sizes = engine["cuda_graph_sizes"]
-    return dataclasses.replace(
-        hardware, overhead_ms=engine["overhead_ms"], overhead_per_seq_ms=engine["overhead_per_seq_ms"],
-        overhead_per_token_ms=engine["overhead_per_token_ms"], kernel_launch_us=engine["kernel_launch_us"],
-        cuda_graphs=bool(engine["cuda_graphs"] and sizes), cuda_graph_max_tokens=max(sizes, default=1))
-
-
-def load_engine_preset(path: str | Path) -> dict:
-    return yaml.safe_load(Path(path).read_text())
-
-
 def engine_steps(quick: bool) -> list[tuple[int, int, int]]:
     """(decodes, decode context, prefill chunk) of the steps the overhead is fitted to."""
     if quick:
@@ -191,8 +175,8 @@ def _write(path: Path, header: str, values: dict) -> None:
 def profile_gpu(hardware_out: str | Path, engine_out: str | Path, model_name: str = "llama3-8b",
                 device: str = "cuda", base: str | None = None, name: str | None = None, quick: bool = False,
                 sizes: list[int] | None = None, attention_backend: str = "triton",
-                log=lambda _: None) -> tuple[HardwareConfig, dict]:
-    """Measure, write both presets and return them (the engine preset as a dict)."""
+                log=lambda _: None) -> tuple[HardwareConfig, EngineConfig]:
+    """Measure, write both presets and return them."""
     dev = torch.device(device)
     device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     base = base or base_preset(device_name)
@@ -210,8 +194,7 @@ def profile_gpu(hardware_out: str | Path, engine_out: str | Path, model_name: st
     memory = (torch.cuda.get_device_properties(dev).total_memory / 2**30 if dev.type == "cuda" else stated.memory_gib)
     log(f"{device_name}: {len(gemm_rows)} GEMM rows, matmul {matmul:.1f} TFLOP/s, copy {copy:.0f} GB/s, "
         f"launch {launch:.2f} us ({time.perf_counter() - t0:.0f} s)")
-    values = {f.name: getattr(stated, f.name) for f in dataclasses.fields(HardwareConfig)
-              if f.name not in ENGINE_FIELDS}
+    values = {f.name: getattr(stated, f.name) for f in dataclasses.fields(HardwareConfig)}
     values.update(
         name=name, gemm_table="", gemm_profile=gemm_rows, matmul_tflops_measured=round(matmul, 1),
         memory_gib=round(memory, 1), memory_efficiency=float(f"{min(1.0, copy / stated.hbm_bw_gbps):.3g}"),
@@ -225,15 +208,20 @@ def profile_gpu(hardware_out: str | Path, engine_out: str | Path, model_name: st
     capacity = max(d * (c + 16) + chunk for d, c, chunk in steps) + 64
     bench = RealBench(model_name, capacity, 16, 0, dtype, device, attention_backend,
                       cuda_graph_sizes=sorted({d for d, _, chunk in steps if d and not chunk}))
-    coef, rows = fit_engine(bench, CostModel(bench.model_cfg, hardware), steps, 3 if quick else 10, log)
-    engine = {"name": "testbed", "kernel_launch_us": round(launch, 3), "cuda_graphs": True, "cuda_graph_sizes": sizes,
-              "overhead_ms": round(float(coef[0]), 4), "overhead_per_seq_ms": round(float(coef[1]), 5),
-              "overhead_per_token_ms": round(float(coef[2]), 6),
-              "provenance": (f"Measured by testbed profile --device {device} on {device_name} "
-                             f"({time.strftime('%Y-%m-%d')}): kernel_launch_us is the host time of one small eager "
-                             f"launch; the overheads are fitted (>= 0) to {len(rows)} real-engine steps of "
-                             f"{model.name} ({attention_backend}, decode batches replayed as CUDA graphs, "
-                             f"prefill chunks eager) minus the kernels the hardware preset {name} prices")}
+    kernels_only = EngineConfig(name="kernels")
+    coef, rows = fit_engine(bench, CostModel(bench.model_cfg, hardware, engine=kernels_only), steps,
+                            3 if quick else 10, log)
+    measured = f"measured by testbed profile --device {device} on {device_name} ({time.strftime('%Y-%m-%d')})"
+    engine = EngineConfig(
+        name="testbed", host_model="linear", overhead_ms=round(float(coef[0]), 4),
+        overhead_per_seq_ms=round(float(coef[1]), 5), overhead_per_token_ms=round(float(coef[2]), 6),
+        kernel_launch_us=round(launch, 3), cuda_graphs=True, cuda_graph_sizes=sizes, profiled_for=name,
+        provenance={"host_model": f"{measured}: fitted (>= 0) to {len(rows)} real-engine steps of {model.name} "
+                                  f"({attention_backend}, decode batches replayed as CUDA graphs, prefill chunks "
+                                  f"eager) minus the kernels the hardware preset {name} prices",
+                    "kernel_launch_us": f"{measured}: the host time of one small eager launch",
+                    "cuda_graphs": "decode-only steps replay graphs captured at cuda_graph_sizes (testbed/model/"
+                                   "cuda_graphs.py); mixed and prefill steps run eagerly"})
     when = time.strftime('%Y-%m-%d %H:%M')
     _write(Path(hardware_out), f"# Measured on {device_name} by testbed.profiling.gpu_profile ({when}).\n"
            f"# gemm_profile rows [m, n, k, seconds] of {model.name}'s GEMMs ({dtype}) on the device, weights not in L2;\n"
@@ -243,5 +231,5 @@ def profile_gpu(hardware_out: str | Path, engine_out: str | Path, model_name: st
            f"testbed.profiling.gpu_profile ({when}).\n# per step: overhead_ms + overhead_per_seq_ms * num_seqs + "
            "overhead_per_token_ms * num_tokens beside the kernels;\n# rows it was fitted to (seqs, tokens, engine ms, "
            "kernels priced ms):\n" + "".join(f"#   {s}, {t}, {w * 1e3:.3f}, {p * 1e3:.3f}\n" for s, t, w, p in rows),
-           engine)
+           dataclasses.asdict(engine))
     return hardware, engine

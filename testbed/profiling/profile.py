@@ -280,7 +280,7 @@ def _profile_gpu_main(parser: argparse.ArgumentParser, args: argparse.Namespace)
     except ValueError as e:
         parser.error(str(e))
     out = Path(args.out or CONF_DIR / "hardware" / f"{base}-measured.yaml")
-    engine_out = Path(args.engine_out or CONF_DIR / "engine" / "testbed.yaml")
+    engine_out = Path(args.engine_out or engine_path_for(out, args.name or out.stem))
     _check_writable(parser, "--out", out)
     _check_writable(parser, "--engine-out", engine_out)
     t0 = time.perf_counter()
@@ -293,9 +293,9 @@ def _profile_gpu_main(parser: argparse.ArgumentParser, args: argparse.Namespace)
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {out} and {engine_out} in {time.perf_counter() - t0:.0f} s: {len(hw.gemm_profile)} GEMM rows, "
-          f"memory efficiency {hw.memory_efficiency:.2f}; engine overhead {engine['overhead_ms']:.3f} ms "
-          f"+ {engine['overhead_per_seq_ms']:.4f} ms/seq + {engine['overhead_per_token_ms'] * 1e3:.2f} us/token, "
-          f"{engine['kernel_launch_us']:.2f} us per eager launch")
+          f"memory efficiency {hw.memory_efficiency:.2f}; engine overhead {engine.overhead_ms:.3f} ms "
+          f"+ {engine.overhead_per_seq_ms:.4f} ms/seq + {engine.overhead_per_token_ms * 1e3:.2f} us/token, "
+          f"{engine.kernel_launch_us:.2f} us per eager launch")
     return 0
 
 
