@@ -128,3 +128,13 @@ def test_fa3_flashinfer_is_refitted_from_the_tables_and_prices_their_rows(data_d
     # FA3 prefill reaches ~3/4 of the H100's peak on long prompts, a third of it at 1K
     eff = [kernel.peak_fraction["h100"] * (n / (n + kernel.q_half)) ** 2 for n in (1024, 16384)]
     assert 0.2 < eff[0] < 0.4 and 0.65 < eff[1] < 0.8 and np.isclose(kernel.q_half, kernel.ctx_half)
+
+
+def test_the_crossover_study_prices_with_the_run_engine():
+    from testbed.experiments.crossover import _sim_rows
+    grid = (["llama3-8b"], ["h100-sxm"], ["rdma-400"], [512], [8192], [32], 1024)
+    stated, v0 = (_sim_rows(*grid, engine=load_engine_preset(n))[0] for n in ("stated", "vllm-v0"))
+    default = _sim_rows(*grid)[0]
+    assert default == _sim_rows(*grid, engine=load_engine_preset("vllm-v1"))[0]
+    # each engine its own price: host time, launches, attention kernel
+    assert len({row["chunked_prefill_ms"] for row in (stated, v0, default)}) == 3

@@ -56,15 +56,17 @@ def columns(piggyback_decodes) -> list[str]:
     return POINT_COLUMNS + [piggyback_column(b) for b in piggyback_decodes] + ["source", "transport"]
 
 
-def _sim_rows(models, hardware, links, chunks, contexts, piggyback_decodes, decode_context) -> list[dict]:
+def _sim_rows(models, hardware, links, chunks, contexts, piggyback_decodes, decode_context,
+              engine=None) -> list[dict]:
     """The grid's rows; the prefill side (chunked time, piggyback taxes) is
-    priced once per prompt and shared by every link."""
+    priced once per prompt and shared by every link. engine None: each
+    hardware's default engine."""
     rows = []
     link_models = [LinkModel(load_link_preset(link) if isinstance(link, str) else link) for link in links]
     for m in models:
         mcfg = load_model_preset(m)
         for hw in hardware:
-            cost = CostModel(mcfg, load_hardware_preset(hw))
+            cost = CostModel(mcfg, load_hardware_preset(hw), engine=engine)
             for c in chunks:
                 for n in contexts:
                     chunked = chunked_prefill_s(cost, n, c)
@@ -293,7 +295,7 @@ def run_crossover(cfg: RunConfig, out: Path, log=print) -> dict:
     e = cfg.experiment
     t0 = time.perf_counter()
     rows = _sim_rows(e.models, e.hardware, e.links, e.chunk_sizes, e.context_lens, e.piggyback_decodes,
-                     e.decode_context_len)
+                     e.decode_context_len, cfg.engine)
     log(f"simulated {len(rows)} points in {time.perf_counter() - t0:.1f} s")
     if e.real:
         cpu_contexts = [n for n in e.real_context_lens if n <= e.real_max_tokens]

@@ -183,8 +183,8 @@ def run_chunk_overhead(cfg: RunConfig, out: Path, log=print) -> dict:
     rows = []
     for model in e.models:
         for hw in e.hardware:
-            rows += _sim_overhead_rows(CostModel(load_model_preset(model), load_hardware_preset(hw)),
-                                       e.context_lens, e.chunk_sizes)
+            cost = CostModel(load_model_preset(model), load_hardware_preset(hw), engine=cfg.engine)
+            rows += _sim_overhead_rows(cost, e.context_lens, e.chunk_sizes)
     real_lengths = [n for n in e.real_context_lens if n <= e.real_max_tokens]
     for model in e.real_models:
         rows += _sim_overhead_rows(_cpu_cost(model), real_lengths, e.real_chunk_sizes)
@@ -284,8 +284,8 @@ def run_hybrid_batch(cfg: RunConfig, out: Path, log=print) -> dict:
     rows = []
     for model in e.models:
         for hw in e.hardware:
-            rows += _sim_hybrid_rows(CostModel(load_model_preset(model), load_hardware_preset(hw)), e,
-                                     e.context_lens, e.chunk_sizes)
+            cost = CostModel(load_model_preset(model), load_hardware_preset(hw), engine=cfg.engine)
+            rows += _sim_hybrid_rows(cost, e, e.context_lens, e.chunk_sizes)
     real_lengths = [n for n in e.real_context_lens if n <= e.real_max_tokens]
     for model in e.real_models:
         rows += _sim_hybrid_rows(_cpu_cost(model), e, real_lengths, e.real_chunk_sizes)
