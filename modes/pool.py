@@ -1,6 +1,6 @@
 """PoolState: what the frontend knows of each worker, kept by the mode
 controller from the workers' events and read by the routers through the
-read-only `PoolView` (DESIGN.md, "Modes")."""
+read-only `PoolView` (README, "Architecture")."""
 from __future__ import annotations
 
 from collections import Counter

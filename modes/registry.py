@@ -1,4 +1,4 @@
-"""Modes and worker roles by name (DESIGN.md, "Modes").
+"""Modes and worker roles by name (README, "Architecture").
 
 A `Mode` declares its worker layout (ids and roles, from `ModeSettings`),
 builds its controller, and says whether its workers need a KV port. The
