@@ -399,10 +399,15 @@ def from_dict(d: dict) -> RunConfig:
     gets a schema built on it, not on the cpu preset: `testbed profile` runs
     real workers while it replaces that preset, which may be stale."""
     from omegaconf import OmegaConf
-    hardware = d.get("hardware")
+    hardware, engine = d.get("hardware"), d.get("engine")
     if isinstance(hardware, dict):
         hardware = HardwareConfig(**hardware)
-    schema = RunConfig(hardware=hardware) if isinstance(hardware, HardwareConfig) else RunConfig
+    if isinstance(hardware, HardwareConfig):
+        # the run's own engine too: the schema resolves the engine's defaults for this hardware
+        engine = EngineConfig(**engine) if isinstance(engine, dict) else EngineConfig()
+        schema = RunConfig(hardware=hardware, engine=engine)
+    else:
+        schema = RunConfig
     node = OmegaConf.structured(schema)
     for name in POOLS:      # as register_configs: a pool's unset fields follow `parallel`
         node[name].parallel = ParallelOverride()

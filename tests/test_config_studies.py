@@ -51,7 +51,8 @@ def run_cli(*overrides: str) -> tuple[int, list[str]]:
 
 def test_a_plain_run_has_neither_an_experiment_nor_adaptive_section():
     cfg = composed()
-    assert cfg.experiment is None and cfg.adaptive is None and cfg.scheduler == RunConfig.scheduler
+    # the scheduler left unset is the engine's (conf/config.yaml chooses no scheduler option)
+    assert cfg.experiment is None and cfg.adaptive is None and cfg.scheduler == cfg.run_engine().scheduler == "sarathi"
 
 
 @pytest.mark.parametrize("preset", PRESETS)

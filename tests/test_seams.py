@@ -220,7 +220,7 @@ def test_only_the_assembling_modules_read_the_whole_run_config():
     assembling = {"testbed.capacity", "testbed.cli", "testbed.cli_errors", "testbed.run", "testbed.wandb_log", "testbed.experiments",
                   "testbed.profiling", "testbed.runtime.build", "testbed.runtime.deployment",
                   "testbed.runtime.real", "testbed.runtime.sim", "testbed.runtime.sim_split",
-                  "testbed.runtime.worker_process",
+                  "testbed.runtime.worker_process", "testbed.analysis.blis_replay",
                   "testbed.runtime.store_process"}
     readers = {m for m, edges in import_graph().items() if "testbed.config" in edges}
     assert {m for m in readers if not any(m == a or m.startswith(a + ".") for a in assembling)} == set()
