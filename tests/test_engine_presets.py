@@ -3,6 +3,7 @@ default, the terms that moved from the hardware, CUDA graph padding, host
 overlap, and engine=vllm-v0's host time against the rows it was fitted to."""
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -84,8 +85,8 @@ def test_vllm_v0_host_time_within_10_percent_of_every_row_in_sample(data_dir):
     fit = fitted_host_model()
     assert max(abs(e) for e in _relative_errors(fit, rows)) < 0.10
     # the cache holds the same fit, keyed by the CSV's checksum
-    (cached,) = (data_dir / ".fitted").glob("vllm-v0-host-a100-*.json")
-    assert cached.name.endswith(fit.source_sha256[:16] + ".json") and fitted_host_model() == fit
+    (cached,) = (data_dir / "derived" / "vidur-profiles" / "vllm-v0-host-a100").glob("*/fit.json")
+    assert json.loads(cached.read_text())["source_sha256"] == fit.source_sha256 and fitted_host_model() == fit
     # it carries past the rows: more sequences cost more, TP 8 more than TP 4
     assert fit.host_ms(256, 1) > fit.host_ms(128, 1) and fit.host_ms(64, 8) > fit.host_ms(64, 4)
     assert math.isclose(fit_rows(rows).a, fit.a, rel_tol=1e-12)
@@ -120,7 +121,7 @@ def test_fa3_flashinfer_is_refitted_from_the_tables_and_prices_their_rows(data_d
     from testbed.sim.blis_attention import H100_HBM_BYTES_PER_S, fit_kernel, fitted_kernel
     kernel = fitted_kernel()
     assert kernel == fit_kernel(data_dir / "blis-h100") == attention_kernel("fa3_flashinfer")
-    assert len(list((data_dir / ".fitted").glob("fa3_flashinfer-*.json"))) == 1
+    assert len(list((data_dir / "derived" / "blis-h100" / "fa3_flashinfer").glob("*/kernel.json"))) == 1
     # FlashInfer decode, Llama-2-7B's 32 KV heads on one H100: 32 sequences of 1K tokens, 192.5 us measured
     nbytes = 32 * 1024 * 32 * 128 * 2 * 2
     seconds = nbytes / (H100_HBM_BYTES_PER_S * kernel.decode_bw_fraction) + kernel.decode_floor_us * 1e-6

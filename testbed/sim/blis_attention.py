@@ -2,7 +2,7 @@
 "fa3_flashinfer": FlashAttention-3 for prefills, FlashInfer for decodes),
 their efficiency model (attention_kernels.AttentionKernel) fitted at first use
 to the blis-h100 dataset's measured tables and cached in the data directory,
-keyed by the tables' checksum:
+keyed by the dataset's checksum and this code's version:
 
 - prefill, kernels/mha/prefill/h100/H-K-D.csv (BF16, one causal sequence of
   1K-32K tokens): mfu = peak_fraction · (L / (L + h))², q_half = ctx_half = h,
@@ -17,7 +17,6 @@ fractions of its peaks (as the other kernels do) and has none for A100."""
 from __future__ import annotations
 
 import csv
-import hashlib
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -100,20 +99,13 @@ def fit_kernel(root: Path) -> AttentionKernel:
 
 
 def fitted_kernel(dataset: str = DATASET) -> AttentionKernel:
-    """The kernel fitted to `dataset`'s tables, from the cache when they are unchanged."""
-    from testbed.data import dataset_dir
-    root = dataset_dir(dataset, needed_by=f"attention_kernel={NAME} (engine=vllm-v1's attention)")
-    digest = hashlib.sha256()
-    for path in sorted((root / "kernels" / "mha").rglob("*.csv")):
-        digest.update(path.name.encode() + path.read_bytes())
-    cache = root.parent / ".fitted" / f"{NAME}-{digest.hexdigest()[:16]}.json"
-    if cache.exists():
-        raw = json.loads(cache.read_text())
-        return AttentionKernel(**raw)
-    kernel = fit_kernel(root)
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(asdict(kernel)))
-    except OSError:
-        pass
-    return kernel
+    """The kernel fitted to `dataset`'s tables, made once and cached in the
+    data directory (testbed.data.derived) until the dataset or this code changes."""
+    from testbed.data.derived import code_version, derived_dir
+
+    def make(src: Path, dest: Path) -> None:
+        (dest / "kernel.json").write_text(json.dumps(asdict(fit_kernel(src))))
+
+    cache = derived_dir(dataset, NAME, code_version(Path(__file__)), make,
+                        needed_by=f"attention_kernel={NAME} (engine=vllm-v1's attention)")
+    return AttentionKernel(**json.loads((cache / "kernel.json").read_text()))

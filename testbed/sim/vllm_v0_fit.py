@@ -14,7 +14,7 @@ a smaller batch than their label (the scheduler touched fewer sequences;
 Qwen-72B at B 112-128 on A100) and are left out.
 
 The fit is computed at first use and cached in the data directory, keyed by
-the CSV's checksum. Carrying it to H100-class hosts: the terms are Python on
+the dataset's checksum and this code's version. Carrying it to H100-class hosts: the terms are Python on
 one host core and a Ray round trip on the same software; the A100 rows come
 from a DGX-class server, and no H100 host rows are published, so the A100
 host's fit is used as is for H100 (stated in the preset's provenance)."""
@@ -99,21 +99,18 @@ def fit_rows(rows: list[HostRow], source_sha256: str = "") -> V0HostFit:
 
 
 def fitted_host_model(dataset: str = DATASET, host: str = DEFAULT_HOST) -> V0HostFit:
-    """The fit to `dataset`'s cpu_overheads/<host>.csv, from the cache when
-    the CSV is unchanged."""
-    from testbed.data import dataset_dir
-    root = dataset_dir(dataset, needed_by="engine=vllm-v0 (its host time)")
-    path = root / "cpu_overheads" / f"{host}.csv"
-    if not path.exists():
-        raise ValueError(f"{path}: missing from the {dataset} dataset; reinstall it")
-    sha = hashlib.sha256(path.read_bytes()).hexdigest()
-    cache = root.parent / ".fitted" / f"vllm-v0-host-{host}-{sha[:16]}.json"
-    if cache.exists():
-        return V0HostFit(**json.loads(cache.read_text()))
-    fit = fit_rows(read_host_rows(path), sha)
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(asdict(fit)))
-    except OSError:
-        pass        # a read-only data directory: refit next time (milliseconds)
-    return fit
+    """The fit to `dataset`'s cpu_overheads/<host>.csv, made once and cached
+    in the data directory (testbed.data.derived) until the dataset or this
+    code changes."""
+    from testbed.data.derived import code_version, derived_dir
+
+    def make(src: Path, dest: Path) -> None:
+        path = src / "cpu_overheads" / f"{host}.csv"
+        if not path.exists():
+            raise ValueError(f"{path}: missing from the {dataset} dataset; reinstall it")
+        sha = hashlib.sha256(path.read_bytes()).hexdigest()
+        (dest / "fit.json").write_text(json.dumps(asdict(fit_rows(read_host_rows(path), sha))))
+
+    cache = derived_dir(dataset, f"vllm-v0-host-{host}", code_version(Path(__file__)), make,
+                        needed_by="engine=vllm-v0 (its host time)")
+    return V0HostFit(**json.loads((cache / "fit.json").read_text()))
