@@ -35,10 +35,6 @@ class Sweep:
     num_gpus: int
     deployment: Deployment
 
-    @property
-    def label(self) -> str:
-        return f"{self.model}/{self.hardware}/N{self.num_gpus} {self.deployment.label}"
-
 
 @dataclass
 class SweepResult:
@@ -142,7 +138,7 @@ def died_rows(cfg: RunConfig, sweep: Sweep, log) -> SweepResult:
             rows += length_rows(prober, e, replace_run(point, link=link), dep, sweep.num_gpus,
                                 [link] if dep.uses_link else links, smooths, L, 0.0, lambda *_: None,
                                 skip=WORKER_DIED)[0]
-    log(f"decision: sweep {sweep.label}: its worker died twice; its {len(rows)} rows are flagged {WORKER_DIED}")
+    log(f"decision: sweep {sweep.model}/{point.hardware.name}/N{sweep.num_gpus} {dep.label}: its worker died twice; its {len(rows)} rows are flagged {WORKER_DIED}")
     return SweepResult(rows, [])
 
 
