@@ -41,17 +41,20 @@ STUDY = ["experiment=decision", "runtime=sim", "model=tiny", "hardware=cpu", "ma
          "experiment.max_requests_per_gpu=1000"]
 # the grid's two sweeps: sarathi-1100 (index 0, once for both links) and disagg-1P1D (index 1, per link)
 DISAGG = "ray::decision-sweep-1"
+KILL_AFTER_S = 1.0          # the disagg sweep runs 2-4 s here
 
 
-def study(out: Path, parallel: str, kill: str = "", kills: int = 0) -> tuple[str, list[int]]:
+def study(out: Path, parallel: str, kill: str = "", kills: int = 0, *extra: str) -> tuple[str, list[int]]:
     """`testbed run` of the study under reaped.py; with `kill`, SIGKILL the first `kills`
-    processes seen under that title (a Ray worker running that sweep). Its log and the pids killed."""
+    processes seen under that title (a Ray worker running that sweep) once seen for KILL_AFTER_S
+    (past the task's start: some of its probes made). Its log and the pids killed."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.environ.get("PYTHONPATH") or str(REPO))
     with open(out.with_suffix(".out"), "w") as stdout:
         proc = subprocess.Popen([sys.executable, str(HERE / "reaped.py"), sys.executable, "-m", "testbed.cli", "run",
-                                 *STUDY, f"experiment.parallel={parallel}", f"hydra.run.dir={out}"],
+                                 *STUDY, f"experiment.parallel={parallel}", f"hydra.run.dir={out}", *extra],
                                 cwd=out.parent, env=env, stdout=stdout, stderr=subprocess.STDOUT)
         killed: list[int] = []
+        seen: dict[int, float] = {}
         deadline = time.monotonic() + 120
         while proc.poll() is None and time.monotonic() < deadline and len(killed) < kills:
             for pid in descendants(proc.pid):
@@ -60,8 +63,9 @@ def study(out: Path, parallel: str, kill: str = "", kills: int = 0) -> tuple[str
                 except OSError:
                     continue
                 if title == kill and pid not in killed:
-                    os.kill(pid, signal.SIGKILL)
-                    killed.append(pid)
+                    if time.monotonic() - seen.setdefault(pid, time.monotonic()) >= KILL_AFTER_S:
+                        os.kill(pid, signal.SIGKILL)
+                        killed.append(pid)
             time.sleep(0.05)
         try:
             rc = proc.wait(max(1.0, deadline - time.monotonic()))
@@ -74,7 +78,7 @@ def study(out: Path, parallel: str, kill: str = "", kills: int = 0) -> tuple[str
     return log, killed
 
 
-def without_timing(out: Path) -> dict[str, bytes]:
+def without_timing(out: Path, cached: str = "False") -> dict[str, bytes]:
     """Every file the study wrote, its timing fields removed (decision_probes.csv's columns, the
     summaries' keys); the rest as written."""
     files = {}
@@ -85,7 +89,7 @@ def without_timing(out: Path) -> dict[str, bytes]:
         if path.name == "decision_probes.csv":
             rows = [{k: v for k, v in r.items() if k not in TIMING_COLUMNS}
                     for r in csv.DictReader(io.StringIO(data.decode()))]
-            assert rows and all(r["cached"] == "False" for r in rows)
+            assert rows and all(r.pop("cached") == cached for r in rows)
             data = json.dumps(rows).encode()
         elif path.suffix == ".json":
             d = json.loads(data)
@@ -141,3 +145,25 @@ def test_a_sweep_whose_worker_dies_twice_is_flagged_and_the_study_goes_on(serial
     assert summary["worker_died_rows"] == 16
     assert "decision: sweep tiny/fixed-10ms/N2 disagg-1P1D: its worker died twice; its 16 rows are flagged " \
            "worker_died" in log
+
+
+def test_the_probe_cache_resumes_a_parallel_run_cut_by_a_dead_worker(serial, tmp_path):         # ~35 s here
+    """A parallel run (one worker killed: its sweep's probes so far in the cache, then run again)
+    fills the cache; a serial resume and a parallel one replay every probe and write the same files."""
+    cache = f"experiment.probe_cache={tmp_path / 'cache'}"
+    _, killed = study(tmp_path / "first", "2", DISAGG, 1, cache)
+    assert len(killed) == 1
+    probes = read_rows(tmp_path / "first" / "decision_probes.csv")
+    # the retried sweep replayed what the killed one had probed: cached rows, in its sweep only
+    assert {p["key"].split("/")[3] for p in probes if p["cached"] == "True"} == {"disagg-1P1D"}
+    assert read_rows(tmp_path / "first" / "decision.csv") == \
+        list(csv.DictReader(io.StringIO(serial["decision.csv"].decode())))
+    for parallel in ("1", "2"):
+        log, _ = study(tmp_path / f"resumed-{parallel}", parallel, "", 0, cache)
+        summary = json.loads((tmp_path / f"resumed-{parallel}" / "decision_summary.json").read_text())
+        assert summary["num_probe_runs"] == 0 and summary["num_replayed_probes"] > 0, log[-2000:]
+        files = without_timing(tmp_path / f"resumed-{parallel}", cached="True")
+        assert files.keys() == serial.keys()
+        for name in serial:
+            if name not in ("decision_summary.json", "experiment.json"):   # they count the replays
+                assert files[name] == serial[name], name
