@@ -167,3 +167,31 @@ def test_the_probe_cache_resumes_a_parallel_run_cut_by_a_dead_worker(serial, tmp
         for name in serial:
             if name not in ("decision_summary.json", "experiment.json"):   # they count the replays
                 assert files[name] == serial[name], name
+
+
+def test_ctrl_c_mid_study_leaves_no_ray_process(tmp_path):                                      # ~15 s here
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.environ.get("PYTHONPATH") or str(REPO))
+    out = tmp_path / "study"
+    with open(tmp_path / "study.out", "w") as stdout:
+        proc = subprocess.Popen([sys.executable, str(HERE / "reaped.py"), sys.executable, "-m", "testbed.cli", "run",
+                                 *STUDY, "experiment.parallel=2", f"hydra.run.dir={out}"],
+                                cwd=tmp_path, env=env, stdout=stdout, stderr=subprocess.STDOUT)
+        interrupted, deadline = False, time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline and not interrupted:
+            pids = descendants(proc.pid)
+            titles = {}
+            for pid in pids:
+                try:
+                    titles[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                except OSError:
+                    pass
+            if any(t[0] == DISAGG.encode() for t in titles.values()):      # the sweeps are running
+                study_pid = next(p for p, t in titles.items() if b"testbed.cli" in t)
+                os.kill(study_pid, signal.SIGINT)
+                interrupted = True
+            time.sleep(0.05)
+        rc = proc.wait(60)
+    log = (tmp_path / "study.out").read_text()
+    assert interrupted and rc == 130, log[-3000:]
+    assert "interrupted" in log
+    assert json.loads(log.strip().splitlines()[-1])["leftover"] == [], "Ray processes outlived the study"
