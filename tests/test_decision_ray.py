@@ -44,11 +44,12 @@ DISAGG = "ray::decision-sweep-1"
 KILL_AFTER_S = 1.0          # the disagg sweep runs 2-4 s here
 
 
-def study(out: Path, parallel: str, kill: str = "", kills: int = 0, *extra: str) -> tuple[str, list[int]]:
+def study(out: Path, parallel: str, kill: str = "", kills: int = 0, *extra: str,
+          env: dict | None = None) -> tuple[str, list[int]]:
     """`testbed run` of the study under reaped.py; with `kill`, SIGKILL the first `kills`
     processes seen under that title (a Ray worker running that sweep) once seen for KILL_AFTER_S
     (past the task's start: some of its probes made). Its log and the pids killed."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.environ.get("PYTHONPATH") or str(REPO))
+    env = dict(env or os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.environ.get("PYTHONPATH") or str(REPO))
     with open(out.with_suffix(".out"), "w") as stdout:
         proc = subprocess.Popen([sys.executable, str(HERE / "reaped.py"), sys.executable, "-m", "testbed.cli", "run",
                                  *STUDY, f"experiment.parallel={parallel}", f"hydra.run.dir={out}", *extra],
@@ -167,6 +168,19 @@ def test_the_probe_cache_resumes_a_parallel_run_cut_by_a_dead_worker(serial, tmp
         for name in serial:
             if name not in ("decision_summary.json", "experiment.json"):   # they count the replays
                 assert files[name] == serial[name], name
+
+
+def test_a_study_joins_a_running_cluster_and_leaves_it_running(serial, tmp_path):             # ~35 s here
+    from ray_cluster import RayCluster
+    cluster = RayCluster(num_cpus=2)
+    try:
+        cluster.wait_nodes(1)
+        log, _ = study(tmp_path / "study", "auto", "", 0, f"ray.address={cluster.address}", env=cluster.env)
+        assert f"decision: 2 sweeps as Ray tasks on 2 CPUs of the cluster at {cluster.address}" in log
+        assert without_timing(tmp_path / "study") == serial
+        cluster.wait_nodes(1, timeout_s=10)          # still up: the study only left it
+    finally:
+        cluster.stop()
 
 
 def test_ctrl_c_mid_study_leaves_no_ray_process(tmp_path):                                      # ~15 s here
