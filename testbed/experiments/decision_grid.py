@@ -12,7 +12,6 @@ counts, measured service times) travel back as a SweepResult. A sweep whose
 process died twice comes back as rows flagged limited_by=worker_died."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from testbed.config import RunConfig
@@ -155,20 +154,20 @@ class GridProgress:
                 self.needed[cell] = self.needed.get(cell, 0) + 1
         self.probes: dict[int, int] = {}
         self.cells: dict[int, list[tuple]] = {}
+        self.have: dict[tuple, int] = {}          # rows given per cell
+        self.decided = 0
         self.bar = progress(total=sum(self.needed.values()), desc="decision", unit="row",
                             enabled=cfg.progress, mininterval=1.0)
-        self.started = time.monotonic()
 
     def update(self, index: int, probes: int, cells: list[tuple]) -> None:
+        for cell, step in [(c, -1) for c in self.cells.get(index, [])] + [(c, 1) for c in cells]:
+            was = self.have.get(cell, 0) >= self.needed.get(cell, 0)
+            self.have[cell] = self.have.get(cell, 0) + step
+            self.decided += (self.have[cell] >= self.needed.get(cell, 0)) - was
         self.probes[index], self.cells[index] = probes, cells
-        have: dict[tuple, int] = {}
-        for done in self.cells.values():
-            for cell in done:
-                have[cell] = have.get(cell, 0) + 1
-        decided = sum(n >= self.needed.get(c, 0) for c, n in have.items())
-        self.bar.set_postfix_str(f"{sum(self.probes.values())} probes, {decided}/{len(self.needed)} cells decided",
-                                 refresh=False)
-        self.bar.update(sum(have.values()) - self.bar.n)
+        self.bar.set_postfix_str(f"{sum(self.probes.values())} probes, {self.decided}/{len(self.needed)} cells "
+                                 f"decided", refresh=False)
+        self.bar.update(sum(len(c) for c in self.cells.values()) - self.bar.n)
 
     def close(self) -> None:
         self.bar.close()
