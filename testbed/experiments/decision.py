@@ -20,7 +20,7 @@ SLO and link: decision_grid.py) run as Ray tasks on every core
 (ray.address), or one after another in this process (parallel=1); the files
 are the same byte for byte but for the timing fields (decision_probes.csv's
 wall_s, cpu_s and load_1m; decision_summary.json's elapsed_s, probe_cpu_s and
-probe_wall_s).
+probe_wall_s; experiment.json's elapsed_s).
 
 With experiment.real=true the real engine's rows join them
 (decision_real.py): the same search and rule, each probe a real run on this
