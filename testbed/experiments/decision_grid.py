@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from testbed.config import RunConfig
-from testbed.experiments.decision_search import Prober, Search, Smoothness, isolated_s, length_rows, point_cfg
+from testbed.experiments.decision_search import (Prober, Search, Smoothness, isolated_s, judged_run, length_rows,
+                                                 point_cfg)
 from testbed.experiments.decision_slo import get_smoothness
 from testbed.experiments.deployments import Deployment, deployments, replace_run
 from testbed.experiments.probe_cache import ProbeCache
@@ -60,6 +61,16 @@ def sweeps(cfg: RunConfig) -> list[Sweep]:
                 for dep in deployments(e, num_gpus, point.parallel.tp * point.parallel.pp, e.reuse > 0):
                     out.append(Sweep(len(out), model_name, hardware_name, num_gpus, dep))
     return out
+
+
+def runs_per_rate(cfg: RunConfig, sweep: Sweep) -> int:
+    """How many separate probe runs a sweep makes at one L and rate: one shared by every SLO,
+    unless its deployment reads the TBT target (one per target) or a definition changes its run
+    (adaptive without slack under p99_tbt). The longest sweeps go to Ray first by it."""
+    e = cfg.experiment
+    base = sweep.deployment.apply(point_cfg(cfg, sweep.model, sweep.hardware))
+    variants = 1 + any(judged_run(base, get_smoothness(name)) is not base for name in e.smoothness)
+    return variants * (len(e.tbt_slos_ms) if sweep.deployment.reads_slo else 1)
 
 
 def cells_of(cfg: RunConfig, sweep: Sweep) -> list[tuple]:

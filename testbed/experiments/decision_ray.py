@@ -16,7 +16,8 @@ from __future__ import annotations
 import os
 
 from testbed.config import RunConfig
-from testbed.experiments.decision_grid import GridProgress, Sweep, SweepResult, cell_of, died_rows, run_sweep
+from testbed.experiments.decision_grid import (GridProgress, Sweep, SweepResult, cell_of, died_rows, run_sweep,
+                                                runs_per_rate)
 from testbed.experiments.probe_cache import ProbeCache
 
 
@@ -67,7 +68,9 @@ def run_ray(cfg: RunConfig, grid: list[Sweep], workers: int, log) -> list[SweepR
             + ("" if cfg.ray.address is None else f" of the cluster at {cfg.ray.address}"))
         tally = ray.remote(num_cpus=0)(_Tally).remote()
         task = ray.remote(num_cpus=1, max_retries=1, retry_exceptions=False)(_sweep_task)
-        refs = {task.options(name=f"decision-sweep-{s.index}").remote(cfg, s, tally): s for s in grid}
+        # the longest first: the last to start sets the study's end (the results merge by index)
+        order = sorted(grid, key=lambda s: (-runs_per_rate(cfg, s), s.index))
+        refs = {task.options(name=f"decision-sweep-{s.index}").remote(cfg, s, tally): s for s in order}
         results: dict[int, SweepResult] = {}
         pending = list(refs)
         while pending:
