@@ -408,6 +408,7 @@ def test_the_grid_progress_counts_probes_and_decided_cells_on_a_terminal(capsys,
     assert [s.deployment.label for s in grid] == ["sarathi-1100", "disagg-1P1D"]
     cells = cells_of(cfg, grid[0])
     assert len(cells) == 2 * 4 * 2                      # links x L x SLO definitions
+    assert cells[0] == ("tiny", "fixed-10ms", "instant", 2, "p99_tbt", 50, 512)      # as decision.csv names them
     bar = GridProgress(cfg, grid)
     bar.update(0, 5, cells)                             # sarathi's rows everywhere: no cell decided yet
     bar.update(1, 3, cells[:4])

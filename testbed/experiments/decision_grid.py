@@ -74,10 +74,13 @@ def runs_per_rate(cfg: RunConfig, sweep: Sweep) -> int:
 
 
 def cells_of(cfg: RunConfig, sweep: Sweep) -> list[tuple]:
-    """The cells (model, hardware, link, N, SLO definition, TBT target, L) a sweep gives a row in."""
+    """The cells (model, hardware, link, N, SLO definition, TBT target, L: as its rows name them)
+    a sweep gives a row in."""
     e = cfg.experiment
-    return [(sweep.model, sweep.hardware, link, sweep.num_gpus, slo, tbt, L)
-            for link in e.links for L in sorted(e.context_lens) for tbt in e.tbt_slos_ms for slo in e.smoothness]
+    hardware = point_cfg(cfg, sweep.model, sweep.hardware).hardware.name
+    links = [load_link_preset(name).name for name in e.links]
+    return [(sweep.model, hardware, link, sweep.num_gpus, slo, tbt, L)
+            for link in links for L in sorted(e.context_lens) for tbt in e.tbt_slos_ms for slo in e.smoothness]
 
 
 def cell_of(row: dict) -> tuple:
