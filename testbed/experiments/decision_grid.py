@@ -151,7 +151,8 @@ def died_rows(cfg: RunConfig, sweep: Sweep, log) -> SweepResult:
             rows += length_rows(prober, e, replace_run(point, link=link), dep, sweep.num_gpus,
                                 [link] if dep.uses_link else links, smooths, L, 0.0, lambda *_: None,
                                 skip=WORKER_DIED)[0]
-    log(f"decision: sweep {sweep.model}/{point.hardware.name}/N{sweep.num_gpus} {dep.label}: its worker died twice; its {len(rows)} rows are flagged {WORKER_DIED}")
+    log(f"decision: sweep {sweep.model}/{point.hardware.name}/N{sweep.num_gpus} {dep.label}: its worker died "
+        f"twice; its {len(rows)} rows are flagged {WORKER_DIED}")
     return SweepResult(rows, [])
 
 
