@@ -170,8 +170,8 @@ class RayLauncher(Launcher):
         # the private namespace, if any, was entered in __init__, before the frontend bound anything
         num_cpus = self.cfg.num_cpus or max(1, int(num_workers * self.cfg.actor_cpus + 0.999))
         self._started_cluster = connect(
-            self.cfg.address, self.local_ip, num_cpus, private_netns=False, timeout_s=self.cfg.start_timeout_s, num_gpus=None if self.gpus_per_worker else 0,
-            log_to_driver=True) and self.cfg.address is None
+            self.cfg.address, self.local_ip, num_cpus, private_netns=False, timeout_s=self.cfg.start_timeout_s,
+            num_gpus=None if self.gpus_per_worker else 0, log_to_driver=True) and self.cfg.address is None
 
     def prepare(self, specs: list[WorkerSpec]) -> None:
         import ray
