@@ -36,7 +36,7 @@ def constructed(**experiment) -> object:
              smoothness=["p99_tbt", "fluidity"], output_len=16, prompt_sigma=0.001,
              num_gpus=[2], rate_start=20.0, rel_tol=0.1, max_probes=10,
              span_factor=10.0, min_judged=20, max_requests_per_gpu=1000,
-             real=False)
+             real=False, parallel="1")
     e.update(experiment)
     return from_dict({"runtime": {"name": "sim"}, "model": {"name": "tiny"}, "max_num_batched_tokens": 1100, "wandb": {"mode": "disabled"}, "progress": False,
                       "engine": ENGINE, "experiment": e})

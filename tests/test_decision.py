@@ -212,6 +212,8 @@ def test_l_star_must_hold_at_every_larger_length():
     ("kv_blocks", {"h100-sxm": 0}, "experiment.kv_blocks"),
     ("kv_blocks", {"h100": 4096}, r"experiment.kv_blocks.*\['h100'\] is no hardware"),
     ("turns", 1, "experiment.turns"),
+    ("parallel", "two", "experiment.parallel: 'auto', or a number of worker processes >= 1"),
+    ("parallel", "0", "experiment.parallel"),
 ])
 def test_bad_decision_fields_name_the_field(field, value, message):
     with pytest.raises(ValueError, match=message):
@@ -391,3 +393,31 @@ def test_a_probe_is_capped_at_max_requests_per_gpu_times_its_deployments_gpus(tm
     assert max(sizes[2]) == 24 and max(sizes[4]) == 48
     summary = json.loads((tmp_path / "decision_summary.json").read_text())
     assert summary["assumptions"]["steady_state"]["max_requests_per_gpu"] == 12
+
+
+def test_the_grid_progress_counts_probes_and_decided_cells_on_a_terminal(capsys, monkeypatch):
+    """A cell is decided once every deployment has its row there; a sweep reported again (its
+    worker died, run anew) replaces its counts instead of adding to them."""
+    import sys
+
+    from testbed.experiments.decision_grid import GridProgress, cells_of, sweeps
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    cfg = dataclasses.replace(constructed(links=[str(DATA / "decision_link.yaml"),
+                                                 str(DATA / "decision_link_b.yaml")]), progress=True)
+    grid = sweeps(cfg)
+    assert [s.deployment.label for s in grid] == ["sarathi-1100", "disagg-1P1D"]
+    cells = cells_of(cfg, grid[0])
+    assert len(cells) == 2 * 4 * 2                      # links x L x SLO definitions
+    assert cells[0] == ("tiny", "fixed-10ms", "instant", 2, "p99_tbt", 50, 512)      # as decision.csv names them
+    bar = GridProgress(cfg, grid)
+    bar.update(0, 5, cells)                             # sarathi's rows everywhere: no cell decided yet
+    bar.update(1, 3, cells[:4])
+    bar.update(1, 2, cells[:2])                         # sweep 1 again, from its start
+    bar.bar.refresh()
+    line = capsys.readouterr().err.split("\r")[-1]
+    assert "18/32" in line and "7 probes, 2/16 cells decided" in line and "<" in line    # the ETA
+    bar.update(1, 9, cells)
+    bar.bar.refresh()
+    line = capsys.readouterr().err.split("\r")[-1]
+    assert "32/32" in line and "14 probes, 16/16 cells decided" in line
+    bar.close()

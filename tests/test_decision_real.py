@@ -34,7 +34,7 @@ def small(**experiment):
              num_gpus=[2], rate_start=4.0, rel_tol=0.5, max_probes=3,
              span_factor=3.0, min_judged=3, max_requests_per_gpu=6,
              real=True, real_models=["tiny"], real_context_lens=[256], real_probe_s=2.0,
-             real_max_probes=2, real_rel_tol=0.5)
+             real_max_probes=2, real_rel_tol=0.5, parallel="1")
     e.update(experiment)
     return from_dict({"runtime": {"name": "sim"}, "model": {"name": "tiny"}, "wandb": {"mode": "disabled"},
                       "progress": False, "experiment": e})

@@ -14,6 +14,14 @@ capacity.py's search_rate) from probes that reach a steady state
 it. Colocated deployments do not touch the link, so they run once per
 (model, hardware, N) and their rows repeat per link.
 
+The grid's sweeps (one deployment of one model, hardware and N at every L,
+SLO and link: decision_grid.py) run as Ray tasks on every core
+(experiment.parallel=auto, decision_ray.py), on a running cluster
+(ray.address), or one after another in this process (parallel=1); the files
+are the same byte for byte but for the timing fields (decision_probes.csv's
+wall_s, cpu_s and load_1m; decision_summary.json's elapsed_s, probe_cpu_s and
+probe_wall_s; experiment.json's elapsed_s).
+
 With experiment.real=true the real engine's rows join them
 (decision_real.py): the same search and rule, each probe a real run on this
 machine (source=real beside source=sim).
@@ -34,11 +42,11 @@ from pathlib import Path
 
 from testbed.config import RunConfig
 from testbed.experiments.decision_figures import capacity_series, decision_figures
-from testbed.experiments.decision_search import (COLUMNS, Prober, ProbeRun, Search, Smoothness,  # noqa: F401 (re-exported)
-                                                 isolated_s, length_rows, point_cfg, verdict)
+from testbed.experiments.decision_grid import WORKER_DIED, SweepResult, run_serial, study_rule, sweeps
+from testbed.experiments.decision_ray import num_workers, run_ray
+from testbed.experiments.decision_search import COLUMNS, Prober, ProbeRun, verdict  # noqa: F401 (re-exported)
 from testbed.experiments.decision_slo import get_smoothness
 from testbed.experiments.decision_summary import crossovers, definition_changes, sim_vs_real
-from testbed.experiments.deployments import Deployment, deployments, replace_run
 from testbed.experiments.probe_cache import ProbeCache
 from testbed.sim.config import load_link_preset
 from testbed.steady_state import SteadyRule
@@ -49,23 +57,20 @@ def run_decision(cfg: RunConfig, out: Path, log=print) -> dict:
         from testbed.experiments.decision_real import check_real
         check_real(e)
     started = time.monotonic()
-    # each search caps its probes at max_requests_per_gpu x its N; the rule's cap is the largest
-    rule = SteadyRule(e.span_factor, e.min_judged,
-                      e.max_requests_per_gpu * max(e.num_gpus))
+    rule = study_rule(e)
     cache = ProbeCache(e.probe_cache, log) if e.probe_cache else None
-    prober = Prober(rule, log, cache=cache)
     smooths = [get_smoothness(name) for name in e.smoothness]
     links = [load_link_preset(name) for name in e.links]
     try:
-        rows = _grid(prober, cfg, links, smooths, log)
+        grid = _grid(cfg, cache, log)
     finally:
         if cache is not None:
             cache.close()
-    probe_rows, num_runs = prober.rows, prober.num_runs
+    rows, probe_rows, num_runs = grid.rows, grid.probe_rows, grid.num_runs
     real_summary = None
     if e.real:
         from testbed.experiments.decision_real import real_rows
-        measured, real_prober, real_summary = real_rows(cfg, rows, prober.service_s, smooths, links, rule, log,
+        measured, real_prober, real_summary = real_rows(cfg, rows, grid.service_s, smooths, links, rule, log,
                                                         out / "real_probes")
         rows += measured
         probe_rows, num_runs = probe_rows + real_prober.rows, num_runs + real_prober.num_runs
@@ -75,18 +80,18 @@ def run_decision(cfg: RunConfig, out: Path, log=print) -> dict:
     elapsed = time.monotonic() - started
     summary["elapsed_s"] = elapsed
     summary["num_probe_runs"] = num_runs
-    summary["num_replayed_probes"] = prober.num_replayed
+    summary["num_replayed_probes"] = grid.num_replayed
     # the simulated probes' own compute, each once however often the grid was resumed (replayed
     # ones keep the figure from when they ran); elapsed_s is this run's alone (a resumed grid's replay
     # takes seconds), and probe_wall_s, their wall clocks, also counts the machine's other work
-    summary["probe_cpu_s"] = round(sum(r["cpu_s"] for r in prober.rows if r["cpu_s"] is not None), 1)
-    summary["probe_wall_s"] = round(sum(r["wall_s"] for r in prober.rows), 1)
+    summary["probe_cpu_s"] = round(sum(r["cpu_s"] for r in grid.probe_rows if r["cpu_s"] is not None), 1)
+    summary["probe_wall_s"] = round(sum(r["wall_s"] for r in grid.probe_rows), 1)
     _write_csv(out / "decision.csv", rows, COLUMNS)
     if probe_rows:
         _write_csv(out / "decision_probes.csv", probe_rows, tuple(probe_rows[0]))
     (out / "decision_summary.json").write_text(json.dumps(summary, indent=2))
     figures = decision_figures(rows, summary["crossovers"], out)
-    replayed = f" (and {prober.num_replayed} replayed from the probe cache)" if prober.num_replayed else ""
+    replayed = f" (and {grid.num_replayed} replayed from the probe cache)" if grid.num_replayed else ""
     log(f"decision: {len(rows)} rows from {num_runs} probe runs{replayed} in {elapsed:.0f} s "
         f"({summary['probe_cpu_s']:.0f} CPU s of simulated probes) -> {out}/decision.csv")
     for c in summary["crossovers"]:
@@ -102,49 +107,24 @@ def run_decision(cfg: RunConfig, out: Path, log=print) -> dict:
             "rows": rows}
 
 
-def _grid(prober: Prober, cfg: RunConfig, links: list, smooths: list[Smoothness], log) -> list[dict]:
-    """The simulator's rows: every model, hardware, N and deployment of the grid."""
-    e, rows = cfg.experiment, []
-    for model_name in e.models:
-        for hardware_name in e.hardware:
-            point = point_cfg(cfg, model_name, hardware_name)
-            for num_gpus in e.num_gpus:
-                for dep in deployments(e, num_gpus, point.parallel.tp * point.parallel.pp, e.reuse > 0):
-                    # a deployment that never touches the link: one sweep, its rows under every link
-                    found: dict[int, Search] = {}
-                    for link in (links if dep.uses_link else links[:1]):
-                        row_links = [link] if dep.uses_link else links
-                        new, found = _sweep(prober, e, replace_run(point, link=link), dep, num_gpus, row_links,
-                                            smooths, log, found)
-                        rows += new
-    return rows
-
-
-def _sweep(prober: Prober, e, point: RunConfig, dep: Deployment, num_gpus: int, row_links: list,
-           smooths: list[Smoothness], log, found: dict[int, Search]) -> tuple[list[dict], dict[int, Search]]:
-    """One deployment's capacity at every L, TBT target and smoothness
-    definition, and the first search per L that found a bracket. A search
-    probes `found[L]`'s bracket first (this deployment's at that L on the
-    previous link, its first probe sized from the service time measured
-    there: the link rarely moves it, and then the rows are those of the
-    previous link in two probes), else starts from the previous L's first
-    capacity, doubling. Searches whose verdicts agree probe the same rates
-    and share the runs."""
-    from testbed.sim.cost_model import CostModel
-    worker = CostModel(point.model, point.hardware, point.parallel, point.engine)
-    gpus = dep.num_gpus(point)
-    rows, prev, seeds = [], None, {}
-    lengths = sorted(e.context_lens)
-    for L in lengths:
-        service_s = isolated_s(worker, L, e.output_len)
-        start = (prev * 0.6 if prev else e.rate_start * gpus if L == lengths[0] else gpus / (2 * service_s))
-        new, first = length_rows(prober, e, point, dep, num_gpus, row_links, smooths, L, start, log,
-                                 seed=found.get(L))
-        rows += new
-        prev = first.capacity if first else None
-        if first and first.capacity and first.first_failing and first.first_failing <= 2 * first.capacity:
-            seeds[L] = first
-    return rows, seeds
+def _grid(cfg: RunConfig, cache: ProbeCache | None, log) -> SweepResult:
+    """The simulator's rows: every sweep of the grid (decision_grid.py), in this process
+    (experiment.parallel=1) or as Ray tasks (decision_ray.py), merged in the grid's order."""
+    grid = sweeps(cfg)
+    parallel = cfg.experiment.parallel
+    workers = 1 if parallel == "1" else num_workers(parallel)
+    if parallel != "1" and (cfg.ray.address is not None or workers > 1 and len(grid) > 1):
+        results = run_ray(cfg, grid, workers, log)
+    else:
+        results = run_serial(cfg, grid, cache, log)
+    merged = SweepResult([], [])
+    for r in results:
+        merged.rows += r.rows
+        merged.probe_rows += r.probe_rows
+        merged.num_runs += r.num_runs
+        merged.num_replayed += r.num_replayed
+        merged.service_s.update(r.service_s)
+    return merged
 
 
 def _summary(cfg: RunConfig, rows: list[dict], rule: SteadyRule) -> dict:
@@ -177,6 +157,8 @@ def _summary(cfg: RunConfig, rows: list[dict], rule: SteadyRule) -> dict:
         "definition_changes": changes,
         "winner_changes_with_definition": bool(changes),
         "unsteady_rows": sum(not r["steady"] for r in sim),
+        # rows of sweeps whose Ray worker died on both tries (decision_grid.py): no capacity, not probed
+        "worker_died_rows": sum(r["limited_by"] == WORKER_DIED for r in sim),
         **({"sim_vs_real": sim_vs_real(rows), "unsteady_real_rows": sum(not r["steady"] for r in rows
                                                                          if r["source"] == "real")}
            if len(sim) < len(rows) else {}),

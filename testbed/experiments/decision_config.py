@@ -53,6 +53,9 @@ class DecisionConfig(StudyConfig):
     # a probe's requests at most, per GPU of the deployment: its arrival rate, and so the requests a span of
     # span_factor service times takes, grow with N (a flat 4,000 left N = 8's colocated probes unsteady to 8K)
     max_requests_per_gpu: int = 2000
+    # the grid's sweeps at once: auto (Ray tasks on a local cluster, one per core this process may run on),
+    # N (N Ray workers), or 1 (one after another in this process); with ray.address, tasks on that cluster
+    parallel: str = "auto"
     # a directory where simulated probes are kept, so that a grid cut short resumes (probe_cache.py); "": none
     probe_cache: str = ""
     # the real engine's rows (decision_real.py): real_models x real_context_lens on this CPU
@@ -97,6 +100,9 @@ class DecisionConfig(StudyConfig):
         if fewest < self.min_judged:
             raise ValueError(f"experiment.max_requests_per_gpu: {self.max_requests_per_gpu} x the fewest GPUs "
                              f"({min(self.num_gpus)}) = {fewest} is below min_judged={self.min_judged}")
+        if self.parallel != "auto" and not (self.parallel.isdigit() and int(self.parallel) >= 1):
+            raise ValueError(f"experiment.parallel: 'auto', or a number of worker processes >= 1 (1: serially in "
+                             f"this process), got '{self.parallel}'")
         fraction(self, "rel_tol")
         fraction(self, "real_rel_tol")
         for f in ("max_probes", "real_max_probes"):

@@ -107,12 +107,14 @@ class Prober:
     long and stays flagged; `max_lengthenings` bounds the re-runs. Past
     `deadline` (time.monotonic()) no probe starts: OutOfTime. With `cache`
     (simulated probes only: they are deterministic) a probe this code already
-    ran is replayed from it (probe_cache.py)."""
+    ran is replayed from it (probe_cache.py). `on_probe()` is called after
+    every probe (the study's progress)."""
 
     def __init__(self, rule: SteadyRule, log, runner: ProbeRunner | None = None, max_span_s: float | None = None,
                  max_lengthenings: int = 2,    # a service time still growing after two is the rate's
-                 deadline: float | None = None, cache: ProbeCache | None = None):
-        self.rule, self.log = rule, log
+                 deadline: float | None = None, cache: ProbeCache | None = None,
+                 on_probe: Callable[[], None] | None = None):
+        self.rule, self.log, self.on_probe = rule, log, on_probe
         self.runner, self.max_span_s, self.max_lengthenings = runner or SimProbes(), max_span_s, max_lengthenings
         self.deadline = deadline
         if cache is not None and self.runner.source != "sim":
@@ -159,6 +161,8 @@ class Prober:
                           "wall_s": round(wall_s, 2), "cpu_s": None if cpu_s is None else round(cpu_s, 2),
                           "load_1m": run.load_1m, "records": run.records,
                           "cached": run.cached})
+        if self.on_probe is not None:
+            self.on_probe()
         return run
 
     def _size(self, rate: float, service_s: float, max_requests: int | None) -> int:

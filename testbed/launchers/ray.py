@@ -111,6 +111,34 @@ def _check_reachable(address: str, timeout_s: float) -> None:
                          f"dashboard's 8265), or free port {port}, or leave ray.address unset for a local cluster")
 
 
+def connect(address: str | None, host: str, num_cpus: int, private_netns: bool, timeout_s: float,
+            num_gpus: int | None = 0, log_to_driver: bool = True) -> bool:
+    """ray.init for this process: with no `address` a local cluster of
+    `num_cpus` CPUs, its node on `host` (loopback) and the dashboard off, in a
+    private loopback-only network namespace first when `private_netns` (Ray
+    2.60 listens on every interface otherwise; netns.py); with one ("auto",
+    HOST:PORT) that cluster, its address checked first. True when this call
+    initialised Ray: ray.shutdown() then stops a local cluster, or leaves a
+    joined one. False when Ray was already initialised here."""
+    import ray
+    if ray.is_initialized():
+        return False
+    if address is None:
+        if private_netns:
+            from testbed.launchers.netns import enter_private_netns
+            enter_private_netns()
+        # every server of the local cluster on loopback, none on the machine's address
+        ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
+                 _node_ip_address=host, configure_logging=False, log_to_driver=log_to_driver)
+        return True
+    _check_reachable(address, timeout_s)
+    try:
+        ray.init(address=address, include_dashboard=False, configure_logging=False, log_to_driver=log_to_driver)
+    except (ConnectionError, ValueError) as e:       # no cluster at "auto", a malformed address
+        raise ValueError(f"ray.address: {e}") from None
+    return True
+
+
 class RayLauncher(Launcher):
     name = "ray"
 
@@ -139,21 +167,11 @@ class RayLauncher(Launcher):
 
     # -- placement -------------------------------------------------------------------
     def _init(self, num_workers: int) -> None:
-        import ray
-        if ray.is_initialized():
-            return
-        if self.cfg.address is None:
-            # every server of the local cluster on loopback, none on the machine's address
-            ray.init(address="local", num_cpus=self.cfg.num_cpus or max(1, int(num_workers * self.cfg.actor_cpus + 0.999)),
-                     num_gpus=None if self.gpus_per_worker else 0, include_dashboard=False,
-                     _node_ip_address=self.local_ip, configure_logging=False, log_to_driver=True)
-            self._started_cluster = True
-        else:
-            _check_reachable(self.cfg.address, self.cfg.start_timeout_s)
-            try:
-                ray.init(address=self.cfg.address, include_dashboard=False, configure_logging=False)
-            except (ConnectionError, ValueError) as e:       # no cluster at "auto", a malformed address
-                raise ValueError(f"ray.address: {e}") from None
+        # the private namespace, if any, was entered in __init__, before the frontend bound anything
+        num_cpus = self.cfg.num_cpus or max(1, int(num_workers * self.cfg.actor_cpus + 0.999))
+        self._started_cluster = connect(
+            self.cfg.address, self.local_ip, num_cpus, private_netns=False, timeout_s=self.cfg.start_timeout_s,
+            num_gpus=None if self.gpus_per_worker else 0, log_to_driver=True) and self.cfg.address is None
 
     def prepare(self, specs: list[WorkerSpec]) -> None:
         import ray

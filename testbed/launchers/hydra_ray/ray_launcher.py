@@ -90,18 +90,8 @@ class RaySweepLauncher(Launcher):
 
     def _connect(self) -> bool:
         """ray.init as configured; True when this launcher did it (and shuts it down)."""
-        import ray
-        if ray.is_initialized():
-            return False
-        if self.address is None:
-            if self.private_netns:
-                from testbed.launchers.netns import enter_private_netns
-                enter_private_netns()      # before Ray starts: every server it binds is on loopback
-            ray.init(address="local", num_cpus=self.num_cpus or os.cpu_count(), include_dashboard=False,
-                     _node_ip_address=self.host, configure_logging=False, log_to_driver=True)
-        else:
-            ray.init(address=self.address, include_dashboard=False, configure_logging=False)
-        return True
+        from testbed.launchers.ray import connect
+        return connect(self.address, self.host, self.num_cpus or os.cpu_count(), self.private_netns, timeout_s=120.0)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         import ray
