@@ -45,10 +45,10 @@ KILL_AFTER_S = 1.0          # the disagg sweep runs 2-4 s here
 
 
 def study(out: Path, parallel: str, kill: str = "", kills: int = 0, *extra: str,
-          env: dict | None = None) -> tuple[str, list[int]]:
+          env: dict | None = None, ready=None) -> tuple[str, list[int]]:
     """`testbed run` of the study under reaped.py; with `kill`, SIGKILL the first `kills`
     processes seen under that title (a Ray worker running that sweep) once seen for KILL_AFTER_S
-    (past the task's start: some of its probes made). Its log and the pids killed."""
+    (past the task's start: some of its probes made) and `ready(pid)` holds. Its log and the pids killed."""
     env = dict(env or os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.environ.get("PYTHONPATH") or str(REPO))
     with open(out.with_suffix(".out"), "w") as stdout:
         proc = subprocess.Popen([sys.executable, str(HERE / "reaped.py"), sys.executable, "-m", "testbed.cli", "run",
@@ -64,7 +64,8 @@ def study(out: Path, parallel: str, kill: str = "", kills: int = 0, *extra: str,
                 except OSError:
                     continue
                 if title == kill and pid not in killed:
-                    if time.monotonic() - seen.setdefault(pid, time.monotonic()) >= KILL_AFTER_S:
+                    if time.monotonic() - seen.setdefault(pid, time.monotonic()) >= KILL_AFTER_S and \
+                            (ready is None or ready(pid)):
                         os.kill(pid, signal.SIGKILL)
                         killed.append(pid)
             time.sleep(0.05)
@@ -152,7 +153,10 @@ def test_the_probe_cache_resumes_a_parallel_run_cut_by_a_dead_worker(serial, tmp
     """A parallel run (one worker killed: its sweep's probes so far in the cache, then run again)
     fills the cache; a serial resume and a parallel one replay every probe and write the same files."""
     cache = f"experiment.probe_cache={tmp_path / 'cache'}"
-    _, killed = study(tmp_path / "first", "2", DISAGG, 1, cache)
+
+    def probed(pid: int) -> bool:       # the worker to kill has cached a probe (its own file, by pid)
+        return any(p.stat().st_size for p in (tmp_path / "cache").glob(f"*-{pid}-*.jsonl"))
+    _, killed = study(tmp_path / "first", "2", DISAGG, 1, cache, ready=probed)
     assert len(killed) == 1
     probes = read_rows(tmp_path / "first" / "decision_probes.csv")
     # the retried sweep replayed what the killed one had probed: cached rows, in its sweep only
