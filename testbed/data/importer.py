@@ -1,5 +1,5 @@
 """`testbed data import NAME DIR`: a dataset from a local copy (an offline
-machine, a mirror, ../shared/data in CI), checked against the same sha256 as
+machine, a mirror, the test suite's copy), checked against the same sha256 as
 a download, then copied (or linked) into the data directory."""
 from __future__ import annotations
 
