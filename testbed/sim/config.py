@@ -9,7 +9,9 @@ Plain types only (Hydra structured configs). Fields without a default must
 come from a preset: there is no sensible default accelerator."""
 from __future__ import annotations
 
+import copy
 from dataclasses import MISSING as MISSING_FIELD, dataclass, field, fields
+from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
@@ -245,12 +247,24 @@ def _preset_path(group: str, name_or_path: str) -> Path | None:
     return path if path.exists() else None
 
 
+def read_preset(path: Path) -> dict:
+    """A preset file's values, parsed once per version of the file: runs resolve
+    their engine and hardware per cost model, and OmegaConf parses slowly."""
+    stat = path.stat()
+    return copy.deepcopy(_parsed(str(path), stat.st_mtime_ns, stat.st_size))
+
+
+@lru_cache(maxsize=64)
+def _parsed(path: str, mtime_ns: int, size: int) -> dict:
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=True) or {}
+
+
 def _load(group: str, cls, name_or_path: str, overrides: dict):
     path = _preset_path(group, name_or_path)
     if path is None:
         raise ValueError(f"{group}='{name_or_path}' is not a known preset; choose one of: "
                          f"{', '.join(_preset_names(group))} (or give the path of a .yaml file)")
-    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True) or {}
+    raw = read_preset(path)
     raw.update(overrides)
     unknown = set(raw) - {f.name for f in fields(cls)}
     if unknown and cls is HardwareConfig:

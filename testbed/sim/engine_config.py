@@ -18,8 +18,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from omegaconf import OmegaConf
-
 from testbed.model.config import CONF_DIR
 
 AUTO = "auto"
@@ -136,9 +134,9 @@ def default_engine_name(hardware) -> str:
     machine (`testbed profile` writes one beside the hardware preset), else
     on a GPU preset (one with operator tables) vLLM V1, what GPU users run."""
     if hardware.profiled_for:
+        from testbed.sim.config import read_preset
         for path in sorted((CONF_DIR / "engine").glob("*.yaml")):
-            raw = OmegaConf.load(path)
-            if raw.get("profiled_for") == hardware.name:
+            if read_preset(path).get("profiled_for") == hardware.name:
                 return path.stem
         if not hardware.gemm_table:     # a CPU profile: its engine's terms were measured with it
             raise ValueError(f"engine=auto: no engine preset in conf/engine/ is profiled for hardware "
