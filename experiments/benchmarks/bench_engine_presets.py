@@ -15,14 +15,21 @@ measurements they were built from.
                 per-request runs from their OpenTelemetry spans, the vLLM
                 0.15.1 aggregate runs as nominal traces): mean TTFT, p50 TTFT
                 (per-request runs) and mean TPOT, replayed against measured
-  --allreduce-grid US,US,...  with --replay: the TP > 1 runs at each
-                allreduce_latency_us, in sample (the best over all of them)
-                and leaving each run out (the best over the others)
+                and, per load stage of the aggregate runs, mean TTFT and TPOT
+  --grid FIELD=V1,V2,...  with --replay: the runs FIELD affects replayed
+                at each value of that engine field, in sample (the value
+                best over all of them) and leaving each run out (the best
+                over the others); --allreduce-grid US,... is
+                --grid allreduce_latency_us=US,...
+  --set FIELD=VALUE  with --replay: an engine field for every replay
+  --operating-points  each vLLM 0.15.1 run's load stages priced at the
+                operating point the run measured (Little's law), apart
+                from the replay's queueing
 
 Datasets come from $TESTBED_DATA (testbed.data.dataset_dir).
 
-    python experiments/benchmarks/bench_engine_presets.py [--iterations] [--v0] [--replay [--allreduce-grid ...]
-        [--cache FILE]]
+    python experiments/benchmarks/bench_engine_presets.py [--iterations] [--v0] [--operating-points]
+        [--replay [--grid FIELD=V,... | --allreduce-grid US,...] [--set FIELD=VALUE ...] [--cache FILE]]
 """
 from __future__ import annotations
 
@@ -92,49 +99,68 @@ def print_v0() -> None:
             print(f"  leaving out {model:<40s} ({len(held):2d} rows): max |error| {worst:.1%}")
 
 
-def _load_cache(path: str | None) -> dict:
-    """Replays already done, by (run, allreduce_latency_us), from --cache's JSON lines."""
+def _key(run_name: str, overrides: dict) -> str:
+    return json.dumps({"run": run_name, **overrides}, sort_keys=True)
+
+
+def _load_cache(path: str | None) -> dict[str, dict]:
+    """Replays already done, by run and engine overrides, from --cache's JSON lines."""
     results = {}
     if path and Path(path).exists():
         for line in Path(path).read_text().splitlines():
             row = json.loads(line)
-            results[row.pop("run"), row.pop("allreduce_latency_us")] = row
+            results[_key(row.pop("run"), row.pop("engine"))] = row
     return results
 
 
-def print_replay(grid: list[float], cache: str | None = None) -> None:
+def _affects(field: str, run) -> bool:
+    """Whether `field` can change `run`'s replay (a TP 1 run has no all-reduce)."""
+    return run.tp > 1 or field != "allreduce_latency_us"
+
+
+def _engine_value(engine, field: str, text: str):
+    kind = type(getattr(engine, field))
+    return text.lower() in ("1", "true", "yes") if kind is bool else kind(text)
+
+
+def print_replay(grid: tuple[str, list[float]] | None, base: dict, cache: str | None = None) -> None:
+    """The replay table: in sample (the grid value best over the runs it
+    affects, by the worst of their metrics) and leaving each run out (the
+    value best over the others), then each run's load stages."""
     engine = load_engine_preset("vllm-v1")
     runs = per_request_runs() + aggregate_runs()[0]
     skipped = aggregate_runs()[1]
     results = _load_cache(cache)
-    for run in runs:
-        latencies = grid if (grid and run.tp > 1) else [engine.allreduce_latency_us]
-        for us in latencies:
-            if (run.name, us) not in results:
-                with tempfile.TemporaryDirectory() as tmp:
-                    got = replay(run, dataclasses.replace(engine, allreduce_latency_us=us), Path(tmp))
-                results[run.name, us] = got
-                if cache:
-                    with open(cache, "a") as f:
-                        f.write(json.dumps({"run": run.name, "allreduce_latency_us": us, **got}) + "\n")
-            print(f"  replayed {run.name} (allreduce_latency_us={us:g})", file=sys.stderr, flush=True)
-    multi = [r for r in runs if r.tp > 1]
+    field, values = grid if grid else ("", [])
 
-    def result(run, us) -> dict:
-        # a TP 1 run has no all-reduce: its one replay stands for every latency
-        return results[run.name, us if run.tp > 1 and grid else engine.allreduce_latency_us]
+    def overrides(run, value) -> dict:
+        return {**base, field: value} if field and _affects(field, run) else dict(base)
 
-    def worst(run, us) -> float:
-        got = result(run, us)
+    def result(run, value) -> dict:
+        key = _key(run.name, overrides(run, value))
+        if key not in results:
+            with tempfile.TemporaryDirectory() as tmp:
+                results[key] = replay(run, dataclasses.replace(engine, **overrides(run, value)), Path(tmp))
+            if cache:
+                with open(cache, "a") as f:
+                    f.write(json.dumps({"run": run.name, "engine": overrides(run, value), **results[key]}) + "\n")
+            print(f"  replayed {run.name} {overrides(run, value)}", file=sys.stderr, flush=True)
+        return results[key]
+
+    def worst(run, value) -> float:
+        got = result(run, value)
         return max(abs(got[k] / v - 1) for k, v in run.measured.items())
 
-    chosen, loo = engine.allreduce_latency_us, {}
-    if grid:
-        chosen = min(grid, key=lambda us: max(worst(r, us) for r in multi))
-        for run in multi:
-            loo[run.name] = min(grid, key=lambda us: max(worst(r, us) for r in multi if r is not run))
-        print(f"allreduce_latency_us: in sample {chosen:g} (grid {grid}); leaving each TP>1 run out: "
+    chosen, loo = None, {}
+    if field:
+        affected = [r for r in runs if _affects(field, r)]
+        chosen = min(values, key=lambda v: max(worst(r, v) for r in affected))
+        for run in affected:
+            loo[run.name] = min(values, key=lambda v: max(worst(r, v) for r in affected if r is not run))
+        print(f"{field}: in sample {chosen:g} (grid {values}, with {base}); leaving each run out: "
               + ", ".join(f"{k} -> {v:g}" for k, v in loo.items()))
+    elif base:
+        print(f"engine overrides: {base}")
     print(f"\n{'run':<48s}{'TP':>3s}  {'metric':<10s}{'measured':>10s}{'in sample':>18s}{'leave run out':>18s}")
     for run in runs:
         for metric, measured in run.measured.items():
@@ -144,6 +170,43 @@ def print_replay(grid: list[float], cache: str | None = None) -> None:
                   f"{out:10.2f} ({out / measured - 1:+6.1%})")
     for name, why in skipped.items():
         print(f"{name:<48s} not replayed: {why}")
+    print(f"\nper load stage (in sample), ms: measured / replayed")
+    print(f"{'run':<48s}{'stage':>6s}{'req/s':>7s}{'TTFT':>24s}{'TPOT':>24s}")
+    for run in runs:
+        got = result(run, chosen)
+        for i, stage in enumerate(run.stages):
+            cells = [f"{stage[k]:7.2f} / {got[f'stage{i}_{k}']:7.2f} ({got[f'stage{i}_{k}'] / stage[k] - 1:+6.1%})"
+                     for k in ("ttft_mean", "tpot_mean")]
+            print(f"{run.name:<48s}{i:>6d}{stage['rate']:7.1f}" + "".join(f"{c:>24s}" for c in cells))
+
+
+def print_operating_points() -> None:
+    """Each vLLM 0.15.1 run's load stages priced at the operating point the run
+    measured, without a replay's queueing: N = rate x mean E2E sequences in
+    flight (Little's law) at the mean context, one decode iteration of them,
+    and the time one prompt's uncached tokens add to an iteration. A steady
+    server then spends rate x that share of its time on prompts, so
+    TPOT ~ decode / (1 - rate x prompt). Where this is near the measured TPOT
+    and the replay is not, the replay's error is queueing; where it is off,
+    the iteration's price is."""
+    from testbed.analysis.blis_replay import _number
+    engine, hw = load_engine_preset("vllm-v1"), load_hardware_preset("h100-sxm")
+    print("\noperating points, ms: decode = one iteration of N decodes; prompt = what one prompt adds")
+    print(f"{'run':<48s}{'stage':>6s}{'N':>6s}{'ctx':>6s}{'decode':>8s}{'prompt':>8s}{'prompt share':>13s}"
+          f"{'TPOT measured':>15s}{'priced':>18s}")
+    for run in aggregate_runs()[0]:
+        cost = CostModel(load_model_preset(run.model), hw, ParallelConfig(tp=run.tp), engine)
+        prompt, output = _number(run.spec["prompt_len_mean"]), float(run.spec["output_len_mean"])
+        cached = int(run.spec["sys_prompt_len"]) // engine.block_size * engine.block_size
+        ctx, new = int(prompt + output / 2), int(prompt) - cached
+        for i, stage in enumerate(run.stages):
+            n = max(1, round(stage["rate"] * stage["e2e_mean"] / 1e3))
+            decode = cost.iteration_time_s([(1, ctx)] * n) * 1e3
+            added = cost.iteration_time_s([(1, ctx)] * n + [(new, int(prompt))]) * 1e3 - decode
+            share = stage["rate"] * added / 1e3
+            priced = decode / (1 - share) if share < 1 else float("inf")
+            print(f"{run.name:<48s}{i:>6d}{n:>6d}{ctx:>6d}{decode:8.2f}{added:8.2f}{share:13.2f}"
+                  f"{stage['tpot_mean']:15.2f}{priced:10.2f} ({priced / stage['tpot_mean'] - 1:+6.1%})")
 
 
 def main() -> None:
@@ -151,17 +214,29 @@ def main() -> None:
     parser.add_argument("--iterations", action="store_true")
     parser.add_argument("--v0", action="store_true")
     parser.add_argument("--replay", action="store_true")
-    parser.add_argument("--allreduce-grid", default="", help="comma-separated allreduce_latency_us values")
+    parser.add_argument("--operating-points", action="store_true")
+    parser.add_argument("--grid", default="", help="FIELD=V1,V2,...: an engine field's values to replay")
+    parser.add_argument("--allreduce-grid", default="", help="US,US,...: --grid allreduce_latency_us=US,US,...")
+    parser.add_argument("--set", action="append", default=[], help="FIELD=VALUE: an engine field for every replay")
     parser.add_argument("--cache", default=None, help="a JSON lines file keeping each replay's figures")
     args = parser.parse_args()
-    if not (args.iterations or args.v0 or args.replay):
+    if not (args.iterations or args.v0 or args.replay or args.operating_points):
         args.iterations = args.v0 = True
     if args.iterations:
         print_iterations()
     if args.v0:
         print_v0()
     if args.replay:
-        print_replay([float(x) for x in args.allreduce_grid.split(",") if x], args.cache)
+        engine = load_engine_preset("vllm-v1")
+        grid_text = args.grid or (f"allreduce_latency_us={args.allreduce_grid}" if args.allreduce_grid else "")
+        grid = None
+        if grid_text:
+            field, _, values = grid_text.partition("=")
+            grid = (field, [_engine_value(engine, field, v) for v in values.split(",") if v])
+        base = {f: _engine_value(engine, f, v) for f, _, v in (o.partition("=") for o in args.set)}
+        print_replay(grid, base, args.cache)
+    if args.operating_points:
+        print_operating_points()
 
 
 if __name__ == "__main__":

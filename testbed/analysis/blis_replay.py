@@ -9,7 +9,7 @@ the end-to-end data engine=vllm-v1 is checked and calibrated against:
   prefix_groups shared system prompts (the prefix cache reuses it), then a
   question and the chat template's tokens, every output the run's mean
   output length. Such a replay reproduces a run's aggregates, not its
-  requests: compare means.
+  requests: compare means, of the whole run and of each load stage.
 
     python -m testbed.analysis.blis_replay RUN [engine.FIELD=VALUE ...]
 """
@@ -56,6 +56,9 @@ class Run:
     measured: dict[str, float]          # ttft_mean, ttft_p50 (per-request runs), tpot_mean
     trace: Path | None = None           # per-request runs
     spec: dict | None = None            # aggregate runs: the workload spec's columns
+    # aggregate runs: per load stage, its rate (req/s), duration (s) and measured
+    # ttft_mean, tpot_mean, e2e_mean (ms)
+    stages: tuple[dict[str, float], ...] = ()
 
 
 def _number(text: str) -> float:
@@ -78,8 +81,22 @@ def aggregate_runs(data: Path | None = None) -> tuple[list[Run], dict[str, str]]
                             int(r["max_num_seqs"]), int(_number(r["total_kv_blocks"])),
                             {"ttft_mean": float(r["ttft_mean"]), "tpot_mean": float(r["itl_mean"])},
                             spec={k: r[k] for k in ("stages_rps_x_s", "sys_prompt_len", "question_len",
-                                                    "prefix_groups", "prompt_len_mean", "output_len_mean")}))
+                                                    "prefix_groups", "prompt_len_mean", "output_len_mean")},
+                            stages=_stages(r)))
     return runs, skipped
+
+
+def _stages(r: dict[str, str]) -> tuple[dict[str, float], ...]:
+    """Each load stage's rate, duration and measured means. A one-stage run
+    leaves its stage columns empty where they equal the whole run's."""
+    specs = r["stages_rps_x_s"].split()
+    stages = []
+    for i, spec in enumerate(specs):
+        rate, duration = (float(x) for x in spec.split("x"))
+        measured = {k: float(r[f"stage{i}_{col}"] or (r[col] if len(specs) == 1 else "nan"))
+                    for k, col in (("ttft_mean", "ttft_mean"), ("tpot_mean", "itl_mean"), ("e2e_mean", "e2e_mean"))}
+        stages.append({"rate": rate, "duration_s": duration, **measured})
+    return tuple(stages)
 
 
 def per_request_runs(data: Path | None = None) -> list[Run]:
@@ -138,7 +155,9 @@ def write_nominal_trace(run: Run, path: Path, vocab_size: int, seed: int = 0,
 
 def replay(run: Run, engine: EngineConfig, out_dir: Path, max_requests: int | None = None) -> dict[str, float]:
     """The replay's ttft_mean, ttft_p50 and tpot_mean (ms), TPOT as the dataset
-    defines it: (E2E mean - TTFT mean) / (output mean - 1)."""
+    defines it: (E2E mean - TTFT mean) / (output mean - 1); for an aggregate
+    run also stageI_ttft_mean and stageI_tpot_mean of the requests arriving in
+    load stage I."""
     model = load_model_preset(run.model)
     if run.trace is None:
         trace = out_dir / "nominal.jsonl"
@@ -160,12 +179,28 @@ def replay(run: Run, engine: EngineConfig, out_dir: Path, max_requests: int | No
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         execute(cfg, out_dir)
     records = [json.loads(line) for line in open(out_dir / "requests.jsonl")]
-    ttft = [(r["first_token_s"] - r["arrival_s"]) * 1e3 for r in records]
-    e2e = [(r["finish_s"] - r["arrival_s"]) * 1e3 for r in records]
+    got = {**_means(records), "ttft_p50": statistics.median(_ttft_ms(r) for r in records),
+           "num_requests": len(records)}
+    start = 0.0
+    for i, stage in enumerate(run.stages):
+        end = start + stage["duration_s"]
+        arrived = [r for r in records if start <= r["arrival_s"] < end]
+        if arrived:
+            got.update({f"stage{i}_{k}": v for k, v in _means(arrived).items()})
+        start = end
+    return got
+
+
+def _ttft_ms(r: dict) -> float:
+    return (r["first_token_s"] - r["arrival_s"]) * 1e3
+
+
+def _means(records: list[dict]) -> dict[str, float]:
+    """ttft_mean and tpot_mean (ms) of request records, TPOT as the dataset defines it."""
+    ttft = statistics.mean(_ttft_ms(r) for r in records)
+    e2e = statistics.mean((r["finish_s"] - r["arrival_s"]) * 1e3 for r in records)
     outputs = statistics.mean(len(r["output_token_ids"]) for r in records)
-    return {"ttft_mean": statistics.mean(ttft), "ttft_p50": statistics.median(ttft),
-            "tpot_mean": (statistics.mean(e2e) - statistics.mean(ttft)) / (outputs - 1),
-            "num_requests": len(records)}
+    return {"ttft_mean": ttft, "tpot_mean": (e2e - ttft) / (outputs - 1)}
 
 
 def main(argv: list[str]) -> int:
