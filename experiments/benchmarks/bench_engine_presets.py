@@ -188,12 +188,16 @@ def print_operating_points() -> None:
     server then spends rate x that share of its time on prompts, so
     TPOT ~ decode / (1 - rate x prompt). Where this is near the measured TPOT
     and the replay is not, the replay's error is queueing; where it is off,
-    the iteration's price is."""
+    the iteration's price is. The last column is the measured TTFT less the
+    priced iteration that carries the prompt, in measured TPOTs: the wait
+    before that iteration (half an iteration where a scheduler admits a
+    request at the next iteration, about one more where it schedules one
+    iteration ahead) and the server's own per-request time."""
     from testbed.analysis.blis_replay import _number
     engine, hw = load_engine_preset("vllm-v1"), load_hardware_preset("h100-sxm")
     print("\noperating points, ms: decode = one iteration of N decodes; prompt = what one prompt adds")
     print(f"{'run':<48s}{'stage':>6s}{'N':>6s}{'ctx':>6s}{'decode':>8s}{'prompt':>8s}{'prompt share':>13s}"
-          f"{'TPOT measured':>15s}{'priced':>18s}")
+          f"{'TPOT measured':>15s}{'priced':>18s}{'TTFT wait':>11s}")
     for run in aggregate_runs()[0]:
         cost = CostModel(load_model_preset(run.model), hw, ParallelConfig(tp=run.tp), engine)
         prompt, output = _number(run.spec["prompt_len_mean"]), float(run.spec["output_len_mean"])
@@ -205,8 +209,9 @@ def print_operating_points() -> None:
             added = cost.iteration_time_s([(1, ctx)] * n + [(new, int(prompt))]) * 1e3 - decode
             share = stage["rate"] * added / 1e3
             priced = decode / (1 - share) if share < 1 else float("inf")
+            wait = (stage["ttft_mean"] - decode - added) / stage["tpot_mean"]
             print(f"{run.name:<48s}{i:>6d}{n:>6d}{ctx:>6d}{decode:8.2f}{added:8.2f}{share:13.2f}"
-                  f"{stage['tpot_mean']:15.2f}{priced:10.2f} ({priced / stage['tpot_mean'] - 1:+6.1%})")
+                  f"{stage['tpot_mean']:15.2f}{priced:10.2f} ({priced / stage['tpot_mean'] - 1:+6.1%}){wait:11.2f}")
 
 
 def main() -> None:
