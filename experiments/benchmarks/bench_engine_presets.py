@@ -170,7 +170,7 @@ def print_replay(grid: tuple[str, list[float]] | None, base: dict, cache: str | 
                   f"{out:10.2f} ({out / measured - 1:+6.1%})")
     for name, why in skipped.items():
         print(f"{name:<48s} not replayed: {why}")
-    print(f"\nper load stage (in sample), ms: measured / replayed")
+    print("\nper load stage (in sample), ms: measured / replayed")
     print(f"{'run':<48s}{'stage':>6s}{'req/s':>7s}{'TTFT':>24s}{'TPOT':>24s}")
     for run in runs:
         got = result(run, chosen)
@@ -193,14 +193,14 @@ def print_operating_points() -> None:
     before that iteration (half an iteration where a scheduler admits a
     request at the next iteration, about one more where it schedules one
     iteration ahead) and the server's own per-request time."""
-    from testbed.analysis.blis_replay import _number
     engine, hw = load_engine_preset("vllm-v1"), load_hardware_preset("h100-sxm")
     print("\noperating points, ms: decode = one iteration of N decodes; prompt = what one prompt adds")
     print(f"{'run':<48s}{'stage':>6s}{'N':>6s}{'ctx':>6s}{'decode':>8s}{'prompt':>8s}{'prompt share':>13s}"
           f"{'TPOT measured':>15s}{'priced':>18s}{'TTFT wait':>11s}")
     for run in aggregate_runs()[0]:
         cost = CostModel(load_model_preset(run.model), hw, ParallelConfig(tp=run.tp), engine)
-        prompt, output = _number(run.spec["prompt_len_mean"]), float(run.spec["output_len_mean"])
+        # prompt_len_mean may read "573 (nominal)"
+        prompt, output = float(run.spec["prompt_len_mean"].split()[0]), float(run.spec["output_len_mean"])
         cached = int(run.spec["sys_prompt_len"]) // engine.block_size * engine.block_size
         ctx, new = int(prompt + output / 2), int(prompt) - cached
         for i, stage in enumerate(run.stages):
