@@ -73,9 +73,11 @@ class PrefixPool(PoolState):
         """The request goes to `worker_id`: its blocks will be cached there and in the store."""
         local, keys = self._local[worker_id], self.keys(request)
         for key in keys:
-            local[key] = None
-            local.move_to_end(key)
-        while len(local) > self._capacity[worker_id]:
+            if key in local:
+                local.move_to_end(key)
+            else:
+                local[key] = None
+        for _ in range(len(local) - self._capacity[worker_id]):
             local.popitem(last=False)
         self._store.put_many(keys, self.block_bytes)
         self._uncached[worker_id] += request.prompt_len - cached_tokens
