@@ -111,13 +111,19 @@ class StoreIndex:
         """How many of these keys only the disk tier holds (a read costs more)."""
         return sum(k in self._disk for k in keys)
 
-    def lookup(self, keys: list[int]) -> int:
-        """How many of `keys`, from the first, are stored (the cached prefix)."""
-        n = 0
+    def num_leading(self, keys: list[int]) -> int:
+        """How many of `keys`, from the first, are stored, uncounted (the
+        router's shadow asks it of every routed prompt)."""
+        blocks, disk, n = self._blocks, self._disk, 0
         for key in keys:
-            if key not in self._blocks and key not in self._disk:
+            if key not in blocks and key not in disk:
                 break
             n += 1
+        return n
+
+    def lookup(self, keys: list[int]) -> int:
+        """How many of `keys`, from the first, are stored (the cached prefix)."""
+        n = self.num_leading(keys)
         c = self.counters
         c.lookups += 1
         c.lookup_blocks += len(keys)

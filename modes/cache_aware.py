@@ -57,12 +57,7 @@ class PrefixPool(PoolState):
         return n * self.block_size
 
     def store_prefix_tokens(self, request: Request) -> int:
-        n = 0
-        for key in self._usable(request):
-            if key not in self._store:
-                break
-            n += 1
-        return n * self.block_size
+        return self._store.num_leading(self._usable(request)) * self.block_size
 
     def uncached_tokens(self, worker_id: str) -> int:
         """Prompt tokens routed to the worker, not yet prefilled, that it must compute."""
