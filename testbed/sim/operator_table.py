@@ -18,6 +18,7 @@ import csv
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import NamedTuple
 
 from testbed.data.derived import code_version, derived_dir
 from testbed.sim import vidur_condense
@@ -74,8 +75,9 @@ class ProfiledModel:
         return elementwise_kernel(op, self.norm, self.gated, self.parallel_block)
 
 
-@dataclass(frozen=True)
-class GemmSample:
+# samples are NamedTuples, not frozen dataclasses: a run's start-up makes ~50K
+# of them, and a frozen dataclass's __init__ costs ~4x a NamedTuple's
+class GemmSample(NamedTuple):
     model: str
     op: str
     tp: int
@@ -85,8 +87,7 @@ class GemmSample:
     seconds: float
 
 
-@dataclass(frozen=True)
-class ElementwiseSample:
+class ElementwiseSample(NamedTuple):
     model: str
     op: str
     kernel: str               # the kernel kind that ran it (elementwise_kernels.py)
