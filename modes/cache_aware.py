@@ -122,8 +122,9 @@ class CacheAware(Router):
 
     def pick(self, request, candidates, pool):
         store = getattr(pool, "store_prefix_tokens", lambda r: 0)(request)
-        best = min(candidates, key=lambda w: (self.estimator.estimate_s(request, w, pool, store), w))
-        self.last_estimate_s = self.estimator.estimate_s(request, best, pool, store)
+        estimates = {w: self.estimator.estimate_s(request, w, pool, store) for w in candidates}
+        best = min(candidates, key=lambda w: (estimates[w], w))
+        self.last_estimate_s = estimates[best]
         return best
 
 
