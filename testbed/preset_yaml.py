@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 @lru_cache(maxsize=1)
 def _loader() -> type:
-    from omegaconf._utils import get_yaml_loader
+    from omegaconf._utils import get_yaml_loader      # the loader OmegaConf.load uses: its rules, not a copy
     rules = get_yaml_loader()
     base = getattr(yaml, "CSafeLoader", None)
     if base is None:                # PyYAML built without libyaml: OmegaConf's own loader
