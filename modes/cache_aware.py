@@ -57,12 +57,7 @@ class PrefixPool(PoolState):
         return n * self.block_size
 
     def store_prefix_tokens(self, request: Request) -> int:
-        n = 0
-        for key in self._usable(request):
-            if key not in self._store:
-                break
-            n += 1
-        return n * self.block_size
+        return self._store.num_leading(self._usable(request)) * self.block_size
 
     def uncached_tokens(self, worker_id: str) -> int:
         """Prompt tokens routed to the worker, not yet prefilled, that it must compute."""
@@ -73,9 +68,11 @@ class PrefixPool(PoolState):
         """The request goes to `worker_id`: its blocks will be cached there and in the store."""
         local, keys = self._local[worker_id], self.keys(request)
         for key in keys:
-            local[key] = None
-            local.move_to_end(key)
-        while len(local) > self._capacity[worker_id]:
+            if key in local:
+                local.move_to_end(key)
+            else:
+                local[key] = None
+        for _ in range(len(local) - self._capacity[worker_id]):
             local.popitem(last=False)
         self._store.put_many(keys, self.block_bytes)
         self._uncached[worker_id] += request.prompt_len - cached_tokens
@@ -125,8 +122,9 @@ class CacheAware(Router):
 
     def pick(self, request, candidates, pool):
         store = getattr(pool, "store_prefix_tokens", lambda r: 0)(request)
-        best = min(candidates, key=lambda w: (self.estimator.estimate_s(request, w, pool, store), w))
-        self.last_estimate_s = self.estimator.estimate_s(request, best, pool, store)
+        estimates = {w: self.estimator.estimate_s(request, w, pool, store) for w in candidates}
+        best = min(candidates, key=lambda w: (estimates[w], w))
+        self.last_estimate_s = estimates[best]
         return best
 
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-from tqdm import tqdm
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 # the real runtime's line; scripts and tests that drive `testbed run` on a
 # pseudo-terminal read "DONE/TOTAL requests done" from it
@@ -27,6 +29,7 @@ def progress(iterable: Iterable | None = None, *, total: int | None = None, desc
     """tqdm over `iterable` (or a bar to `update()` by hand), disabled unless
     `enabled` and stderr is a terminal; the bar is cleared when it closes
     unless `leave=True`."""
+    from tqdm import tqdm      # here: a run without a bar skips its import (~30 ms of start-up)
     sized = _columns() > 0        # a pseudo-terminal of no size: tqdm would trim or hide every line
     return tqdm(iterable, total=total, desc=desc, unit=unit, file=sys.stderr, leave=kw.pop("leave", False),
                 dynamic_ncols=sized, ncols=None if sized else 100, nrows=None if sized else 24,

@@ -44,7 +44,7 @@ def execute(cfg: RunConfig, out_dir: str | Path) -> dict:
         from testbed.experiments import run_experiment
         return run_experiment(cfg, out)
     requests = (sampled(cfg, r) for r in iter_workload(cfg.workload, cfg.model.vocab_size, cfg.seed))
-    if cfg.runtime.name == "sim":         # the simulator pulls each request as its arrival comes
+    if cfg.runtime.name == "sim" and cfg.progress:    # the simulator pulls each request as its arrival comes
         requests = progress(requests, total=_expected_requests(cfg.workload), desc="requests arrived",
                             unit="req", enabled=cfg.progress)
     result = run_workload(cfg, requests, request_counter(cfg.progress) if cfg.progress else None,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from omegaconf import OmegaConf
+from testbed.preset_yaml import load_yaml
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -107,7 +107,7 @@ def load_model_preset(name: str, **overrides) -> ModelConfig:
     path = CONF_DIR / "model" / f"{name}.yaml"
     if not path.exists():
         raise ValueError(f"model='{name}' is not a known preset; choose one of: {', '.join(model_preset_names())}")
-    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    raw = load_yaml(path)
     raw.update(overrides)
     known = {f.name for f in fields(ModelConfig)}
     unknown = set(raw) - known

@@ -15,9 +15,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
-from omegaconf import OmegaConf
-
 from testbed.model.config import CONF_DIR
+from testbed.preset_yaml import load_yaml
 from testbed.sim.timers import ATTENTION_COLUMNS
 
 
@@ -249,14 +248,14 @@ def _preset_path(group: str, name_or_path: str) -> Path | None:
 
 def read_preset(path: Path) -> dict:
     """A preset file's values, parsed once per version of the file: runs resolve
-    their engine and hardware per cost model, and OmegaConf parses slowly."""
+    their engine and hardware per cost model."""
     stat = path.stat()
     return copy.deepcopy(_parsed(str(path), stat.st_mtime_ns, stat.st_size))
 
 
 @lru_cache(maxsize=64)
 def _parsed(path: str, mtime_ns: int, size: int) -> dict:
-    return OmegaConf.to_container(OmegaConf.load(path), resolve=True) or {}
+    return load_yaml(path) or {}
 
 
 def _load(group: str, cls, name_or_path: str, overrides: dict):

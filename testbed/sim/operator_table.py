@@ -18,6 +18,7 @@ import csv
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import NamedTuple
 
 from testbed.data.derived import code_version, derived_dir
 from testbed.sim import vidur_condense
@@ -74,8 +75,9 @@ class ProfiledModel:
         return elementwise_kernel(op, self.norm, self.gated, self.parallel_block)
 
 
-@dataclass(frozen=True)
-class GemmSample:
+# samples are NamedTuples, not frozen dataclasses: a run's start-up makes ~50K
+# of them, and a frozen dataclass's __init__ costs ~4x a NamedTuple's
+class GemmSample(NamedTuple):
     model: str
     op: str
     tp: int
@@ -85,8 +87,7 @@ class GemmSample:
     seconds: float
 
 
-@dataclass(frozen=True)
-class ElementwiseSample:
+class ElementwiseSample(NamedTuple):
     model: str
     op: str
     kernel: str               # the kernel kind that ran it (elementwise_kernels.py)
@@ -130,13 +131,25 @@ def load_compute_table(tables: Path, gpu: str) -> tuple[ProfiledModel, ...]:
 
 
 def gemm_samples(models: tuple[ProfiledModel, ...] | list[ProfiledModel]) -> list[GemmSample]:
-    return [GemmSample(pm.name, op, tp, m, *pm.gemm_shape(op, tp), ops[op])
-            for pm in models for m, tp, ops in pm.rows for op in GEMM_OPS if op in ops]
+    samples = []
+    for pm in models:
+        # one shape per (op, tp), not per row: a run's start-up builds ~20K samples
+        shapes = {(op, tp): pm.gemm_shape(op, tp) for tp in {tp for _, tp, _ in pm.rows} for op in GEMM_OPS}
+        samples += [GemmSample(pm.name, op, tp, m, *shapes[op, tp], ops[op])
+                    for m, tp, ops in pm.rows for op in GEMM_OPS if op in ops]
+    return samples
 
 
 def elementwise_samples(models: tuple[ProfiledModel, ...] | list[ProfiledModel]) -> list[ElementwiseSample]:
-    return [ElementwiseSample(pm.name, op, pm.elementwise_kernel(op), tp, m, pm.elementwise_width(op, tp), ops[op])
-            for pm in models for m, tp, ops in pm.rows for op in ELEMENTWISE_OPS if op in ops]
+    samples = []
+    for pm in models:
+        # the kernel once per op (parallel_block reads every row) and the width once per (op, tp)
+        kernels = {op: pm.elementwise_kernel(op) for op in ELEMENTWISE_OPS}
+        widths = {(op, tp): pm.elementwise_width(op, tp) for tp in {tp for _, tp, _ in pm.rows}
+                  for op in ELEMENTWISE_OPS}
+        samples += [ElementwiseSample(pm.name, op, kernels[op], tp, m, widths[op, tp], ops[op])
+                    for m, tp, ops in pm.rows for op in ELEMENTWISE_OPS if op in ops]
+    return samples
 
 
 def network_table_names(tables: Path) -> list[str]:
