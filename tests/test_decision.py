@@ -97,7 +97,8 @@ def test_a_sweep_on_the_next_link_probes_the_bracket_the_previous_link_found(tmp
             first, warm = by[("instant", slo, L)], by[("instant-b", slo, L)]
             assert first["bound"] == "bracketed" and first["steady"] == "True"
             assert [warm[c] for c in same] == [first[c] for c in same]
-            assert int(first["probes"]) >= 4 and int(warm["probes"]) == 2
+            assert int(warm["probes"]) == 2
+        assert int(by[("instant", slo, 512)]["probes"]) >= 4
     probes = read_rows(tmp_path / "decision_probes.csv")
     rates = lambda link: sorted(float(p["rate"]) for p in probes if p["key"].split("/")[4] == link)
     assert set(rates("instant-b")) <= set(rates("instant")) and len(rates("instant-b")) == 2 * 3
@@ -405,7 +406,7 @@ def test_the_grid_progress_counts_probes_and_decided_cells_on_a_terminal(capsys,
     cfg = dataclasses.replace(constructed(links=[str(DATA / "decision_link.yaml"),
                                                  str(DATA / "decision_link_b.yaml")]), progress=True)
     grid = sweeps(cfg)
-    assert [s.deployment.label for s in grid] == ["sarathi-1100", "disagg-1P1D"]
+    assert [[d.label for d in s.deployments] for s in grid] == [["sarathi-1100"], ["disagg-1P1D"]]
     cells = cells_of(cfg, grid[0])
     assert len(cells) == 2 * 4 * 2                      # links x L x SLO definitions
     assert cells[0] == ("tiny", "fixed-10ms", "instant", 2, "p99_tbt", 50, 512)      # as decision.csv names them
