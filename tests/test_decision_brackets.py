@@ -11,7 +11,8 @@ from pathlib import Path
 from testbed.config import from_dict
 from testbed.experiments.decision import run_decision
 from testbed.experiments.decision_brackets import Known, best_first, neighbour_brackets
-from testbed.experiments.decision_search import DOMINATED, Search
+from testbed.experiments.decision_search import Search
+from testbed.experiments.decision_summary import DOMINATED
 from testbed.experiments.decision_summary import best_by_family, winners
 from testbed.experiments.deployments import Deployment
 

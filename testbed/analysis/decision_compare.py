@@ -20,8 +20,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from testbed.experiments.decision_search import DOMINATED
-from testbed.experiments.decision_summary import (GROUP_KEYS, _capacity, best_by_family, crossovers,
+from testbed.experiments.decision_summary import (DOMINATED, GROUP_KEYS, _capacity, best_by_family, crossovers,
                                                   within_bracket, winners)
 
 CELL_KEYS = ("model", "hardware", "link", "num_gpus", "slo", "tbt_slo_ms", "context_len")

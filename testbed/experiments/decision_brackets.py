@@ -28,7 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from testbed.experiments.decision_search import DOMINATED, Search
+from testbed.experiments.decision_search import Search
+from testbed.experiments.decision_summary import DOMINATED
 from testbed.experiments.deployments import Deployment
 
 # the decode batch that prices a request's share of a decode iteration in `work_s`

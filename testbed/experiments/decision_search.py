@@ -19,6 +19,7 @@ from testbed.capacity import search_rate
 from testbed.config import RunConfig, validate
 from testbed.sim.engine_config import resolve_engine
 from testbed.experiments.decision_slo import SLOTargets, Smoothness
+from testbed.experiments.decision_summary import DOMINATED
 from testbed.experiments.deployments import Deployment, replace_run
 from testbed.experiments.probe_cache import ProbeCache, entry_of, same_counts
 from testbed.metrics import RequestRecord
@@ -30,8 +31,6 @@ from testbed.workloads.config import WorkloadConfig
 COLUMNS = ("model", "hardware", "link", "link_gbps", "num_gpus", "slo", "tbt_slo_ms", "ttft_slo_ms", "context_len",
            "deployment", "family", "capacity_per_gpu", "bound", "limited_by", "steady", "probes", "source",
            "first_failing_per_gpu")
-# a row whose deployment failed at a rate its family's best passed in the same cell (decision_brackets.py)
-DOMINATED = "dominated"
 
 
 @dataclass
