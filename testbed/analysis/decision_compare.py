@@ -4,8 +4,10 @@ hardware, link, N, SLO, TBT target, L) whether the winning deployment, the
 winning family and each family's best deployment agree, each deployment's
 capacity per GPU new / saved, and the probes (decision.csv's `probes`
 column) each spent; per study group (model, hardware, link, N, SLO, TBT) the
-L* of both. A cell whose winner differs is listed with both brackets, to be
-re-run longer or explained. Rows flagged `dominated` (decision_brackets.py)
+L* of both. A cell whose winner differs is listed, marked `tie` where one
+winner lies within the other's search bracket and `unsteady` where the other
+file's winner has a capacity here whose probe never reached steady state (the
+summary does not count it): the rest are to be re-run longer or explained. Rows flagged `dominated` (decision_brackets.py)
 have no capacity by design and are counted apart.
 
     python -m testbed.analysis.decision_compare NEW.csv SAVED.csv[.gz] [--rel-tol 0.1]
@@ -58,8 +60,9 @@ def compare(new: list[dict], saved: list[dict], rel_tol: float) -> dict:
         out["dominated"] += sum(r["limited_by"] == DOMINATED for r in n_rows)
         w_new, w_saved = winners(n_rows), winners(s_rows)
         if w_new != w_saved and not (w_new & w_saved):
-            tied = _tied(n_rows, w_saved) or _tied(s_rows, w_new)
-            out["winner_differs"].append((cell, sorted(w_new), sorted(w_saved), tied))
+            why = "tie" if _tied(n_rows, w_saved) or _tied(s_rows, w_new) else \
+                "unsteady" if _unsteady(n_rows, w_saved) or _unsteady(s_rows, w_new) else ""
+            out["winner_differs"].append((cell, sorted(w_new), sorted(w_saved), why))
         fam = lambda rows: {r["family"] for r in rows if r["deployment"] in winners(rows)}
         if fam(n_rows) != fam(s_rows) and not (fam(n_rows) & fam(s_rows)):
             out["family_differs"].append((cell, sorted(fam(n_rows)), sorted(fam(s_rows))))
@@ -85,6 +88,13 @@ def _tied(rows: list[dict], labels: set[str]) -> bool:
     return bool(best) and within_bracket(best[0], [r for r in rows if r["deployment"] in labels])
 
 
+def _unsteady(rows: list[dict], labels: set[str]) -> bool:
+    """Whether the other file's winner has a capacity here that its probe's
+    steadiness kept out of the count (steady=false): a flag, not a loss."""
+    return any(r["deployment"] in labels and r["capacity_per_gpu"] not in (None, "")
+               and str(r["steady"]).lower() != "true" for r in rows)
+
+
 def _lstar_differs(new: list[dict], saved: list[dict], common: set[tuple]) -> list[tuple]:
     keep = lambda rows: [r for r in rows if tuple(str(r[k]) for k in CELL_KEYS) in common]
     lstar = lambda rows: {tuple(str(c[k]) for k in GROUP_KEYS if k != "link_gbps"): c["l_star"]
@@ -106,10 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     r = compare(read(args.new), read(args.saved), args.rel_tol)
     ratios = sorted(r["ratios"])
     print(f"cells in both: {r['cells']}")
-    print(f"winner differs: {len(r['winner_differs'])} cells "
-          f"({sum(t for *_, t in r['winner_differs'])} within the searches' brackets)")
-    for cell, a, b, tied in r["winner_differs"]:
-        print(f"  {'/'.join(cell)}: new {a} saved {b}{' (tie)' if tied else ''}")
+    why = [w for *_, w in r["winner_differs"]]
+    print(f"winner differs: {len(why)} cells ({why.count('tie')} within the searches' brackets, "
+          f"{why.count('unsteady')} where one file's winner is flagged unsteady in the other)")
+    for cell, a, b, w in r["winner_differs"]:
+        print(f"  {'/'.join(cell)}: new {a} saved {b}{f' ({w})' if w else ''}")
     print(f"winning family differs: {len(r['family_differs'])} cells")
     for cell, a, b in r["family_differs"]:
         print(f"  {'/'.join(cell)}: new {a} saved {b}")
