@@ -102,3 +102,39 @@ def test_the_likely_winner_goes_first_and_a_dominated_rate_is_no_guess():
     lo, hi = guesses[(100, "p99_tbt")]
     assert math.isclose(lo * hi, 10.0 ** 2) and math.isclose(hi / lo, 1.1)      # centred on 20 x 1/2
     assert neighbour_brackets(known["a"], 1024, 512, work, 0.1) == {}
+
+
+class ScriptedProber:
+    """A Prober whose probes pass below `capacity` (req/s) and miss the TTFT above it, each judging
+    `judged(rate)` requests; the search under test sees only these figures."""
+
+    def __init__(self, capacity: float, judged, smooth, targets):
+        from testbed.steady_state import SteadyRule
+        self.capacity, self.judged, self.rates = capacity, judged, []
+        self.key = f"{smooth.name} {targets.ttft_ms!r} {targets.tbt_ms!r} {targets.fluidity_min!r}"
+        self.rule, self.service_s = SteadyRule(10.0, 20, 1000), {}
+        self.runner = type("Runner", (), {"none_finished_is_memory": True})()
+
+    def probe(self, key, cfg, rate, first_service_s, limit, asker, max_requests):
+        from testbed.experiments.decision_search import ProbeRun
+        from testbed.steady_state import Window
+        self.rates.append(rate)
+        return ProbeRun(Window([], True, "ok", 100.0, 1.0), 200, 200, num_judged=self.judged(rate),
+                        verdicts={self.key: "" if rate <= self.capacity else "ttft"})
+
+
+def test_a_failure_at_the_ceiling_over_few_judged_requests_rules_nothing_out():
+    """A p99 over fewer than 100 judged requests is the worst one's: failing the ceiling there, the
+    search goes on (and finds the capacity); over enough of them it ends, dominated, in one probe."""
+    from testbed.experiments.decision_search import MIN_JUDGED_TO_SKIP, search
+    from testbed.experiments.decision_slo import SLOTargets, get_smoothness
+    smooth, targets = get_smoothness("p99_tbt"), SLOTargets(1000.0, 100.0)
+    cfg = tiny_on_cpu(True)
+    for judged, dominated in ((MIN_JUDGED_TO_SKIP - 1, False), (MIN_JUDGED_TO_SKIP, True)):
+        prober = ScriptedProber(8.0, lambda rate, j=judged: j, smooth, targets)
+        res = search(prober, ("k",), cfg, smooth, targets, 4.0, 1.0, 0.1, 10, (7.0, 7.7), ceiling=10.0)
+        assert prober.rates[0] == 10.0
+        if dominated:
+            assert (res.capacity, res.limited_by, res.probes, res.first_failing) == (None, DOMINATED, 1, 10.0)
+        else:
+            assert res.limited_by == "ttft" and 8.0 / 1.1 <= res.capacity <= 8.0 < res.first_failing
