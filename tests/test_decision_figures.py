@@ -166,6 +166,23 @@ def test_capacity_vs_length_leaves_a_gap_where_nothing_passed(tmp_path, monkeypa
     plt.close("all")
 
 
+def test_a_dominated_point_is_a_triangle_at_the_rate_it_failed_and_wins_nothing(tmp_path, monkeypatch):
+    figs = capture_figures(monkeypatch)
+    skipped = dict(row(2048, "rdma-400", "disagg-2P2D", "disaggregated", None), limited_by="dominated",
+                   first_failing_per_gpu=3.5, steady=False)
+    rows = [row(n, "rdma-400", "disagg-3P1D", "disaggregated", cap) for n, cap in ((1024, 8.0), (2048, 3.5))]
+    rows += [row(1024, "rdma-400", "disagg-2P2D", "disaggregated", 5.0), skipped]
+    F.plot_capacity_vs_length(rows, tmp_path / "cap.png", "dominated")
+    ax = figs[0].axes[0]
+    # at 2K: 3P1D's capacity (a full marker) and, small, the rate the skipped 2P2D failed at
+    at_2k = [c for c in ax.collections if [2048, 3.5] in c.get_offsets().tolist()]
+    assert sorted(c.get_sizes().tolist()[0] for c in at_2k) == [14, 28]
+    labels = {t.get_text() for t in ax.get_legend().get_texts()}
+    assert any(t.startswith("dominated") for t in labels) and not any(t.startswith("not steady") for t in labels)
+    assert F.winners(rows)[(2048, 400.0)]["deployment"] == "disagg-3P1D"
+    plt.close("all")
+
+
 def test_all_figures_and_series_from_decision_rows_and_summary(tmp_path):
     rows = synthetic_rows() + [row(1024, "tcp-25", "sarathi-2048", "colocated", 2.0, source="real")]
     crossovers = [{"model": "llama3-8b", "hardware": "h100-sxm", "link": link, "link_gbps": gbps, "num_gpus": 2,

@@ -46,7 +46,7 @@ from testbed.experiments.decision_grid import WORKER_DIED, SweepResult, run_seri
 from testbed.experiments.decision_ray import num_workers, run_ray
 from testbed.experiments.decision_search import COLUMNS, Prober, ProbeRun, verdict  # noqa: F401 (re-exported)
 from testbed.experiments.decision_slo import get_smoothness
-from testbed.experiments.decision_summary import crossovers, definition_changes, sim_vs_real
+from testbed.experiments.decision_summary import DOMINATED, crossovers, definition_changes, sim_vs_real
 from testbed.experiments.probe_cache import ProbeCache
 from testbed.sim.config import load_link_preset
 from testbed.steady_state import SteadyRule
@@ -150,13 +150,17 @@ def _summary(cfg: RunConfig, rows: list[dict], rule: SteadyRule) -> dict:
             "transfer_layerwise": cfg.transfer.layerwise, "disagg_scheduler": e.disagg_scheduler,
             "l_star": "smallest L from which on the best steady disaggregated capacity per GPU exceeds the best "
                       "colocated one at every larger L; a family without a steady capacity at an L counts 0 there",
+            "dominated": "a deployment that failed at its family's best capacity in the cell, probed there first: "
+                         "no capacity, that rate its first_failing_per_gpu (experiment.prior_brackets)",
             "ties": "the L's where the other family's search bracket [capacity, first failing rate) reaches above "
                     "the winner's capacity: the winner there is within the search's resolution",
         },
         "crossovers": crossovers(sim),
         "definition_changes": changes,
         "winner_changes_with_definition": bool(changes),
-        "unsteady_rows": sum(not r["steady"] for r in sim),
+        # a dominated row's one probe failed above its capacity, seldom steady: counted apart
+        "unsteady_rows": sum(not r["steady"] and r["limited_by"] != DOMINATED for r in sim),
+        "dominated_rows": sum(r["limited_by"] == DOMINATED for r in sim),
         # rows of sweeps whose Ray worker died on both tries (decision_grid.py): no capacity, not probed
         "worker_died_rows": sum(r["limited_by"] == WORKER_DIED for r in sim),
         **({"sim_vs_real": sim_vs_real(rows), "unsteady_real_rows": sum(not r["steady"] for r in rows

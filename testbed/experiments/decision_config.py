@@ -48,6 +48,9 @@ class DecisionConfig(StudyConfig):
     rate_start: float = 8.0                  # requests/s per GPU where the search starts doubling or halving
     rel_tol: float = 0.1                     # stop when the bracket's hi/lo - 1 is below this
     max_probes: int = 10
+    # start each search from what the study knows (decision_brackets.py: the neighbouring L's capacity, the
+    # family's best in the cell); false: each L from 0.6x the previous L's capacity, every deployment in full
+    prior_brackets: bool = True
     span_factor: float = 10.0                # steady state: arrivals span this many longest service times
     min_judged: int = 20                     # steady state: requests judged per probe at least
     # a probe's requests at most, per GPU of the deployment: its arrival rate, and so the requests a span of

@@ -13,6 +13,8 @@ import math
 import textwrap
 from pathlib import Path
 
+from testbed.experiments.decision_summary import DOMINATED
+
 FAMILIES = ("colocated", "disaggregated", "hybrid")
 FAMILY_COLORS = {"colocated": "tab:blue", "disaggregated": "tab:orange", "hybrid": "tab:green"}
 NO_WINNER_COLOR = "0.85"
@@ -42,6 +44,10 @@ def _capacity(row: dict) -> float | None:
 def _steady(row: dict) -> bool:
     value = row.get("steady", True)
     return value if isinstance(value, bool) else str(value).strip().lower() in ("true", "1", "yes")
+
+
+def _dominated(row: dict) -> bool:
+    return row.get("limited_by") == DOMINATED and row.get("first_failing_per_gpu") not in (None, "")
 
 
 def winners(rows: list[dict]) -> dict[tuple[int, float], dict]:
@@ -74,7 +80,8 @@ def plot_capacity_vs_length(rows: list[dict], path: Path, title: str,
     """Capacity per GPU against L, one line per deployment (points without a
     capacity leave a gap). Measured points (source `real`) are squares on a
     dashed line of their own; points whose probes never reached steady state
-    are hollow."""
+    are hollow; a deployment skipped as dominated (decision_brackets.py) is a
+    small triangle at the rate it failed: its capacity lies below."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -98,7 +105,12 @@ def plot_capacity_vs_length(rows: list[dict], path: Path, title: str,
                 sel = [(x, c) for x, c, r in zip(xs, caps, pts) if c and c > 0 and _steady(r) == steady]
                 if sel:
                     ax.scatter(*zip(*sel), marker=marker, s=28, facecolors=face, edgecolors=color, zorder=3)
-    if any(not _steady(r) for r in rows):
+            below = [(x, float(r["first_failing_per_gpu"])) for x, r in zip(xs, pts) if _dominated(r)]
+            if below:
+                ax.scatter(*zip(*below), marker="v", s=14, color=color, zorder=3)
+    if any(_dominated(r) for r in rows):
+        ax.scatter([], [], marker="v", s=14, color="black", label="dominated: below its family's best (not searched)")
+    if any(not _steady(r) and not _dominated(r) for r in rows):
         ax.scatter([], [], marker="o", facecolors="none", edgecolors="black", label="not steady (not counted)")
     _log2_tokens_axis(ax, [int(r["context_len"]) for r in rows])
     if any((_capacity(r) or 0) > 0 for r in rows):

@@ -1,9 +1,13 @@
 """The decision study's grid cut into sweeps, its independent units of work:
-one deployment of one model, hardware and N, searched at every L, SLO
-definition and link. A sweep's searches lean on each other (each L starts
-from the previous L's capacity, each link from the previous link's bracket),
-so a sweep runs in order in one process; different sweeps share nothing (a
-probe's key names its deployment), so they run in any order, on any process
+deployments of one model, hardware and N, searched at every L, SLO
+definition and link. A colocated deployment is a sweep of its own; the
+deployments of a family that use the link (every xPyD split) share one, so
+that each L searches its likely winner first and the rest against it
+(decision_brackets.py). A sweep's searches lean on each other (each L
+starts from the previous L's capacity, each link from the previous link's
+bracket, each deployment from its family's best in the cell), so a sweep
+runs in order in one process; different sweeps share nothing (a probe's key
+names its deployment), so they run in any order, on any process
 (decision_ray.py), and their rows merge in the grid's order into the same
 files as a serial run.
 
@@ -15,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from testbed.config import RunConfig
-from testbed.experiments.decision_search import (Prober, Search, Smoothness, isolated_s, judged_run, length_rows,
-                                                 point_cfg)
+from testbed.experiments.decision_brackets import CellBest, Known, best_first, neighbour_brackets, work_s
+from testbed.experiments.decision_search import Prober, isolated_s, judged_run, length_rows, point_cfg
 from testbed.experiments.decision_slo import get_smoothness
 from testbed.experiments.deployments import Deployment, deployments, replace_run
 from testbed.experiments.probe_cache import ProbeCache
@@ -33,7 +37,7 @@ class Sweep:
     model: str
     hardware: str
     num_gpus: int
-    deployment: Deployment
+    deployments: tuple[Deployment, ...]    # one family's, all using the link or none: rows in this order
 
 
 @dataclass
@@ -52,34 +56,47 @@ def study_rule(e) -> SteadyRule:
 
 
 def sweeps(cfg: RunConfig) -> list[Sweep]:
-    """Every sweep of the grid, in the order its rows are written."""
+    """Every sweep of the grid, in the order its rows are written: a colocated
+    deployment alone (three of them gain little from sharing, and split they
+    keep the default grid's cores busy), the deployments of a family that use
+    the link together."""
     e, out = cfg.experiment, []
     for model_name in e.models:
         for hardware_name in e.hardware:
             point = point_cfg(cfg, model_name, hardware_name)
             for num_gpus in e.num_gpus:
+                groups: dict[str, list[Deployment]] = {}
                 for dep in deployments(e, num_gpus, point.parallel.tp * point.parallel.pp, e.reuse > 0):
-                    out.append(Sweep(len(out), model_name, hardware_name, num_gpus, dep))
+                    if dep.uses_link:
+                        groups.setdefault(dep.family, []).append(dep)
+                    else:
+                        groups[dep.label] = [dep]
+                out += [Sweep(len(out) + i, model_name, hardware_name, num_gpus, tuple(g))
+                        for i, g in enumerate(groups.values())]
     return out
 
 
 def runs_per_rate(cfg: RunConfig, sweep: Sweep) -> int:
-    """How many separate probe runs a sweep makes at one L and rate: one shared by every SLO,
-    unless its deployment reads the TBT target (one per target) or a definition changes its run
+    """How many separate probe runs a sweep makes at one L and rate: per deployment one shared by
+    every SLO, unless it reads the TBT target (one per target) or a definition changes its run
     (adaptive without slack under p99_tbt). The longest sweeps go to Ray first by it."""
     e = cfg.experiment
-    base = sweep.deployment.apply(point_cfg(cfg, sweep.model, sweep.hardware))
-    variants = 1 + any(judged_run(base, get_smoothness(name)) is not base for name in e.smoothness)
-    return variants * (len(e.tbt_slos_ms) if sweep.deployment.reads_slo else 1)
+    point = point_cfg(cfg, sweep.model, sweep.hardware)
+    total = 0
+    for dep in sweep.deployments:
+        base = dep.apply(point)
+        variants = 1 + any(judged_run(base, get_smoothness(name)) is not base for name in e.smoothness)
+        total += variants * (len(e.tbt_slos_ms) if dep.reads_slo else 1)
+    return total
 
 
 def cells_of(cfg: RunConfig, sweep: Sweep) -> list[tuple]:
     """The cells (model, hardware, link, N, SLO definition, TBT target, L: as its rows name them)
-    a sweep gives a row in."""
+    a sweep gives a row in, once per row (per deployment)."""
     e = cfg.experiment
     hardware = point_cfg(cfg, sweep.model, sweep.hardware).hardware.name
     links = [load_link_preset(name).name for name in e.links]
-    return [(sweep.model, hardware, link, sweep.num_gpus, slo, tbt, L)
+    return [(sweep.model, hardware, link, sweep.num_gpus, slo, tbt, L) for _ in sweep.deployments
             for link in links for L in sorted(e.context_lens) for tbt in e.tbt_slos_ms for slo in e.smoothness]
 
 
@@ -90,53 +107,56 @@ def cell_of(row: dict) -> tuple:
 
 def run_sweep(cfg: RunConfig, sweep: Sweep, log, cache: ProbeCache | None = None,
               on_progress=None) -> SweepResult:
-    """One sweep's rows on a Prober of its own. on_progress(probes, cells): after every probe and
-    every L, the probes made so far and the cells given rows."""
+    """One sweep's rows on a Prober of its own, link by link, L by L, and at
+    each L its deployments best first (decision_brackets.py). A deployment
+    that never touches the link is searched on the first and its rows repeat
+    under every link. on_progress(probes, cells): after every probe and every
+    L, the probes made so far and the cells given rows."""
     e = cfg.experiment
-    rows: list[dict] = []
-    report = (lambda: on_progress(len(prober.rows), [cell_of(r) for r in rows])) if on_progress else None
+    deps = list(sweep.deployments)
+    rows: dict[str, list[dict]] = {d.label: [] for d in deps}
+    report = (lambda: on_progress(len(prober.rows), [cell_of(r) for d in deps for r in rows[d.label]])) \
+        if on_progress else None
     prober = Prober(study_rule(e), log, cache=cache, on_probe=report)
     smooths = [get_smoothness(name) for name in e.smoothness]
     links = [load_link_preset(name) for name in e.links]
     point = point_cfg(cfg, sweep.model, sweep.hardware)
-    dep = sweep.deployment
-    # a deployment that never touches the link: one sweep, its rows under every link
-    found: dict[int, Search] = {}
-    for link in (links if dep.uses_link else links[:1]):
-        row_links = [link] if dep.uses_link else links
-        found = _lengths(prober, e, replace_run(point, link=link), dep, sweep.num_gpus, row_links, smooths, log,
-                         found, rows, report)
-    return SweepResult(rows, prober.rows, prober.num_runs, prober.num_replayed, dict(prober.service_s))
-
-
-def _lengths(prober: Prober, e, point: RunConfig, dep: Deployment, num_gpus: int, row_links: list,
-             smooths: list[Smoothness], log, found: dict[int, Search], rows: list[dict],
-             report=None) -> dict[int, Search]:
-    """One deployment's capacity at every L, TBT target and smoothness
-    definition on one link (its rows appended to `rows`), and the first
-    search per L that found a bracket. A search probes `found[L]`'s bracket
-    first (this deployment's at that L on the previous link, its first probe
-    sized from the service time measured there: the link rarely moves it,
-    and then the rows are those of the previous link in two probes), else
-    starts from the previous L's first capacity, doubling. Searches whose
-    verdicts agree probe the same rates and share the runs."""
     from testbed.sim.cost_model import CostModel
     worker = CostModel(point.model, point.hardware, point.parallel, point.engine)
-    gpus = dep.num_gpus(point)
-    prev, seeds = None, {}
     lengths = sorted(e.context_lens)
-    for L in lengths:
-        service_s = isolated_s(worker, L, e.output_len)
-        start = (prev * 0.6 if prev else e.rate_start * gpus if L == lengths[0] else gpus / (2 * service_s))
-        new, first = length_rows(prober, e, point, dep, num_gpus, row_links, smooths, L, start, log,
-                                 seed=found.get(L))
-        rows += new
-        if report is not None:
-            report()
-        prev = first.capacity if first else None
-        if first and first.capacity and first.first_failing and first.first_failing <= 2 * first.capacity:
-            seeds[L] = first
-    return seeds
+    work = {L: work_s(worker, L, e.output_len) for L in lengths}
+    known = {d.label: Known() for d in deps}
+    uses_link = deps[0].uses_link
+    for link in (links if uses_link else links[:1]):
+        row_links = [link] if uses_link else links
+        at_link = replace_run(point, link=link)
+        for i, L in enumerate(lengths):
+            previous = lengths[i - 1] if i else None
+            best = CellBest()
+            for dep in best_first(deps, known, previous) if e.prior_brackets else deps:
+                gpus = dep.num_gpus(at_link)
+                # no bracket to start from: the grid's first L from rate_start, a later one from a
+                # guess of half the deployment's isolated service rate (without prior brackets: from
+                # 0.6x the previous L's capacity, doubling or halving)
+                prev = known[dep.label].capacity(previous) if previous is not None else None
+                start = (prev * 0.6 if prev and not e.prior_brackets else e.rate_start * gpus if not i
+                         else gpus / (2 * isolated_s(worker, L, e.output_len)))
+                guesses = neighbour_brackets(known[dep.label], L, previous, work, e.rel_tol) \
+                    if e.prior_brackets else None
+                searches = known[dep.label].searches.setdefault(L, {})
+                new, first = length_rows(prober, e, at_link, dep, sweep.num_gpus, row_links, smooths, L, start,
+                                         log, seed=known[dep.label].seeds.get(L), guesses=guesses,
+                                         ceilings=best.ceilings() if e.prior_brackets else None, searches=searches)
+                rows[dep.label] += new
+                best.add(new)
+                if first is not None:
+                    known[dep.label].found[L] = first
+            if report is not None:
+                report()
+        for k in known.values():
+            k.next_link()
+    return SweepResult([r for d in deps for r in rows[d.label]], prober.rows, prober.num_runs,
+                       prober.num_replayed, dict(prober.service_s))
 
 
 def died_rows(cfg: RunConfig, sweep: Sweep, log) -> SweepResult:
@@ -145,13 +165,15 @@ def died_rows(cfg: RunConfig, sweep: Sweep, log) -> SweepResult:
     smooths = [get_smoothness(name) for name in e.smoothness]
     links = [load_link_preset(name) for name in e.links]
     prober = Prober(study_rule(e), log)
-    point, dep, rows = point_cfg(cfg, sweep.model, sweep.hardware), sweep.deployment, []
-    for link in (links if dep.uses_link else links[:1]):
-        for L in sorted(e.context_lens):
-            rows += length_rows(prober, e, replace_run(point, link=link), dep, sweep.num_gpus,
-                                [link] if dep.uses_link else links, smooths, L, 0.0, lambda *_: None,
-                                skip=WORKER_DIED)[0]
-    log(f"decision: sweep {sweep.model}/{point.hardware.name}/N{sweep.num_gpus} {dep.label}: its worker died "
+    point, rows = point_cfg(cfg, sweep.model, sweep.hardware), []
+    for dep in sweep.deployments:
+        for link in (links if dep.uses_link else links[:1]):
+            for L in sorted(e.context_lens):
+                rows += length_rows(prober, e, replace_run(point, link=link), dep, sweep.num_gpus,
+                                    [link] if dep.uses_link else links, smooths, L, 0.0, lambda *_: None,
+                                    skip=WORKER_DIED)[0]
+    labels = ", ".join(d.label for d in sweep.deployments)
+    log(f"decision: sweep {sweep.model}/{point.hardware.name}/N{sweep.num_gpus} {labels}: its worker died "
         f"twice; its {len(rows)} rows are flagged {WORKER_DIED}")
     return SweepResult(rows, [])
 

@@ -19,6 +19,7 @@ from testbed.capacity import search_rate
 from testbed.config import RunConfig, validate
 from testbed.sim.engine_config import resolve_engine
 from testbed.experiments.decision_slo import SLOTargets, Smoothness
+from testbed.experiments.decision_summary import DOMINATED
 from testbed.experiments.deployments import Deployment, replace_run
 from testbed.experiments.probe_cache import ProbeCache, entry_of, same_counts
 from testbed.metrics import RequestRecord
@@ -45,6 +46,8 @@ class ProbeRun:
     cpu_s: float | None = None
     num_judged: int = -1              # len(window.judged); a replayed run's window comes without its records
     cached: bool = False              # replayed from the probe cache (probe_cache.py)
+    # the arrival index (request id rN) of the first request that never finished, None: none
+    first_stuck: int | None = None
     verdicts: dict[str, str] = field(default_factory=dict)    # SLO definition and targets -> the limit missed
     # a replayed run's records, by running it again (for a definition that never judged it)
     rerun: Callable[[], ProbeRun] | None = field(default=None, repr=False, compare=False)
@@ -185,6 +188,7 @@ class Prober:
             run = ProbeRun(Window([], entry["steady"], entry["reason"], entry["span_s"], entry["service_s"]),
                            entry["num_requests"], entry["num_finished"], entry["wall_s"], entry["load_1m"],
                            cpu_s=entry.get("cpu_s"), num_judged=entry["num_judged"], cached=True,
+                           first_stuck=entry.get("first_stuck"),
                            verdicts=dict(entry["verdicts"]),
                            rerun=lambda: self._rerun(run_cfg, entry))
         run.on_verdict = lambda r: cache.put(key, entry_of(r))
@@ -210,9 +214,11 @@ class Prober:
         wall_s, cpu_s = time.monotonic() - t0, time.process_time() - c0
         self.num_runs += 1
         finished = sum(r.finished for r in records)
+        stuck = [int(r.request_id[1:]) for r in records if not r.finished and r.request_id[1:].isdigit()]
         # the load the probe ran under: a real probe's capacity is the machine's share it got
         return ProbeRun(self.rule.window(records), len(records), finished, wall_s, round(os.getloadavg()[0], 2),
-                        self.runner.last_dir, cpu_s=cpu_s if self.runner.source == "sim" else None)
+                        self.runner.last_dir, cpu_s=cpu_s if self.runner.source == "sim" else None,
+                        first_stuck=min(stuck, default=None))
 
 
 def verdict(run: ProbeRun, smooth: Smoothness, targets: SLOTargets) -> str:
@@ -225,6 +231,12 @@ def verdict(run: ProbeRun, smooth: Smoothness, targets: SLOTargets) -> str:
     if not run.num_judged:
         return "unjudged"
     return run.judge(smooth, targets)
+
+
+# a p99 over fewer judged requests is the worst one's: one long prompt decides the verdict, and a
+# longer probe at a higher rate may pass (llama3-8b, N = 8, 1P1D at tp 4, L = 512K: failed at 0.0032
+# req/s/GPU over 64 judged, passed at 0.0041): such a failure does not rule a deployment out
+MIN_JUDGED_TO_SKIP = 100
 
 
 class OutOfTime(Exception):
@@ -244,13 +256,22 @@ class Search:
 
 def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targets: SLOTargets, start: float,
            first_service_s: float, rel_tol: float, max_probes: int,
-           bracket: tuple[float, float] | None = None, max_requests: int | None = None) -> Search:
+           bracket: tuple[float, float] | None = None, max_requests: int | None = None,
+           ceiling: float | None = None) -> Search:
     """The highest steady-judged rate meeting the SLOs (bisection to rel_tol).
     On the simulator a rate where no request finishes (the prompt does not
-    fit the KV memory) fails for every rate: the search stops there. A search
+    fit the KV memory), or where one of the first prompts every probe shares
+    never finishes (the run ends when nothing is left to happen, every other
+    request done and its blocks free: that one fits no empty worker), fails
+    for every rate: the search stops there. A search
     cut by the Prober's deadline keeps what it measured, flagged
-    (limited_by=budget, steady=false). `bracket`: search_rate's, a bracket
-    found on another link, probed first instead of searching from `start`."""
+    (limited_by=budget, steady=false). `bracket`: search_rate's, probed first
+    instead of searching from `start` (decision_brackets.py). `ceiling`: a
+    rate another deployment passed in this cell, probed first: failing there
+    (not `unjudged`, over at least MIN_JUDGED_TO_SKIP judged requests) the
+    search ends, limited_by=dominated, no capacity, the ceiling its first
+    failing rate; otherwise it goes on as usual (up from the ceiling when it
+    passed)."""
     verdicts: dict[float, tuple[str, bool]] = {}       # rate -> (failed limit or "", steady)
 
     class NeverFits(Exception):
@@ -259,16 +280,30 @@ def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targe
     def limit_of(run: ProbeRun) -> str:
         return verdict(run, smooth, targets)
 
+    # every probe has at least this many requests, and (one turn each) the same first prompts: a request
+    # among them that the simulator left unfinished fits no empty worker and fails every rate
+    fewest = prober.rule.num_requests(0.0, 1.0, max_requests)
+    one_turn = not cfg.workload.conversation_turns
+
+    judged: dict[float, int] = {}
+
     def probe(rate: float) -> bool:
         run = prober.probe(key, cfg, rate, first_service_s, limit_of, smooth.name, max_requests)
         limit = limit_of(run)
         verdicts[rate] = (limit, run.window.steady)
-        if run.num_finished == 0 and prober.runner.none_finished_is_memory:
+        judged[rate] = run.num_judged
+        if prober.runner.none_finished_is_memory and (
+                run.num_finished == 0 or one_turn and run.first_stuck is not None and run.first_stuck < fewest):
             raise NeverFits
         return limit == ""
 
     never_fits = out_of_time = False
     try:
+        if ceiling is not None and not probe(ceiling) and verdicts[ceiling][0] != "unjudged" \
+                and judged[ceiling] >= MIN_JUDGED_TO_SKIP:
+            return Search(None, "none", DOMINATED, verdicts[ceiling][1], 1, ceiling, prober.service_s.get(key))
+        if ceiling is not None and not verdicts[ceiling][0]:
+            start, bracket = ceiling, None
         search_rate(probe, start, rel_tol, max_probes, bracket)
     except NeverFits:           # a verdict on memory, not on load: no probe length changes it
         never_fits = True
@@ -362,7 +397,9 @@ def judged_run(run_cfg: RunConfig, smooth: Smoothness) -> RunConfig:
 def length_rows(prober: Prober, e, point: RunConfig, dep: Deployment, num_gpus: int, row_links: list,
                 smooths: list[Smoothness], L: int, start: float, log, rel_tol: float | None = None,
                 max_probes: int | None = None, skip: str | None = None,
-                seed: Search | None = None) -> tuple[list[dict], Search | None]:
+                seed: Search | None = None, guesses: dict[tuple, tuple[float, float]] | None = None,
+                ceilings: dict[tuple, float] | None = None,
+                searches: dict[tuple, Search] | None = None) -> tuple[list[dict], Search | None]:
     """One deployment's rows at one L: a search from `start` (req/s of the
     deployment) per TBT target and smoothness definition, each row repeated
     under every link of row_links; and the first search that found a
@@ -370,7 +407,12 @@ def length_rows(prober: Prober, e, point: RunConfig, dep: Deployment, num_gpus: 
     With `skip` nothing is probed: the rows are flagged (no capacity,
     steady=false, limited_by=skip). `seed`: this deployment's first search
     at L on another link: each search probes its bracket first (req/s of the
-    deployment), the first probe sized from the service time it measured."""
+    deployment), the first probe sized from the service time it measured;
+    else `guesses`' bracket for its (TBT target, SLO definition) (the
+    neighbouring length's, decision_brackets.py). `ceilings`: (TBT target,
+    SLO definition) -> the family's best capacity per GPU so far in the cell:
+    a search not expected above it probes it first (search's `ceiling`).
+    `searches`, when given, gets each search by (TBT target, SLO definition)."""
     from testbed.sim.cost_model import CostModel
     one_gpu = CostModel(point.model, point.hardware, ParallelConfig(), point.engine)
     worker = CostModel(point.model, point.hardware, point.parallel, point.engine)
@@ -397,9 +439,16 @@ def length_rows(prober: Prober, e, point: RunConfig, dep: Deployment, num_gpus: 
                    point.link.name if dep.uses_link else "-", L, tbt if dep.reads_slo else "-",
                    *(("no-slack",) if run_cfg is not slo_cfg else ()))
             t0 = time.monotonic()
+            here = bracket if seed is not None else (guesses or {}).get((tbt, smooth.name))
+            ceiling = (ceilings or {}).get((tbt, smooth.name))
+            if ceiling is not None and here is not None and here[0] >= ceiling * gpus:
+                ceiling = None             # expected to beat it: searched as usual
             res = Search(None, "none", skip, False, 0) if skip else search(
                 prober, key, run_cfg, smooth, targets, start, service_s, rel_tol or e.rel_tol,
-                max_probes or e.max_probes, bracket, e.max_requests_per_gpu * num_gpus)
+                max_probes or e.max_probes, here, e.max_requests_per_gpu * num_gpus,
+                None if ceiling is None else ceiling * gpus)
+            if searches is not None:
+                searches[(tbt, smooth.name)] = res
             if first is None or (first.capacity is None and res.capacity is not None):
                 first = res
             rows += [_row(point, link, num_gpus, smooth.name, tbt, targets, L, dep, gpus, res, prober.runner.source)

@@ -16,6 +16,9 @@ from collections import defaultdict
 from typing import Iterable
 
 GROUP_KEYS = ("model", "hardware", "link", "link_gbps", "num_gpus", "slo", "tbt_slo_ms")
+# a row whose deployment failed at a rate its family's best passed in the same cell (decision_brackets.py):
+# no capacity, that rate its bracket's top; it counts for no winner, as a row without a capacity
+DOMINATED = "dominated"
 
 
 def _capacity(row: dict) -> float | None:

@@ -126,7 +126,8 @@ def entry_of(run) -> dict:
     w = run.window
     return {"num_requests": run.num_requests, "num_finished": run.num_finished, "num_judged": run.num_judged,
             "steady": w.steady, "reason": w.reason, "span_s": w.span_s, "service_s": w.service_s,
-            "wall_s": run.wall_s, "cpu_s": run.cpu_s, "load_1m": run.load_1m, "verdicts": dict(run.verdicts)}
+            "wall_s": run.wall_s, "cpu_s": run.cpu_s, "load_1m": run.load_1m, "verdicts": dict(run.verdicts),
+            "first_stuck": run.first_stuck}
 
 
 def same_counts(entry: dict, run) -> bool:

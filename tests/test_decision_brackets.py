@@ -1,0 +1,140 @@
+"""The decision study's prior brackets (testbed/experiments/decision_brackets.py):
+a search started from the neighbouring length's capacity finds the capacity
+the unseeded search finds, in fewer probes; a deployment skipped as
+`dominated` is one that failed at a capacity its family's best passed in the
+same cell, and skipping it changes no winner."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from testbed.config import from_dict
+from testbed.experiments.decision import run_decision
+from testbed.experiments.decision_brackets import Known, best_first, neighbour_brackets
+from testbed.experiments.decision_search import Search
+from testbed.experiments.decision_summary import DOMINATED
+from testbed.experiments.decision_summary import best_by_family, winners
+from testbed.experiments.deployments import Deployment
+
+from decision_case import DATA, constructed, read_rows  # noqa: E402  (tests/ on sys.path: conftest)
+
+CELL = ("link", "slo", "tbt_slo_ms", "context_len")
+
+
+def tiny_on_cpu(prior: bool) -> object:
+    """tiny on the profiled cpu preset: sarathi-256 and disagg-1P1D at four lengths."""
+    e = dict(name="decision", models=["tiny"], hardware=["cpu"], links=[str(DATA / "decision_link.yaml")],
+             context_lens=[256, 512, 1024, 2048], token_budgets=[256], colocated=["sarathi"], tbt_slos_ms=[100],
+             smoothness=["p99_tbt"], output_len=16, num_gpus=[2], rel_tol=0.1, max_probes=10, min_judged=20,
+             max_requests_per_gpu=300, real=False, parallel="1", prior_brackets=prior)
+    return from_dict({"runtime": {"name": "sim"}, "model": {"name": "tiny"}, "wandb": {"mode": "disabled"},
+                      "progress": False, "experiment": e})
+
+
+def study(cfg, out: Path) -> list[dict]:
+    out.mkdir()
+    run_decision(cfg, out, lambda *_: None)
+    return read_rows(out / "decision.csv")
+
+
+def test_a_neighbour_length_bracket_finds_the_unseeded_capacity_in_fewer_probes(tmp_path):   # ~20 s here
+    seeded, unseeded = study(tiny_on_cpu(True), tmp_path / "seeded"), study(tiny_on_cpu(False), tmp_path / "plain")
+    assert len(seeded) == len(unseeded) == 2 * 4
+    for a, b in zip(seeded, unseeded):
+        assert (a["deployment"], a["context_len"]) == (b["deployment"], b["context_len"])
+        assert a["bound"] == b["bound"] == "bracketed" and a["steady"] == b["steady"] == "True"
+        lo_a, hi_a = float(a["capacity_per_gpu"]), float(a["first_failing_per_gpu"])
+        lo_b, hi_b = float(b["capacity_per_gpu"]), float(b["first_failing_per_gpu"])
+        # each bracket holds the capacity to within rel_tol; the two overlap: the same capacity
+        assert hi_a / lo_a <= 1.1 + 1e-9 and hi_b / lo_b <= 1.1 + 1e-9
+        assert lo_a < hi_b and lo_b < hi_a
+        if a["context_len"] == "256":          # the grid's first L: nothing known, the same search
+            assert a == b
+    probes = lambda rows: sum(int(r["probes"]) for r in rows)
+    assert probes(seeded) < probes(unseeded)
+    # at a later L a guess that holds ends the search in two probes
+    assert any(r["probes"] == "2" and r["context_len"] != "256" for r in seeded)
+
+
+def test_a_skipped_deployment_failed_at_its_familys_measured_capacity_in_the_cell(tmp_path):
+    """N = 4 of the constructed case (decision_case.py): prefill binds, so 3P1D
+    outserves 2P2D and 1P3D. Those fail at 3P1D's capacity and are skipped; the
+    winners and each family's best are those of the full searches."""
+    kw = dict(num_gpus=[4], pool_tp=[1], context_lens=[512, 1024, 4096])
+    rows, full = study(constructed(**kw), tmp_path / "skip"), study(constructed(prior_brackets=False, **kw),
+                                                                    tmp_path / "full")
+    probes = {(p["key"].split("/")[3], p["key"].split("/")[5], round(float(p["rate"]), 6)): p["verdict"]
+              for p in read_rows(tmp_path / "skip" / "decision_probes.csv")}
+    dominated = [r for r in rows if r["limited_by"] == DOMINATED]
+    assert dominated and not any(r["limited_by"] == DOMINATED for r in full)
+    cell = lambda r: tuple(r[k] for k in CELL)
+    for r in dominated:
+        rivals = [s for s in rows if cell(s) == cell(r) and s["family"] == r["family"] and s["capacity_per_gpu"]
+                  and s["steady"] == "True"]
+        best = max(float(s["capacity_per_gpu"]) for s in rivals)
+        assert r["capacity_per_gpu"] == "" and r["probes"] == "1"
+        assert math.isclose(float(r["first_failing_per_gpu"]), best, rel_tol=1e-12)
+        # the bound is a verdict: the deployment's own probe at that rate (its 4 GPUs) failed
+        assert probes[(r["deployment"], r["context_len"], round(best * 4, 6))] not in ("pass", "unjudged")
+    for key in {cell(r) for r in rows}:
+        here, there = [r for r in rows if cell(r) == key], [r for r in full if cell(r) == key]
+        assert winners(here) == winners(there)
+        for family in ("colocated", "disaggregated"):
+            assert {L: d for L, (d, _) in best_by_family(here, family).items()} == \
+                {L: d for L, (d, _) in best_by_family(there, family).items()}
+    assert sum(int(r["probes"]) for r in rows) < sum(int(r["probes"]) for r in full)
+
+
+def test_the_likely_winner_goes_first_and_a_dominated_rate_is_no_guess():
+    deps = [Deployment(label, "disaggregated", "disagg", "vllm_v0") for label in ("a", "b", "c")]
+    known = {d.label: Known() for d in deps}
+    assert best_first(deps, known, None) == deps                                    # nothing known: the grid's
+    known["a"].found[512] = Search(None, "none", DOMINATED, True, 1, first_failing=30.0)
+    known["b"].found[512] = Search(10.0, "bracketed", "ttft", True, 4, first_failing=11.0)
+    known["c"].found[512] = Search(20.0, "bracketed", "ttft", True, 4, first_failing=22.0)
+    assert [d.label for d in best_first(deps, known, 512)] == ["c", "b", "a"]
+    known["c"].searches[512] = {(100, "p99_tbt"): known["c"].found[512],
+                                (100, "fluidity"): Search(None, "none", "unfinished", True, 1, first_failing=5.0)}
+    known["a"].searches[512] = {(100, "p99_tbt"): known["a"].found[512]}
+    work = {512: 1.0, 1024: 2.0}
+    guesses = neighbour_brackets(known["c"], 1024, 512, work, 0.1)
+    assert list(guesses) == [(100, "p99_tbt")]                                  # no capacity: no guess
+    lo, hi = guesses[(100, "p99_tbt")]
+    assert math.isclose(lo * hi, 10.0 ** 2) and math.isclose(hi / lo, 1.1)      # centred on 20 x 1/2
+    assert neighbour_brackets(known["a"], 1024, 512, work, 0.1) == {}
+
+
+class ScriptedProber:
+    """A Prober whose probes pass below `capacity` (req/s) and miss the TTFT above it, each judging
+    `judged(rate)` requests; the search under test sees only these figures."""
+
+    def __init__(self, capacity: float, judged, smooth, targets):
+        from testbed.steady_state import SteadyRule
+        self.capacity, self.judged, self.rates = capacity, judged, []
+        self.key = f"{smooth.name} {targets.ttft_ms!r} {targets.tbt_ms!r} {targets.fluidity_min!r}"
+        self.rule, self.service_s = SteadyRule(10.0, 20, 1000), {}
+        self.runner = type("Runner", (), {"none_finished_is_memory": True})()
+
+    def probe(self, key, cfg, rate, first_service_s, limit, asker, max_requests):
+        from testbed.experiments.decision_search import ProbeRun
+        from testbed.steady_state import Window
+        self.rates.append(rate)
+        return ProbeRun(Window([], True, "ok", 100.0, 1.0), 200, 200, num_judged=self.judged(rate),
+                        verdicts={self.key: "" if rate <= self.capacity else "ttft"})
+
+
+def test_a_failure_at_the_ceiling_over_few_judged_requests_rules_nothing_out():
+    """A p99 over fewer than 100 judged requests is the worst one's: failing the ceiling there, the
+    search goes on (and finds the capacity); over enough of them it ends, dominated, in one probe."""
+    from testbed.experiments.decision_search import MIN_JUDGED_TO_SKIP, search
+    from testbed.experiments.decision_slo import SLOTargets, get_smoothness
+    smooth, targets = get_smoothness("p99_tbt"), SLOTargets(1000.0, 100.0)
+    cfg = tiny_on_cpu(True)
+    for judged, dominated in ((MIN_JUDGED_TO_SKIP - 1, False), (MIN_JUDGED_TO_SKIP, True)):
+        prober = ScriptedProber(8.0, lambda rate, j=judged: j, smooth, targets)
+        res = search(prober, ("k",), cfg, smooth, targets, 4.0, 1.0, 0.1, 10, (7.0, 7.7), ceiling=10.0)
+        assert prober.rates[0] == 10.0
+        if dominated:
+            assert (res.capacity, res.limited_by, res.probes, res.first_failing) == (None, DOMINATED, 1, 10.0)
+        else:
+            assert res.limited_by == "ttft" and 8.0 / 1.1 <= res.capacity <= 8.0 < res.first_failing
