@@ -441,3 +441,30 @@ def test_a_search_whose_shared_first_prompts_never_fit_ends_at_its_first_probe(t
     probes = [p for p in read_rows(tmp_path / "decision_probes.csv") if p["key"].split("/")[5] == "8192"]
     assert len(probes) == 2 and {p["verdict"] for p in probes} == {"unfinished"}
     assert all(0 < int(p["num_finished"]) < int(p["num_requests"]) for p in probes)
+
+
+def test_adaptive_splits_into_one_sweep_per_definition_group_with_the_same_rows(tmp_path):
+    """adaptive runs without its fluidity slack under p99_tbt, so the two definitions share no probe
+    run: each is a sweep of its own (two cores take one half each), sarathi's definitions share
+    their runs and stay one sweep. Every cell still gets each deployment's row exactly once, with
+    the same capacities a one-definition study finds."""
+    from testbed.experiments.decision_grid import cells_of, sweeps
+    cfg = constructed(colocated=["sarathi", "adaptive"], context_lens=[512, 1024])
+    grid = sweeps(cfg)
+    assert [([d.label for d in s.deployments], s.smoothness) for s in grid] == [
+        (["sarathi-1100"], ()), (["adaptive"], ("p99_tbt",)), (["adaptive"], ("fluidity",)),
+        (["disagg-1P1D"], ())]
+    assert {c[4] for c in cells_of(cfg, grid[1])} == {"p99_tbt"}
+    for d in ("both", "p99_tbt", "fluidity"):
+        (tmp_path / d).mkdir()
+    run_decision(cfg, tmp_path / "both", lambda *_: None)
+    rows = read_rows(tmp_path / "both" / "decision.csv")
+    cells = [(r["deployment"], r["slo"], r["context_len"]) for r in rows]
+    assert len(cells) == len(set(cells)) == 3 * 2 * 2        # deployments x definitions x L
+    for slo in ("p99_tbt", "fluidity"):
+        run_decision(constructed(colocated=["sarathi", "adaptive"], context_lens=[512, 1024], smoothness=[slo]),
+                     tmp_path / slo, lambda *_: None)
+        alone = {(r["deployment"], r["context_len"]): r["capacity_per_gpu"]
+                 for r in read_rows(tmp_path / slo / "decision.csv") if r["deployment"] == "adaptive"}
+        assert alone == {(r["deployment"], r["context_len"]): r["capacity_per_gpu"] for r in rows
+                         if r["deployment"] == "adaptive" and r["slo"] == slo}

@@ -38,6 +38,10 @@ class Sweep:
     hardware: str
     num_gpus: int
     deployments: tuple[Deployment, ...]    # one family's, all using the link or none: rows in this order
+    smoothness: tuple[str, ...] = ()       # the SLO definitions it searches (): every one of the study's
+
+    def definitions(self, e) -> tuple[str, ...]:
+        return self.smoothness or tuple(e.smoothness)
 
 
 @dataclass
@@ -71,9 +75,23 @@ def sweeps(cfg: RunConfig) -> list[Sweep]:
                         groups.setdefault(dep.family, []).append(dep)
                     else:
                         groups[dep.label] = [dep]
-                out += [Sweep(len(out) + i, model_name, hardware_name, num_gpus, tuple(g))
-                        for i, g in enumerate(groups.values())]
+                for g in groups.values():
+                    out += [Sweep(len(out) + i, model_name, hardware_name, num_gpus, tuple(g), defs)
+                            for i, defs in enumerate(_run_groups(e, point, g))]
     return out
+
+
+def _run_groups(e, point: RunConfig, deps: list[Deployment]) -> list[tuple[str, ...]]:
+    """The study's SLO definitions grouped by the runs they judge: definitions under which every
+    deployment runs alike share their probes and stay in one sweep (()); adaptive, which runs
+    without its fluidity slack under p99_tbt, shares none between the two, so each group is a
+    sweep of its own, and the two halves of the grid's costliest sweep run on two cores."""
+    bases = [d.apply(point) for d in deps]
+    groups: dict[tuple, list[str]] = {}
+    for name in e.smoothness:
+        variant = tuple(judged_run(base, get_smoothness(name)) is not base for base in bases)
+        groups.setdefault(variant, []).append(name)
+    return [()] if len(groups) == 1 else [tuple(names) for names in groups.values()]
 
 
 def runs_per_rate(cfg: RunConfig, sweep: Sweep) -> int:
@@ -85,7 +103,7 @@ def runs_per_rate(cfg: RunConfig, sweep: Sweep) -> int:
     total = 0
     for dep in sweep.deployments:
         base = dep.apply(point)
-        variants = 1 + any(judged_run(base, get_smoothness(name)) is not base for name in e.smoothness)
+        variants = 1 + any(judged_run(base, get_smoothness(name)) is not base for name in sweep.definitions(e))
         total += variants * (len(e.tbt_slos_ms) if dep.reads_slo else 1)
     return total
 
@@ -97,7 +115,7 @@ def cells_of(cfg: RunConfig, sweep: Sweep) -> list[tuple]:
     hardware = point_cfg(cfg, sweep.model, sweep.hardware).hardware.name
     links = [load_link_preset(name).name for name in e.links]
     return [(sweep.model, hardware, link, sweep.num_gpus, slo, tbt, L) for _ in sweep.deployments
-            for link in links for L in sorted(e.context_lens) for tbt in e.tbt_slos_ms for slo in e.smoothness]
+            for link in links for L in sorted(e.context_lens) for tbt in e.tbt_slos_ms for slo in sweep.definitions(e)]
 
 
 def cell_of(row: dict) -> tuple:
@@ -118,7 +136,7 @@ def run_sweep(cfg: RunConfig, sweep: Sweep, log, cache: ProbeCache | None = None
     report = (lambda: on_progress(len(prober.rows), [cell_of(r) for d in deps for r in rows[d.label]])) \
         if on_progress else None
     prober = Prober(study_rule(e), log, cache=cache, on_probe=report)
-    smooths = [get_smoothness(name) for name in e.smoothness]
+    smooths = [get_smoothness(name) for name in sweep.definitions(e)]
     links = [load_link_preset(name) for name in e.links]
     point = point_cfg(cfg, sweep.model, sweep.hardware)
     from testbed.sim.cost_model import CostModel
@@ -162,7 +180,7 @@ def run_sweep(cfg: RunConfig, sweep: Sweep, log, cache: ProbeCache | None = None
 def died_rows(cfg: RunConfig, sweep: Sweep, log) -> SweepResult:
     """A sweep whose process died on both tries: its rows, unprobed, flagged limited_by=worker_died."""
     e = cfg.experiment
-    smooths = [get_smoothness(name) for name in e.smoothness]
+    smooths = [get_smoothness(name) for name in sweep.definitions(e)]
     links = [load_link_preset(name) for name in e.links]
     prober = Prober(study_rule(e), log)
     point, rows = point_cfg(cfg, sweep.model, sweep.hardware), []
