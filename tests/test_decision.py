@@ -132,7 +132,8 @@ def test_a_probe_with_an_empty_judged_window_fails_instead_of_passing_vacuously(
     warm-up and the drain; passing it let llama2-70b's disagg searches double
     past 10^8 req/s per GPU. It fails as `unjudged`, the same probe's well
     judged twin passes, and an unfinished request still says `unfinished`."""
-    from testbed.experiments.decision import ProbeRun, verdict
+    from testbed.experiments.decision_prober import ProbeRun
+    from testbed.experiments.decision_search import verdict
     from testbed.experiments.decision_slo import SLOTargets, get_smoothness
     rule, targets = SteadyRule(span_factor=10, min_judged=5), SLOTargets(ttft_ms=1e6, tbt_ms=1e6)
     burst = judged_window([record(t * 0.01, 0.0, 30.0) for t in range(50)], rule)
@@ -327,7 +328,7 @@ def test_a_probe_too_short_to_judge_anyone_is_lengthened_not_counted_as_a_failur
     at 2K). It is re-run as long as the rule asks, even more than 3x longer."""
     from omegaconf import OmegaConf
 
-    from testbed.experiments.decision import Prober
+    from testbed.experiments.decision_prober import Prober
     from testbed.experiments.decision_search import verdict
     from testbed.experiments.decision_slo import SLOTargets, get_smoothness
     hardware = OmegaConf.to_container(OmegaConf.load(DATA / "decision_hardware.yaml"))

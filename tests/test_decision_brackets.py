@@ -116,7 +116,7 @@ class ScriptedProber:
         self.runner = type("Runner", (), {"none_finished_is_memory": True})()
 
     def probe(self, key, cfg, rate, first_service_s, limit, asker, max_requests):
-        from testbed.experiments.decision_search import ProbeRun
+        from testbed.experiments.decision_prober import ProbeRun
         from testbed.steady_state import Window
         self.rates.append(rate)
         return ProbeRun(Window([], True, "ok", 100.0, 1.0), 200, 200, num_judged=self.judged(rate),

@@ -167,7 +167,8 @@ class _NothingFinishes:
 def _search(runner, deadline=None):
     import time as _time
 
-    from testbed.experiments.decision_search import Prober, _workload, point_cfg, search
+    from testbed.experiments.decision_prober import Prober
+    from testbed.experiments.decision_search import _workload, point_cfg, search
     from testbed.experiments.decision_slo import SLOTargets, get_smoothness
     from testbed.experiments.deployments import deployments, replace_run
     from testbed.steady_state import SteadyRule
@@ -200,7 +201,8 @@ class _Overloads:
 
 
 def test_a_capacity_probe_steady_in_its_window_counts_though_the_failing_one_above_cannot_be():
-    from testbed.experiments.decision_search import Prober, _workload, point_cfg, search
+    from testbed.experiments.decision_prober import Prober
+    from testbed.experiments.decision_search import _workload, point_cfg, search
     from testbed.experiments.decision_slo import SLOTargets, get_smoothness
     from testbed.experiments.deployments import deployments, replace_run
     from testbed.steady_state import SteadyRule

@@ -13,7 +13,7 @@ import pytest
 
 from testbed.experiments.decision import run_decision
 from testbed.experiments.decision_real import RealProbes
-from testbed.experiments.decision_search import Prober
+from testbed.experiments.decision_prober import Prober
 from testbed.experiments.probe_cache import ProbeCache
 from testbed.steady_state import SteadyRule
 from tests.test_decision import constructed

@@ -261,7 +261,8 @@ def sensitivity(scales: list[float], replicas: int, budget: int, profile: str | 
     for sarathi-`budget` on `replicas` workers at L, every step of the cpu
     profile scaled by s (calibration_scale and the overhead terms; the hops
     not): how far the capacity moves when the real steps are s x the profile's."""
-    from testbed.experiments.decision_search import Prober, length_rows, point_cfg
+    from testbed.experiments.decision_prober import Prober
+    from testbed.experiments.decision_search import length_rows, point_cfg
     from testbed.experiments.decision_slo import get_smoothness
     from testbed.experiments.deployments import Deployment, replace_run
     from testbed.steady_state import SteadyRule

@@ -44,7 +44,7 @@ from testbed.config import RunConfig
 from testbed.experiments.decision_figures import capacity_series, decision_figures
 from testbed.experiments.decision_grid import WORKER_DIED, SweepResult, run_serial, study_rule, sweeps
 from testbed.experiments.decision_ray import num_workers, run_ray
-from testbed.experiments.decision_search import COLUMNS, Prober, ProbeRun, verdict  # noqa: F401 (re-exported)
+from testbed.experiments.decision_search import COLUMNS
 from testbed.experiments.decision_slo import get_smoothness
 from testbed.experiments.decision_summary import DOMINATED, crossovers, definition_changes, sim_vs_real
 from testbed.experiments.probe_cache import ProbeCache

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 from testbed.config import RunConfig
 from testbed.experiments.decision_brackets import CellBest, Known, best_first, neighbour_brackets, work_s
-from testbed.experiments.decision_search import Prober, isolated_s, judged_run, length_rows, point_cfg
+from testbed.experiments.decision_prober import Prober
+from testbed.experiments.decision_search import isolated_s, judged_run, length_rows, point_cfg
 from testbed.experiments.decision_slo import get_smoothness
 from testbed.experiments.deployments import Deployment, deployments, replace_run
 from testbed.experiments.probe_cache import ProbeCache

@@ -39,7 +39,8 @@ import time
 from pathlib import Path
 
 from testbed.config import RunConfig
-from testbed.experiments.decision_search import Prober, isolated_s, length_rows, point_cfg
+from testbed.experiments.decision_prober import Prober
+from testbed.experiments.decision_search import isolated_s, length_rows, point_cfg
 from testbed.experiments.deployments import deployments, replace_run
 from testbed.metrics import RequestRecord
 from testbed.steady_state import SteadyRule

@@ -16,7 +16,7 @@ An entry keeps what the study reads of a probe: its counts, its
 steady-state window's figures, the wall time it took, and the verdict of
 every SLO definition that judged it (not its records: a probe's token times
 are megabytes). A definition that never judged it before re-runs the probe
-(decision_search.py ProbeRun.judge) and checks that the run gives the same
+(decision_prober.py ProbeRun.judge) and checks that the run gives the same
 counts.
 
 Files: JSON lines, one file per process (two sweep points running at once
@@ -122,7 +122,7 @@ def read_entries(directory: Path) -> Iterator[dict | None]:
 
 
 def entry_of(run) -> dict:
-    """A ProbeRun's figures as a cache entry (decision_search.py ProbeRun)."""
+    """A ProbeRun's figures as a cache entry (decision_prober.py ProbeRun)."""
     w = run.window
     return {"num_requests": run.num_requests, "num_finished": run.num_finished, "num_judged": run.num_judged,
             "steady": w.steady, "reason": w.reason, "span_s": w.span_s, "service_s": w.service_s,
