@@ -397,34 +397,6 @@ def test_a_probe_is_capped_at_max_requests_per_gpu_times_its_deployments_gpus(tm
     assert summary["assumptions"]["steady_state"]["max_requests_per_gpu"] == 12
 
 
-def test_the_grid_progress_counts_probes_and_decided_cells_on_a_terminal(capsys, monkeypatch):
-    """A cell is decided once every deployment has its row there; a sweep reported again (its
-    worker died, run anew) replaces its counts instead of adding to them."""
-    import sys
-
-    from testbed.experiments.decision_grid import GridProgress, cells_of, sweeps
-    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
-    cfg = dataclasses.replace(constructed(links=[str(DATA / "decision_link.yaml"),
-                                                 str(DATA / "decision_link_b.yaml")]), progress=True)
-    grid = sweeps(cfg)
-    assert [[d.label for d in s.deployments] for s in grid] == [["sarathi-1100"], ["disagg-1P1D"]]
-    cells = cells_of(cfg, grid[0])
-    assert len(cells) == 2 * 4 * 2                      # links x L x SLO definitions
-    assert cells[0] == ("tiny", "fixed-10ms", "instant", 2, "p99_tbt", 50, 512)      # as decision.csv names them
-    bar = GridProgress(cfg, grid)
-    bar.update(0, 5, cells)                             # sarathi's rows everywhere: no cell decided yet
-    bar.update(1, 3, cells[:4])
-    bar.update(1, 2, cells[:2])                         # sweep 1 again, from its start
-    bar.bar.refresh()
-    line = capsys.readouterr().err.split("\r")[-1]
-    assert "18/32" in line and "7 probes, 2/16 cells decided" in line and "<" in line    # the ETA
-    bar.update(1, 9, cells)
-    bar.bar.refresh()
-    line = capsys.readouterr().err.split("\r")[-1]
-    assert "32/32" in line and "14 probes, 16/16 cells decided" in line
-    bar.close()
-
-
 def test_a_search_whose_shared_first_prompts_never_fit_ends_at_its_first_probe(tmp_path):
     """513 KV blocks of 16 tokens hold a prompt of 8,193 tokens and its answer's first token: at
     L = 8,192 about half the prompts never fit a worker, among them some of the first ones every
@@ -442,30 +414,3 @@ def test_a_search_whose_shared_first_prompts_never_fit_ends_at_its_first_probe(t
     probes = [p for p in read_rows(tmp_path / "decision_probes.csv") if p["key"].split("/")[5] == "8192"]
     assert len(probes) == 2 and {p["verdict"] for p in probes} == {"unfinished"}
     assert all(0 < int(p["num_finished"]) < int(p["num_requests"]) for p in probes)
-
-
-def test_adaptive_splits_into_one_sweep_per_definition_group_with_the_same_rows(tmp_path):
-    """adaptive runs without its fluidity slack under p99_tbt, so the two definitions share no probe
-    run: each is a sweep of its own (two cores take one half each), sarathi's definitions share
-    their runs and stay one sweep. Every cell still gets each deployment's row exactly once, with
-    the same capacities a one-definition study finds."""
-    from testbed.experiments.decision_grid import cells_of, sweeps
-    cfg = constructed(colocated=["sarathi", "adaptive"], context_lens=[512, 1024])
-    grid = sweeps(cfg)
-    assert [([d.label for d in s.deployments], s.smoothness) for s in grid] == [
-        (["sarathi-1100"], ()), (["adaptive"], ("p99_tbt",)), (["adaptive"], ("fluidity",)),
-        (["disagg-1P1D"], ())]
-    assert {c[4] for c in cells_of(cfg, grid[1])} == {"p99_tbt"}
-    for d in ("both", "p99_tbt", "fluidity"):
-        (tmp_path / d).mkdir()
-    run_decision(cfg, tmp_path / "both", lambda *_: None)
-    rows = read_rows(tmp_path / "both" / "decision.csv")
-    cells = [(r["deployment"], r["slo"], r["context_len"]) for r in rows]
-    assert len(cells) == len(set(cells)) == 3 * 2 * 2        # deployments x definitions x L
-    for slo in ("p99_tbt", "fluidity"):
-        run_decision(constructed(colocated=["sarathi", "adaptive"], context_lens=[512, 1024], smoothness=[slo]),
-                     tmp_path / slo, lambda *_: None)
-        alone = {(r["deployment"], r["context_len"]): r["capacity_per_gpu"]
-                 for r in read_rows(tmp_path / slo / "decision.csv") if r["deployment"] == "adaptive"}
-        assert alone == {(r["deployment"], r["context_len"]): r["capacity_per_gpu"] for r in rows
-                         if r["deployment"] == "adaptive" and r["slo"] == slo}
