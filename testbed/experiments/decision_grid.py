@@ -1,6 +1,7 @@
 """The decision study's grid cut into sweeps, its independent units of work:
 deployments of one model, hardware and N, searched at every L, SLO
-definition and link. A colocated deployment is a sweep of its own; the
+definition and link. A colocated deployment is a sweep of its own, or one
+per group of SLO definitions whose runs differ (adaptive's); the
 deployments of a family that use the link (every xPyD split) share one, so
 that each L searches its likely winner first and the rest against it
 (decision_brackets.py). A sweep's searches lean on each other (each L
@@ -63,8 +64,8 @@ def study_rule(e) -> SteadyRule:
 def sweeps(cfg: RunConfig) -> list[Sweep]:
     """Every sweep of the grid, in the order its rows are written: a colocated
     deployment alone (three of them gain little from sharing, and split they
-    keep the default grid's cores busy), the deployments of a family that use
-    the link together."""
+    keep the default grid's cores busy), split further by _run_groups, the
+    deployments of a family that use the link together."""
     e, out = cfg.experiment, []
     for model_name in e.models:
         for hardware_name in e.hardware:
