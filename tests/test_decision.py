@@ -216,6 +216,7 @@ def test_l_star_must_hold_at_every_larger_length():
     ("turns", 1, "experiment.turns"),
     ("parallel", "two", "experiment.parallel: 'auto', or a number of worker processes >= 1"),
     ("parallel", "0", "experiment.parallel"),
+    ("sweep_by", "link", "experiment.sweep_by: 'link': choose from family, cell"),
 ])
 def test_bad_decision_fields_name_the_field(field, value, message):
     with pytest.raises(ValueError, match=message):

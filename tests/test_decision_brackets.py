@@ -138,3 +138,54 @@ def test_a_failure_at_the_ceiling_over_few_judged_requests_rules_nothing_out():
             assert (res.capacity, res.limited_by, res.probes, res.first_failing) == (None, DOMINATED, 1, 10.0)
         else:
             assert res.limited_by == "ttft" and 8.0 / 1.1 <= res.capacity <= 8.0 < res.first_failing
+
+
+def test_with_sweep_by_cell_either_familys_best_rules_the_other_out(tmp_path):
+    """The constructed case in one sweep: sarathi outserves disagg-1P1D at L <= 1,024 and serves
+    nothing from 4,096 on. At 512 and 1,024 disagg fails at sarathi's measured capacity; at 8,192
+    disagg (which won 4,096) goes first and sarathi fails at its capacity. Every skipped row's
+    bound is the other family's measured best, its own probe failed there, and the winners and
+    L* are those of the full searches, in fewer probes than family by family."""
+    from testbed.experiments.decision_grid import sweeps
+    from testbed.experiments.decision_summary import crossovers
+    cell = constructed(sweep_by="cell")
+    assert [[d.label for d in s.deployments] for s in sweeps(cell)] == [["sarathi-1100", "disagg-1P1D"]]
+    rows = study(cell, tmp_path / "cell")
+    full = study(constructed(prior_brackets=False), tmp_path / "full")
+    family = study(constructed(), tmp_path / "family")
+    probes = {(p["key"].split("/")[3], p["key"].split("/")[5], round(float(p["rate"]), 6)): p["verdict"]
+              for p in read_rows(tmp_path / "cell" / "decision_probes.csv")}
+    key = lambda r: tuple(r[k] for k in CELL)
+    dominated = {(r["deployment"], r["context_len"]) for r in rows if r["limited_by"] == DOMINATED}
+    assert dominated == {("disagg-1P1D", "512"), ("disagg-1P1D", "1024"), ("sarathi-1100", "8192")}
+    for r in rows:
+        if r["limited_by"] != DOMINATED:
+            continue
+        rival = max(float(s["capacity_per_gpu"]) for s in rows if key(s) == key(r) and s["capacity_per_gpu"]
+                    and s["family"] != r["family"] and s["steady"] == "True")
+        assert r["capacity_per_gpu"] == "" and r["probes"] == "1"
+        assert math.isclose(float(r["first_failing_per_gpu"]), rival, rel_tol=1e-12)
+        assert probes[(r["deployment"], r["context_len"], round(rival * 2, 6))] not in ("pass", "unjudged")
+    for k in {key(r) for r in rows}:
+        assert winners([r for r in rows if key(r) == k]) == winners([r for r in full if key(r) == k])
+    lstar = lambda rs: [(c["slo"], c["l_star"]) for c in crossovers(rs)]
+    assert lstar(rows) == lstar(full) and {L for _, L in lstar(rows)} == {4096}
+    total = lambda rs: sum(int(r["probes"]) for r in rs)
+    assert total(rows) < total(family) and total(rows) < total(full)
+
+
+def test_a_colocated_row_is_ruled_out_only_by_the_link_familys_lowest_best_over_every_link():
+    from testbed.experiments.decision_brackets import CellBest
+    sarathi = Deployment("sarathi-512", "colocated", "colocated", "sarathi", 512, uses_link=False)
+    pd = Deployment("disagg-1P1D", "disaggregated", "disagg", "vllm_v0")
+    row = lambda cap, steady=True: {"capacity_per_gpu": cap, "steady": steady, "tbt_slo_ms": 100, "slo": "p99_tbt"}
+    best = CellBest(2)
+    best.add(pd, 0, [row(5.0)])
+    assert best.ceilings(sarathi, 0) == {}                       # the second link has none yet
+    best.add(pd, 1, [row(3.0), row(9.0, steady=False)])         # an unsteady capacity is no bound
+    assert best.ceilings(sarathi, 0) == {(100, "p99_tbt"): 3.0}
+    assert best.ceilings(pd, 1) == {(100, "p99_tbt"): 3.0} and best.link_family_leads()
+    best.add(sarathi, 0, [row(4.0)] * 2)                        # its row under each link
+    assert best.ceilings(pd, 0) == {(100, "p99_tbt"): 5.0} and best.ceilings(pd, 1) == {(100, "p99_tbt"): 4.0}
+    assert best.ceilings(sarathi, 0) == {(100, "p99_tbt"): 4.0}
+    assert not best.link_family_leads()                         # one link each: a tie

@@ -12,14 +12,19 @@ the sweeps, decision_search.py the searches). Three policies:
   `seed`): the link rarely moves it.
 - **The cell's best.** The deployments of one family sharing a sweep are
   searched at each L best first (by capacity at L/2: the likely winners
-  before the rest). One expected below its family's best steady capacity so
-  far in the same cell (model, hardware, link, N, SLO, L) is probed at that
+  before the rest). One expected below the best steady capacity so far in
+  the same cell (model, hardware, link, N, SLO, L) is probed at that
   capacity first: failing there, its capacity lies below it (the search's own
-  premise: above a failing rate every rate fails), so it can win neither the
-  cell nor its family and its row says `dominated`, with no capacity and that
-  rate as its bracket's top. The bound is a measured verdict at the same cell,
-  not a model's estimate, so the skip never hides a winner the full search
-  would have found. Passing there, its search goes on up from that rate.
+  premise: above a failing rate every rate fails), so it cannot win the cell
+  and its row says `dominated`, with no capacity and that rate as its
+  bracket's top. The bound is a measured verdict at the same cell, not a
+  model's estimate, so the skip never hides a winner the full search would
+  have found. Passing there, its search goes on up from that rate. The best
+  is the family's own; with experiment.sweep_by=cell, where every deployment
+  of a model, hardware and N shares one sweep, either family's: at each L
+  the family that won more of L/2's cells goes first, and the other is
+  probed at its best (a colocated row, standing under every link, at the
+  link-using family's lowest best over the links).
 - **The tolerance.** search_rate stops once its bracket is within rel_tol: a
   bracket from either policy above that holds ends the search in its two
   probes.
@@ -46,11 +51,10 @@ def work_s(cost, L: int, output_len: int) -> float:
 
 @dataclass
 class Known:
-    """One deployment's searches so far in its sweep: the first search per L on
-    the previous link (the next link's seeds) and on this one."""
-    seeds: dict[int, Search] = field(default_factory=dict)       # the previous link's
-    found: dict[int, Search] = field(default_factory=dict)       # this link's
-    # this link's searches per L by (TBT target, SLO definition)
+    """One deployment's searches so far on one link of its sweep: the first
+    search per L (the next link's seeds, `seed_of`) and every search per L."""
+    found: dict[int, Search] = field(default_factory=dict)
+    # the searches per L by (TBT target, SLO definition)
     searches: dict[int, dict[tuple, Search]] = field(default_factory=dict)
 
     def capacity(self, L: int) -> float | None:
@@ -68,10 +72,11 @@ class Known:
             return (1, -s.first_failing, position)
         return (2, 0.0, position)
 
-    def next_link(self) -> None:
-        self.seeds = {L: s for L, s in self.found.items()
-                      if s.capacity and s.first_failing and s.first_failing <= 2 * s.capacity}
-        self.found, self.searches = {}, {}
+
+def seed_of(s: Search | None) -> Search | None:
+    """A search on the previous link that seeds the same search on the next: one whose bracket
+    [capacity, first failing rate) is at most 2x wide."""
+    return s if s is not None and s.capacity and s.first_failing and s.first_failing <= 2 * s.capacity else None
 
 
 def neighbour_brackets(known: Known, L: int, previous: int | None, work: dict[int, float],
@@ -96,20 +101,48 @@ def best_first(deps: list[Deployment], known: dict[str, Known], previous: int | 
 
 
 class CellBest:
-    """The best steady capacity per GPU of each SLO definition and TBT target
-    among a family's rows so far at one L and link: the rate a later
-    deployment must pass to stay in the running."""
+    """The best steady capacity per GPU so far at one L, per (TBT target, SLO
+    definition), of the colocated deployments (under any link) and of the
+    link-using ones on each link: the rate a later deployment must pass to
+    stay in the running. Within its family always; across the families only
+    where they share a sweep (experiment.sweep_by=cell)."""
 
-    def __init__(self) -> None:
-        self.best: dict[tuple, float] = {}
+    def __init__(self, num_links: int) -> None:
+        self.num_links = num_links
+        self.best: dict[tuple, float] = {}            # (uses link, link index, TBT target, SLO) -> per GPU
 
-    def add(self, rows: list[dict]) -> None:
+    def add(self, dep: Deployment, link: int, rows: list[dict]) -> None:
         for r in rows:
             cap = r["capacity_per_gpu"]
             if cap is not None and r["steady"]:
-                key = (r["tbt_slo_ms"], r["slo"])
+                key = (dep.uses_link, link if dep.uses_link else 0, r["tbt_slo_ms"], r["slo"])
                 self.best[key] = max(cap, self.best.get(key, 0.0))
 
-    def ceilings(self) -> dict[tuple, float]:
-        """(TBT target, SLO definition) -> capacity per GPU to beat."""
-        return dict(self.best)
+    def _links(self, uses_link: bool) -> range:
+        return range(self.num_links) if uses_link else range(1)
+
+    def ceilings(self, dep: Deployment, link: int) -> dict[tuple, float]:
+        """(TBT target, SLO definition) -> capacity per GPU to beat: the family's best so far (on
+        this link), or the other family's where higher. A colocated row stands under every link,
+        so the link-using family's rate for it is its lowest over the links, where every link
+        has one."""
+        out: dict[tuple, float] = {}
+        for which in {(tbt, slo) for _, _, tbt, slo in self.best}:
+            own = self.best.get((dep.uses_link, link if dep.uses_link else 0, *which))
+            other = [self.best.get((not dep.uses_link, k, *which)) for k in self._links(not dep.uses_link)]
+            rates = ([own] if own is not None else []) + ([min(other)] if None not in other else [])
+            if rates:
+                out[which] = max(rates)
+        return out
+
+    def link_family_leads(self) -> bool:
+        """Whether the link-using family won more of this L's (link, TBT target, SLO definition)
+        cells than the colocated one (a family with no capacity in a cell loses it; ties: no):
+        the family to search first at the next L."""
+        score = 0
+        for tbt, slo in {(tbt, slo) for _, _, tbt, slo in self.best}:
+            colocated = self.best.get((False, 0, tbt, slo), 0.0)
+            for k in range(self.num_links):
+                theirs = self.best.get((True, k, tbt, slo), 0.0)
+                score += (theirs > colocated) - (theirs < colocated)
+        return score > 0

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from testbed.experiments.config import StudyConfig, at_least, fraction, positive
 
 COLOCATED = ("sarathi", "adaptive")
+SWEEP_BY = ("family", "cell")
 
 
 @dataclass
@@ -51,6 +52,10 @@ class DecisionConfig(StudyConfig):
     # start each search from what the study knows (decision_brackets.py: the neighbouring L's capacity, the
     # family's best in the cell); false: each L from 0.6x the previous L's capacity, every deployment in full
     prior_brackets: bool = True
+    # the grid's sweeps (decision_grid.py): family (a colocated deployment alone, a family's link-using
+    # ones together: the most sweeps to run at once) or cell (every deployment of a model, hardware and N
+    # together: either family's best rules the other's deployments out, the fewest probes)
+    sweep_by: str = "family"
     span_factor: float = 10.0                # steady state: arrivals span this many longest service times
     min_judged: int = 20                     # steady state: requests judged per probe at least
     # a probe's requests at most, per GPU of the deployment: its arrival rate, and so the requests a span of
@@ -106,6 +111,8 @@ class DecisionConfig(StudyConfig):
         if self.parallel != "auto" and not (self.parallel.isdigit() and int(self.parallel) >= 1):
             raise ValueError(f"experiment.parallel: 'auto', or a number of worker processes >= 1 (1: serially in "
                              f"this process), got '{self.parallel}'")
+        if self.sweep_by not in SWEEP_BY:
+            raise ValueError(f"experiment.sweep_by: {self.sweep_by!r}: choose from {', '.join(SWEEP_BY)}")
         fraction(self, "rel_tol")
         fraction(self, "real_rel_tol")
         for f in ("max_probes", "real_max_probes"):

@@ -1,14 +1,16 @@
 """The decision study's grid cut into sweeps, its independent units of work:
 deployments of one model, hardware and N, searched at every L, SLO
-definition and link. A colocated deployment is a sweep of its own, or one
-per group of SLO definitions whose runs differ (adaptive's); the
-deployments of a family that use the link (every xPyD split) share one, so
-that each L searches its likely winner first and the rest against it
+definition and link. By family (experiment.sweep_by=family, the most
+sweeps): a colocated deployment is a sweep of its own, or one per group of
+SLO definitions whose runs differ (adaptive's); the deployments of a family
+that use the link (every xPyD split) share one. By cell (the fewest
+probes): every deployment of a model, hardware and N shares one. Within a
+sweep each L searches its likely winner first and the rest against it
 (decision_brackets.py). A sweep's searches lean on each other (each L
 starts from the previous L's capacity, each link from the previous link's
-bracket, each deployment from its family's best in the cell), so a sweep
-runs in order in one process; different sweeps share nothing (a probe's key
-names its deployment), so they run in any order, on any process
+bracket, each deployment from the best in the cell), so a sweep runs in
+order in one process; different sweeps share nothing (a probe's key names
+its deployment), so they run in any order, on any process
 (decision_ray.py), and their rows merge in the grid's order into the same
 files as a serial run.
 
@@ -20,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from testbed.config import RunConfig
-from testbed.experiments.decision_brackets import CellBest, Known, best_first, neighbour_brackets, work_s
+from testbed.experiments.decision_brackets import CellBest, Known, best_first, neighbour_brackets, seed_of, work_s
 from testbed.experiments.decision_prober import Prober
 from testbed.experiments.decision_search import isolated_s, judged_run, length_rows, point_cfg
 from testbed.experiments.decision_slo import get_smoothness
@@ -39,7 +41,7 @@ class Sweep:
     model: str
     hardware: str
     num_gpus: int
-    deployments: tuple[Deployment, ...]    # one family's, all using the link or none: rows in this order
+    deployments: tuple[Deployment, ...]    # rows in this order
     smoothness: tuple[str, ...] = ()       # the SLO definitions it searches (): every one of the study's
 
     def definitions(self, e) -> tuple[str, ...]:
@@ -62,17 +64,23 @@ def study_rule(e) -> SteadyRule:
 
 
 def sweeps(cfg: RunConfig) -> list[Sweep]:
-    """Every sweep of the grid, in the order its rows are written: a colocated
-    deployment alone (three of them gain little from sharing, and split they
-    keep the default grid's cores busy), split further by _run_groups, the
-    deployments of a family that use the link together."""
+    """Every sweep of the grid, in the order its rows are written. By family
+    (experiment.sweep_by=family): a colocated deployment alone (three of them
+    gain little from sharing, and split they keep the default grid's cores
+    busy), split further by _run_groups, the deployments of a family that
+    use the link together. By cell: every deployment of a model, hardware
+    and N together, so that either family's best rules the other's out."""
     e, out = cfg.experiment, []
     for model_name in e.models:
         for hardware_name in e.hardware:
             point = point_cfg(cfg, model_name, hardware_name)
             for num_gpus in e.num_gpus:
+                deps = deployments(e, num_gpus, point.parallel.tp * point.parallel.pp, e.reuse > 0)
+                if e.sweep_by == "cell":
+                    out.append(Sweep(len(out), model_name, hardware_name, num_gpus, tuple(deps)))
+                    continue
                 groups: dict[str, list[Deployment]] = {}
-                for dep in deployments(e, num_gpus, point.parallel.tp * point.parallel.pp, e.reuse > 0):
+                for dep in deps:
                     if dep.uses_link:
                         groups.setdefault(dep.family, []).append(dep)
                     else:
@@ -127,56 +135,60 @@ def cell_of(row: dict) -> tuple:
 
 def run_sweep(cfg: RunConfig, sweep: Sweep, log, cache: ProbeCache | None = None,
               on_progress=None) -> SweepResult:
-    """One sweep's rows on a Prober of its own, link by link, L by L, and at
-    each L its deployments best first (decision_brackets.py). A deployment
-    that never touches the link is searched on the first and its rows repeat
-    under every link. on_progress(probes, cells): after every probe and every
-    L, the probes made so far and the cells given rows."""
+    """One sweep's rows on a Prober of its own, L by L, and at each L family
+    by family (the one that won more of L/2's cells first), link by link,
+    its deployments best first (decision_brackets.py). A deployment that
+    never touches the link is searched on the first and its rows repeat
+    under every link. on_progress(probes, cells): after every probe and
+    every L, the probes made so far and the cells given rows."""
     e = cfg.experiment
     deps = list(sweep.deployments)
-    rows: dict[str, list[dict]] = {d.label: [] for d in deps}
-    report = (lambda: on_progress(len(prober.rows), [cell_of(r) for d in deps for r in rows[d.label]])) \
+    links = [load_link_preset(name) for name in e.links]
+    link_range = {d.label: range(len(links) if d.uses_link else 1) for d in deps}
+    lengths = sorted(e.context_lens)
+    rows: dict[tuple, list[dict]] = {}         # (deployment, link index, L) -> its rows
+    report = (lambda: on_progress(len(prober.rows), [cell_of(r) for part in rows.values() for r in part])) \
         if on_progress else None
     prober = Prober(study_rule(e), log, cache=cache, on_probe=report)
     smooths = [get_smoothness(name) for name in sweep.definitions(e)]
-    links = [load_link_preset(name) for name in e.links]
     point = point_cfg(cfg, sweep.model, sweep.hardware)
     from testbed.sim.cost_model import CostModel
     worker = CostModel(point.model, point.hardware, point.parallel, point.engine)
-    lengths = sorted(e.context_lens)
     work = {L: work_s(worker, L, e.output_len) for L in lengths}
-    known = {d.label: Known() for d in deps}
-    uses_link = deps[0].uses_link
-    for link in (links if uses_link else links[:1]):
-        row_links = [link] if uses_link else links
-        at_link = replace_run(point, link=link)
-        for i, L in enumerate(lengths):
-            previous = lengths[i - 1] if i else None
-            best = CellBest()
-            for dep in best_first(deps, known, previous) if e.prior_brackets else deps:
-                gpus = dep.num_gpus(at_link)
-                # no bracket to start from: the grid's first L from rate_start, a later one from a
-                # guess of half the deployment's isolated service rate (without prior brackets: from
-                # 0.6x the previous L's capacity, doubling or halving)
-                prev = known[dep.label].capacity(previous) if previous is not None else None
-                start = (prev * 0.6 if prev and not e.prior_brackets else e.rate_start * gpus if not i
-                         else gpus / (2 * isolated_s(worker, L, e.output_len)))
-                guesses = neighbour_brackets(known[dep.label], L, previous, work, e.rel_tol) \
-                    if e.prior_brackets else None
-                searches = known[dep.label].searches.setdefault(L, {})
-                new, first = length_rows(prober, e, at_link, dep, sweep.num_gpus, row_links, smooths, L, start,
-                                         log, seed=known[dep.label].seeds.get(L), guesses=guesses,
-                                         ceilings=best.ceilings() if e.prior_brackets else None, searches=searches)
-                rows[dep.label] += new
-                best.add(new)
-                if first is not None:
-                    known[dep.label].found[L] = first
-            if report is not None:
-                report()
-        for k in known.values():
-            k.next_link()
-    return SweepResult([r for d in deps for r in rows[d.label]], prober.rows, prober.num_runs,
-                       prober.num_replayed, dict(prober.service_s))
+    known = {(d.label, k): Known() for d in deps for k in link_range[d.label]}
+    families = [[d for d in deps if not d.uses_link], [d for d in deps if d.uses_link]]
+    link_first = False
+    for i, L in enumerate(lengths):
+        previous = lengths[i - 1] if i else None
+        best = CellBest(len(links))
+        for family in (families[::-1] if link_first else families):
+            for k in range(len(links)) if family and family[0].uses_link else range(len(family[:1])):
+                at_link = replace_run(point, link=links[k])
+                on_link = {d.label: known[(d.label, k)] for d in family}
+                for dep in best_first(family, on_link, previous) if e.prior_brackets else family:
+                    here = on_link[dep.label]
+                    # no bracket to start from: the grid's first L from rate_start, a later one from a
+                    # guess of half the deployment's isolated service rate (without prior brackets: from
+                    # 0.6x the previous L's capacity, doubling or halving)
+                    prev = here.capacity(previous) if previous is not None else None
+                    start = (prev * 0.6 if prev and not e.prior_brackets else e.rate_start * dep.num_gpus(at_link)
+                             if not i else dep.num_gpus(at_link) / (2 * isolated_s(worker, L, e.output_len)))
+                    guesses = neighbour_brackets(here, L, previous, work, e.rel_tol) if e.prior_brackets else None
+                    seed = seed_of(known[(dep.label, k - 1)].found.get(L)) if k else None
+                    new, first = length_rows(prober, e, at_link, dep, sweep.num_gpus,
+                                             [links[k]] if dep.uses_link else links, smooths, L, start, log,
+                                             seed=seed, guesses=guesses,
+                                             ceilings=best.ceilings(dep, k) if e.prior_brackets else None,
+                                             searches=here.searches.setdefault(L, {}))
+                    rows[(dep.label, k, L)] = new
+                    best.add(dep, k, new)
+                    if first is not None:
+                        here.found[L] = first
+        link_first = best.link_family_leads()
+        if report is not None:
+            report()
+    return SweepResult([r for d in deps for k in link_range[d.label] for L in lengths for r in rows[(d.label, k, L)]],
+                       prober.rows, prober.num_runs, prober.num_replayed, dict(prober.service_s))
 
 
 def died_rows(cfg: RunConfig, sweep: Sweep, log) -> SweepResult:
