@@ -19,7 +19,7 @@ the sweeps, decision_search.py the searches). Three policies:
   and its row says `dominated`, with no capacity and that rate as its
   bracket's top. The bound is a measured verdict at the same cell, not a
   model's estimate, so the skip never hides a winner the full search would
-  have found. Passing there, its search goes on up from that rate. The best
+  have found. Passing there, it probes one rel_tol above next. The best
   is the family's own; with experiment.sweep_by=cell, where every deployment
   of a model, hardware and N shares one sweep, either family's: at each L
   the family that won more of L/2's cells goes first, and the other is

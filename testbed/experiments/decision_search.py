@@ -71,8 +71,8 @@ def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targe
     rate another deployment passed in this cell, probed first: failing there
     (not `unjudged`, over at least MIN_JUDGED_TO_SKIP judged requests) the
     search ends, limited_by=dominated, no capacity, the ceiling its first
-    failing rate; otherwise it goes on as usual (up from the ceiling when it
-    passed)."""
+    failing rate; otherwise it goes on as usual (when it passed, from the
+    bracket of rel_tol above it)."""
     verdicts: dict[float, tuple[str, bool]] = {}       # rate -> (failed limit or "", steady)
 
     class NeverFits(Exception):
@@ -104,7 +104,8 @@ def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targe
                 and judged[ceiling] >= MIN_JUDGED_TO_SKIP:
             return Search(None, "none", DOMINATED, verdicts[ceiling][1], 1, ceiling, prober.service_s.get(key))
         if ceiling is not None and not verdicts[ceiling][0]:
-            start, bracket = ceiling, None
+            # expected below it and passing: most likely just above, one tolerance step first
+            start, bracket = ceiling, (ceiling, ceiling * (1 + rel_tol))
         search_rate(probe, start, rel_tol, max_probes, bracket)
     except NeverFits:           # a verdict on memory, not on load: no probe length changes it
         never_fits = True
