@@ -47,15 +47,17 @@ class SteadyRule:
         if self.max_requests < self.min_judged:
             raise ValueError(f"max_requests: {self.max_requests} is below min_judged={self.min_judged}")
 
-    def num_requests(self, rate: float, service_s: float, max_requests: int | None = None) -> int:
+    def num_requests(self, rate: float, service_s: float, max_requests: int | None = None,
+                     min_judged: int = 0) -> int:
         """Requests a probe at `rate` (req/s) needs for its arrivals to span
-        span_factor x service_s with min_judged of them in the window (10% margin
-        for the Poisson process's spread), capped at max_requests (the rule's
-        unless given)."""
+        span_factor x service_s with min_judged of them (the rule's, or more
+        where given) in the window (10% margin for the Poisson process's
+        spread), capped at max_requests (the rule's unless given)."""
         service_s = max(service_s, 1e-6)
         span_s = self.span_factor * service_s
         window_s = span_s - 2 * service_s
-        n = max(math.ceil(1.1 * rate * span_s), math.ceil(self.min_judged * span_s / window_s * 1.1) + 2)
+        judged = max(self.min_judged, min_judged)
+        n = max(math.ceil(1.1 * rate * span_s), math.ceil(judged * span_s / window_s * 1.1) + 2)
         return min(n, self.max_requests if max_requests is None else max_requests)
 
     def window(self, records: Sequence[RequestRecord]) -> Window:

@@ -151,6 +151,9 @@ def test_a_probe_is_sized_to_reach_steady_state():
     assert rule.num_requests(10.0, 2.0) == 220                      # 1.1 x 10 req/s x 20 s
     assert rule.num_requests(0.01, 2.0) == 30                       # at least min_judged in the window
     assert rule.num_requests(1000.0, 10.0) == 4000
+    # a probe that must judge 100 (the ceiling's): 100 x 20 s / 16 s window x 1.1, plus 2
+    assert rule.num_requests(0.01, 2.0, min_judged=100) == 140
+    assert rule.num_requests(10.0, 2.0, min_judged=100) == 220      # the span asks for more already
 
 
 def test_an_unsteady_row_does_not_count_for_the_winner_or_l_star():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from testbed.config import from_dict
 from testbed.experiments.decision import run_decision
-from testbed.experiments.decision_brackets import Known, best_first, neighbour_brackets
+from testbed.experiments.decision_brackets import Known, below_dominated, best_first, neighbour_brackets
 from testbed.experiments.decision_search import Search
 from testbed.experiments.decision_summary import DOMINATED
 from testbed.experiments.decision_summary import best_by_family, winners
@@ -102,6 +102,9 @@ def test_the_likely_winner_goes_first_and_a_dominated_rate_is_no_guess():
     lo, hi = guesses[(100, "p99_tbt")]
     assert math.isclose(lo * hi, 10.0 ** 2) and math.isclose(hi / lo, 1.1)      # centred on 20 x 1/2
     assert neighbour_brackets(known["a"], 1024, 512, work, 0.1) == {}
+    # dominated at 512 (failed at 30 req/s): below that rate, scaled by the work; only for it
+    assert below_dominated(known["a"], 1024, 512, work, 0.1) == {(100, "p99_tbt"): (15.0 / 1.1, 15.0)}
+    assert below_dominated(known["c"], 1024, 512, work, 0.1) == {}
 
 
 class ScriptedProber:
@@ -110,15 +113,16 @@ class ScriptedProber:
 
     def __init__(self, capacity: float, judged, smooth, targets):
         from testbed.steady_state import SteadyRule
-        self.capacity, self.judged, self.rates = capacity, judged, []
+        self.capacity, self.judged, self.rates, self.min_judged = capacity, judged, [], []
         self.key = f"{smooth.name} {targets.ttft_ms!r} {targets.tbt_ms!r} {targets.fluidity_min!r}"
         self.rule, self.service_s = SteadyRule(10.0, 20, 1000), {}
         self.runner = type("Runner", (), {"none_finished_is_memory": True})()
 
-    def probe(self, key, cfg, rate, first_service_s, limit, asker, max_requests):
+    def probe(self, key, cfg, rate, first_service_s, limit, asker, max_requests, min_judged=0):
         from testbed.experiments.decision_prober import ProbeRun
         from testbed.steady_state import Window
         self.rates.append(rate)
+        self.min_judged.append(min_judged)
         return ProbeRun(Window([], True, "ok", 100.0, 1.0), 200, 200, num_judged=self.judged(rate),
                         verdicts={self.key: "" if rate <= self.capacity else "ttft"})
 
@@ -133,7 +137,7 @@ def test_a_failure_at_the_ceiling_over_few_judged_requests_rules_nothing_out():
     for judged, dominated in ((MIN_JUDGED_TO_SKIP - 1, False), (MIN_JUDGED_TO_SKIP, True)):
         prober = ScriptedProber(8.0, lambda rate, j=judged: j, smooth, targets)
         res = search(prober, ("k",), cfg, smooth, targets, 4.0, 1.0, 0.1, 10, (7.0, 7.7), ceiling=10.0)
-        assert prober.rates[0] == 10.0
+        assert prober.rates[0] == 10.0 and prober.min_judged[0] == MIN_JUDGED_TO_SKIP  # sized to rule it out
         if dominated:
             assert (res.capacity, res.limited_by, res.probes, res.first_failing) == (None, DOMINATED, 1, 10.0)
         else:
@@ -189,3 +193,14 @@ def test_a_colocated_row_is_ruled_out_only_by_the_link_familys_lowest_best_over_
     assert best.ceilings(pd, 0) == {(100, "p99_tbt"): 5.0} and best.ceilings(pd, 1) == {(100, "p99_tbt"): 4.0}
     assert best.ceilings(sarathi, 0) == {(100, "p99_tbt"): 4.0}
     assert not best.link_family_leads()                         # one link each: a tie
+
+
+def test_a_search_passing_the_ceiling_probes_one_tolerance_above_it_next():
+    from testbed.experiments.decision_search import search
+    from testbed.experiments.decision_slo import SLOTargets, get_smoothness
+    smooth, targets = get_smoothness("p99_tbt"), SLOTargets(1000.0, 100.0)
+    prober = ScriptedProber(8.0, lambda rate: 200, smooth, targets)
+    res = search(prober, ("k",), tiny_on_cpu(True), smooth, targets, 4.0, 1.0, 0.1, 10, None, ceiling=7.5)
+    # not doubling from the ceiling: two rates (the Prober replays a rate it ran: one run each)
+    assert list(dict.fromkeys(prober.rates)) == [7.5, 7.5 * 1.1]
+    assert (res.capacity, res.first_failing, res.probes) == (7.5, 7.5 * 1.1, 2)

@@ -133,6 +133,7 @@ def _summary(cfg: RunConfig, rows: list[dict], rule: SteadyRule) -> dict:
     e = cfg.experiment
     sim = [r for r in rows if r["source"] == "sim"]
     changes = definition_changes(sim)
+    rival = "its family's" if e.sweep_by == "family" else "either family's (experiment.sweep_by=cell)"
     return {
         "assumptions": {
             "ttft_k": e.ttft_k,
@@ -150,7 +151,7 @@ def _summary(cfg: RunConfig, rows: list[dict], rule: SteadyRule) -> dict:
             "transfer_layerwise": cfg.transfer.layerwise, "disagg_scheduler": e.disagg_scheduler,
             "l_star": "smallest L from which on the best steady disaggregated capacity per GPU exceeds the best "
                       "colocated one at every larger L; a family without a steady capacity at an L counts 0 there",
-            "dominated": "a deployment that failed at its family's best capacity in the cell, probed there first: "
+            "dominated": f"a deployment that failed at {rival} best capacity in the cell, probed there first: "
                          "no capacity, that rate its first_failing_per_gpu (experiment.prior_brackets)",
             "ties": "the L's where the other family's search bracket [capacity, first failing rate) reaches above "
                     "the winner's capacity: the winner there is within the search's resolution",

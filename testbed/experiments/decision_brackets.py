@@ -7,7 +7,9 @@ the sweeps, decision_search.py the searches). Three policies:
   work at L/2 and at L (`work_s`), is a guess at its capacity at L under the
   same; the search probes a bracket of rel_tol around
   the guess first (search_rate's `bracket`) and ends in two probes where the
-  guess holds, moving out geometrically where it does not. On another link
+  guess holds, moving out geometrically where it does not (dominated at
+  L/2, and its probe at the cell's best inconclusive: the bracket just below
+  the rate it failed at, scaled alike). On another link
   the bracket that link found at L comes first (decision_search.length_rows'
   `seed`): the link rarely moves it.
 - **The cell's best.** The deployments of one family sharing a sweep are
@@ -92,6 +94,21 @@ def neighbour_brackets(known: Known, L: int, previous: int | None, work: dict[in
         if s.capacity:
             guess = s.capacity * work[previous] / work[L]
             out[which] = (guess / half, guess * half)
+    return out
+
+
+def below_dominated(known: Known, L: int, previous: int | None, work: dict[int, float],
+                    rel_tol: float) -> dict[tuple, tuple[float, float]]:
+    """Per (TBT target, SLO definition) dominated at `previous`: the bracket of
+    width rel_tol just below the rate it failed at, scaled by work[previous] /
+    work[L] (its capacity lay below that rate, and near it: it was probed there
+    for being expected close). An upper bound, not a guess of where it lies:
+    only where the cell's best at L says nothing (its probe judged too few)."""
+    out = {}
+    for which, s in known.searches.get(previous, {}).items():
+        if s.capacity is None and s.limited_by == DOMINATED and s.first_failing:
+            top = s.first_failing * work[previous] / work[L]
+            out[which] = (top / (1 + rel_tol), top)
     return out
 
 

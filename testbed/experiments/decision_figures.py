@@ -109,7 +109,7 @@ def plot_capacity_vs_length(rows: list[dict], path: Path, title: str,
             if below:
                 ax.scatter(*zip(*below), marker="v", s=14, color=color, zorder=3)
     if any(_dominated(r) for r in rows):
-        ax.scatter([], [], marker="v", s=14, color="black", label="dominated: below its family's best (not searched)")
+        ax.scatter([], [], marker="v", s=14, color="black", label="dominated: below the best in the cell (not searched)")
     if any(not _steady(r) and not _dominated(r) for r in rows):
         ax.scatter([], [], marker="o", facecolors="none", edgecolors="black", label="not steady (not counted)")
     _log2_tokens_axis(ax, [int(r["context_len"]) for r in rows])

@@ -22,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from testbed.config import RunConfig
-from testbed.experiments.decision_brackets import CellBest, Known, best_first, neighbour_brackets, seed_of, work_s
+from testbed.experiments.decision_brackets import (CellBest, Known, below_dominated, best_first, neighbour_brackets,
+                                                     seed_of, work_s)
 from testbed.experiments.decision_prober import Prober
 from testbed.experiments.decision_search import isolated_s, judged_run, length_rows, point_cfg
 from testbed.experiments.decision_slo import get_smoothness
@@ -174,10 +175,11 @@ def run_sweep(cfg: RunConfig, sweep: Sweep, log, cache: ProbeCache | None = None
                     start = (prev * 0.6 if prev and not e.prior_brackets else e.rate_start * dep.num_gpus(at_link)
                              if not i else dep.num_gpus(at_link) / (2 * isolated_s(worker, L, e.output_len)))
                     guesses = neighbour_brackets(here, L, previous, work, e.rel_tol) if e.prior_brackets else None
+                    bounds = below_dominated(here, L, previous, work, e.rel_tol) if e.prior_brackets else None
                     seed = seed_of(known[(dep.label, k - 1)].found.get(L)) if k else None
                     new, first = length_rows(prober, e, at_link, dep, sweep.num_gpus,
                                              [links[k]] if dep.uses_link else links, smooths, L, start, log,
-                                             seed=seed, guesses=guesses,
+                                             seed=seed, guesses=guesses, bounds=bounds,
                                              ceilings=best.ceilings(dep, k) if e.prior_brackets else None,
                                              searches=here.searches.setdefault(L, {}))
                     rows[(dep.label, k, L)] = new

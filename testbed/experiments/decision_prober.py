@@ -99,7 +99,8 @@ class Prober:
     `deadline` (time.monotonic()) no probe starts: OutOfTime. With `cache`
     (simulated probes only: they are deterministic) a probe this code already
     ran is replayed from it (probe_cache.py). `on_probe()` is called after
-    every probe (the study's progress)."""
+    every probe (the study's progress). `min_judged` in probe(): a probe
+    sized for at least that many judged requests (the rule's if more)."""
 
     def __init__(self, rule: SteadyRule, log, runner: ProbeRunner | None = None, max_span_s: float | None = None,
                  max_lengthenings: int = 2,    # a service time still growing after two is the rate's
@@ -119,17 +120,18 @@ class Prober:
         self.num_replayed = 0
 
     def probe(self, key: tuple, cfg: RunConfig, rate: float, first_service_s: float,
-              limit: Callable[[ProbeRun], str], asker: str = "", max_requests: int | None = None) -> ProbeRun:
+              limit: Callable[[ProbeRun], str], asker: str = "", max_requests: int | None = None,
+              min_judged: int = 0) -> ProbeRun:
         if (*key, rate) in self.runs:
             return self.runs[(*key, rate)]
         service = self.service_s.get(key, first_service_s)
-        n = self._size(rate, service, max_requests)
+        n = self._size(rate, service, max_requests, min_judged)
         run = self._run(cfg, rate, n)
         runs, wall_s, cpu_s = 1, run.wall_s, run.cpu_s     # a lengthened probe's row counts every run it took
         missed = limit(run)
         passed = not missed
         for _ in range(self.max_lengthenings):
-            needed = self._size(rate, run.window.service_s, max_requests)
+            needed = self._size(rate, run.window.service_s, max_requests, min_judged)
             # every request finished and none in the window: too short to say anything, not a failure
             # (failing such a probe sent dsv2's sarathi-2048 search at 2K below half its capacity)
             unjudged = run.num_finished == run.num_requests and not run.num_judged
@@ -156,8 +158,8 @@ class Prober:
             self.on_probe()
         return run
 
-    def _size(self, rate: float, service_s: float, max_requests: int | None) -> int:
-        n = self.rule.num_requests(rate, service_s, max_requests)
+    def _size(self, rate: float, service_s: float, max_requests: int | None, min_judged: int = 0) -> int:
+        n = self.rule.num_requests(rate, service_s, max_requests, min_judged)
         return n if self.max_span_s is None else min(n, max(2, int(rate * self.max_span_s) + 1))
 
     def _run(self, cfg: RunConfig, rate: float, n: int) -> ProbeRun:

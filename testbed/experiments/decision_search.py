@@ -68,7 +68,8 @@ def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targe
     cut by the Prober's deadline keeps what it measured, flagged
     (limited_by=budget, steady=false). `bracket`: search_rate's, probed first
     instead of searching from `start` (decision_brackets.py). `ceiling`: a
-    rate another deployment passed in this cell, probed first: failing there
+    rate another deployment passed in this cell, probed first (sized for
+    MIN_JUDGED_TO_SKIP judged requests): failing there
     (not `unjudged`, over at least MIN_JUDGED_TO_SKIP judged requests) the
     search ends, limited_by=dominated, no capacity, the ceiling its first
     failing rate; otherwise it goes on as usual (when it passed, from the
@@ -88,8 +89,8 @@ def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targe
 
     judged: dict[float, int] = {}
 
-    def probe(rate: float) -> bool:
-        run = prober.probe(key, cfg, rate, first_service_s, limit_of, smooth.name, max_requests)
+    def probe(rate: float, min_judged: int = 0) -> bool:
+        run = prober.probe(key, cfg, rate, first_service_s, limit_of, smooth.name, max_requests, min_judged)
         limit = limit_of(run)
         verdicts[rate] = (limit, run.window.steady)
         judged[rate] = run.num_judged
@@ -100,7 +101,8 @@ def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targe
 
     never_fits = out_of_time = False
     try:
-        if ceiling is not None and not probe(ceiling) and verdicts[ceiling][0] != "unjudged" \
+        # the ceiling's probe long enough to rule the deployment out: MIN_JUDGED_TO_SKIP judged
+        if ceiling is not None and not probe(ceiling, MIN_JUDGED_TO_SKIP) and verdicts[ceiling][0] != "unjudged" \
                 and judged[ceiling] >= MIN_JUDGED_TO_SKIP:
             return Search(None, "none", DOMINATED, verdicts[ceiling][1], 1, ceiling, prober.service_s.get(key))
         if ceiling is not None and not verdicts[ceiling][0]:
@@ -201,7 +203,8 @@ def length_rows(prober: Prober, e, point: RunConfig, dep: Deployment, num_gpus: 
                 max_probes: int | None = None, skip: str | None = None,
                 seed: Search | None = None, guesses: dict[tuple, tuple[float, float]] | None = None,
                 ceilings: dict[tuple, float] | None = None,
-                searches: dict[tuple, Search] | None = None) -> tuple[list[dict], Search | None]:
+                searches: dict[tuple, Search] | None = None,
+                bounds: dict[tuple, tuple[float, float]] | None = None) -> tuple[list[dict], Search | None]:
     """One deployment's rows at one L: a search from `start` (req/s of the
     deployment) per TBT target and smoothness definition, each row repeated
     under every link of row_links; and the first search that found a
@@ -212,8 +215,9 @@ def length_rows(prober: Prober, e, point: RunConfig, dep: Deployment, num_gpus: 
     deployment), the first probe sized from the service time it measured;
     else `guesses`' bracket for its (TBT target, SLO definition) (the
     neighbouring length's, decision_brackets.py). `ceilings`: (TBT target,
-    SLO definition) -> the family's best capacity per GPU so far in the cell:
-    a search not expected above it probes it first (search's `ceiling`).
+    SLO definition) -> the best capacity per GPU so far in the cell: a search
+    not expected above it probes it first (search's `ceiling`). `bounds`: a
+    bracket for a search with no other, once the ceiling said nothing.
     `searches`, when given, gets each search by (TBT target, SLO definition)."""
     from testbed.sim.cost_model import CostModel
     one_gpu = CostModel(point.model, point.hardware, ParallelConfig(), point.engine)
@@ -245,6 +249,7 @@ def length_rows(prober: Prober, e, point: RunConfig, dep: Deployment, num_gpus: 
             ceiling = (ceilings or {}).get((tbt, smooth.name))
             if ceiling is not None and here is not None and here[0] >= ceiling * gpus:
                 ceiling = None             # expected to beat it: searched as usual
+            here = here or (bounds or {}).get((tbt, smooth.name))
             res = Search(None, "none", skip, False, 0) if skip else search(
                 prober, key, run_cfg, smooth, targets, start, service_s, rel_tol or e.rel_tol,
                 max_probes or e.max_probes, here, e.max_requests_per_gpu * num_gpus,
