@@ -70,7 +70,8 @@ def test_a_study_s_defaults_are_its_default_preset_and_full_sets_values_over_the
     assert composed("experiment=decision").experiment == DecisionConfig()
     assert composed("experiment=stall").experiment == StallConfig()
     full = composed("experiment=decision-full").experiment
-    assert (full.num_gpus, full.tp, full.tbt_slos_ms, full.rel_tol) == ([2, 4, 8], {"llama2-70b": 4}, [50, 100], 0.1)
+    assert (full.num_gpus, full.tp, full.tbt_slos_ms, full.rel_tol, full.sweep_by) == (
+        [2, 4, 8], {"llama2-70b": 4}, [50, 100], 0.1, "cell")
     capacity = composed("experiment=capacity-full").experiment
     # a -full preset's workload fields merge over the default preset's
     assert capacity.workloads["azure_code"]["workload"] == {"max_requests": 1000, "max_prompt_len": None,
