@@ -99,8 +99,11 @@ class Prober:
     `deadline` (time.monotonic()) no probe starts: OutOfTime. With `cache`
     (simulated probes only: they are deterministic) a probe this code already
     ran is replayed from it (probe_cache.py). `on_probe()` is called after
-    every probe (the study's progress). `min_judged` in probe(): a probe
-    sized for at least that many judged requests (the rule's if more)."""
+    every probe (the study's progress). `rule_out` in probe(): a probe at
+    a rival's capacity, to rule the deployment out (decision_search's
+    ceiling): sized for at least that many judged requests, and lengthened
+    only while it passes (an overloaded run has no steady state to reach:
+    lengthened, its service time grows with it, up to max_requests)."""
 
     def __init__(self, rule: SteadyRule, log, runner: ProbeRunner | None = None, max_span_s: float | None = None,
                  max_lengthenings: int = 2,    # a service time still growing after two is the rate's
@@ -121,22 +124,22 @@ class Prober:
 
     def probe(self, key: tuple, cfg: RunConfig, rate: float, first_service_s: float,
               limit: Callable[[ProbeRun], str], asker: str = "", max_requests: int | None = None,
-              min_judged: int = 0) -> ProbeRun:
+              rule_out: int = 0) -> ProbeRun:
         if (*key, rate) in self.runs:
             return self.runs[(*key, rate)]
         service = self.service_s.get(key, first_service_s)
-        n = self._size(rate, service, max_requests, min_judged)
+        n = self._size(rate, service, max_requests, rule_out)
         run = self._run(cfg, rate, n)
         runs, wall_s, cpu_s = 1, run.wall_s, run.cpu_s     # a lengthened probe's row counts every run it took
         missed = limit(run)
         passed = not missed
         for _ in range(self.max_lengthenings):
-            needed = self._size(rate, run.window.service_s, max_requests, min_judged)
+            needed = self._size(rate, run.window.service_s, max_requests, rule_out)
             # every request finished and none in the window: too short to say anything, not a failure
             # (failing such a probe sent dsv2's sarathi-2048 search at 2K below half its capacity)
             unjudged = run.num_finished == run.num_requests and not run.num_judged
             if run.window.steady or not run.num_finished or needed <= run.num_requests \
-                    or not (passed or unjudged or needed <= 3 * run.num_requests):
+                    or not (passed or (unjudged or needed <= 3 * run.num_requests) and not rule_out):
                 break
             run = self._run(cfg, rate, needed)
             runs, wall_s = runs + 1, wall_s + run.wall_s

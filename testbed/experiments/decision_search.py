@@ -68,12 +68,13 @@ def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targe
     cut by the Prober's deadline keeps what it measured, flagged
     (limited_by=budget, steady=false). `bracket`: search_rate's, probed first
     instead of searching from `start` (decision_brackets.py). `ceiling`: a
-    rate another deployment passed in this cell, probed first (sized for
-    MIN_JUDGED_TO_SKIP judged requests): failing there
-    (not `unjudged`, over at least MIN_JUDGED_TO_SKIP judged requests) the
-    search ends, limited_by=dominated, no capacity, the ceiling its first
-    failing rate; otherwise it goes on as usual (when it passed, from the
-    bracket of rel_tol above it)."""
+    rate another deployment passed in this cell; the search first probes it,
+    or its bracket's top where that lies below (the Prober's `rule_out`:
+    sized for MIN_JUDGED_TO_SKIP judged requests, lengthened only while it
+    passes). Failing there (not `unjudged`, over at least MIN_JUDGED_TO_SKIP
+    judged requests) the search ends, limited_by=dominated, no capacity, that
+    rate its first failing one; otherwise it goes on as usual (when it
+    passed, from the bracket of rel_tol above that rate)."""
     verdicts: dict[float, tuple[str, bool]] = {}       # rate -> (failed limit or "", steady)
 
     class NeverFits(Exception):
@@ -89,8 +90,8 @@ def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targe
 
     judged: dict[float, int] = {}
 
-    def probe(rate: float, min_judged: int = 0) -> bool:
-        run = prober.probe(key, cfg, rate, first_service_s, limit_of, smooth.name, max_requests, min_judged)
+    def probe(rate: float, rule_out: int = 0) -> bool:
+        run = prober.probe(key, cfg, rate, first_service_s, limit_of, smooth.name, max_requests, rule_out)
         limit = limit_of(run)
         verdicts[rate] = (limit, run.window.steady)
         judged[rate] = run.num_judged
@@ -101,13 +102,16 @@ def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targe
 
     never_fits = out_of_time = False
     try:
-        # the ceiling's probe long enough to rule the deployment out: MIN_JUDGED_TO_SKIP judged
-        if ceiling is not None and not probe(ceiling, MIN_JUDGED_TO_SKIP) and verdicts[ceiling][0] != "unjudged" \
-                and judged[ceiling] >= MIN_JUDGED_TO_SKIP:
-            return Search(None, "none", DOMINATED, verdicts[ceiling][1], 1, ceiling, prober.service_s.get(key))
-        if ceiling is not None and not verdicts[ceiling][0]:
-            # expected below it and passing: most likely just above, one tolerance step first
-            start, bracket = ceiling, (ceiling, ceiling * (1 + rel_tol))
+        if ceiling is not None:
+            # the top of its own bracket where that lies below the ceiling (a probe near its capacity, not
+            # an overloaded one), else the ceiling; long enough to rule it out: MIN_JUDGED_TO_SKIP judged
+            top = bracket[1] if bracket is not None and bracket[1] < ceiling else ceiling
+            if not probe(top, MIN_JUDGED_TO_SKIP) and verdicts[top][0] != "unjudged" \
+                    and judged[top] >= MIN_JUDGED_TO_SKIP:
+                return Search(None, "none", DOMINATED, verdicts[top][1], 1, top, prober.service_s.get(key))
+            if not verdicts[top][0]:
+                # passing: most likely just above, one tolerance step first
+                start, bracket = top, (top, top * (1 + rel_tol))
         search_rate(probe, start, rel_tol, max_probes, bracket)
     except NeverFits:           # a verdict on memory, not on load: no probe length changes it
         never_fits = True
