@@ -329,7 +329,8 @@ def test_a_probe_too_short_to_judge_anyone_is_lengthened_not_counted_as_a_failur
     """A probe whose every request finished but whose window holds none (its
     first size came from a service time far too short) says nothing: failing
     it sent a search below half its capacity (deepseek-v2-lite, sarathi-2048
-    at 2K). It is re-run as long as the rule asks, even more than 3x longer."""
+    at 2K). It is re-run as long as the rule asks, even more than 3x longer; one
+    made to rule a deployment out is not (an overloaded run's would grow without end)."""
     from omegaconf import OmegaConf
 
     from testbed.experiments.decision_prober import Prober
@@ -350,6 +351,10 @@ def test_a_probe_too_short_to_judge_anyone_is_lengthened_not_counted_as_a_failur
     run = prober.probe(("k",), cfg, 20.0, 1e-6, lambda r: verdict(r, smooth, targets), "p99_tbt")
     assert run.num_requests > 3 * 30 and run.num_finished == run.num_requests
     assert run.window.judged and run.window.steady and 3.9 < run.window.service_s < 4.5
+    # a probe to rule a deployment out (rule_out) is sized for that many judged requests and, not
+    # passing, never lengthened: 140 requests over ~7 s, each 4 s long, judge none, in one run
+    ruling = prober.probe(("k2",), cfg, 20.0, 1e-6, lambda r: verdict(r, smooth, targets), "p99_tbt", rule_out=100)
+    assert ruling.num_requests == 140 and not ruling.num_judged and prober.rows[-1]["runs"] == 1
     assert verdict(run, smooth, targets) == ""
 
 
