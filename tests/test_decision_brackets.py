@@ -158,11 +158,12 @@ def test_with_sweep_by_cell_either_familys_best_rules_the_other_out(tmp_path):
     winners and L* are those of the full searches, in fewer probes than family by family."""
     from testbed.experiments.decision_grid import sweeps
     from testbed.experiments.decision_summary import crossovers
-    cell = constructed(sweep_by="cell")
+    # every probe judging 100 requests: each capacity then stands on as long a probe as a rival's failure
+    cell = constructed(sweep_by="cell", min_judged=100)
     assert [[d.label for d in s.deployments] for s in sweeps(cell)] == [["sarathi-1100", "disagg-1P1D"]]
     rows = study(cell, tmp_path / "cell")
-    full = study(constructed(prior_brackets=False), tmp_path / "full")
-    family = study(constructed(), tmp_path / "family")
+    full = study(constructed(prior_brackets=False, min_judged=100), tmp_path / "full")
+    family = study(constructed(min_judged=100), tmp_path / "family")
     probes = {(p["key"].split("/")[3], p["key"].split("/")[5], round(float(p["rate"]), 6)): p["verdict"]
               for p in read_rows(tmp_path / "cell" / "decision_probes.csv")}
     key = lambda r: tuple(r[k] for k in CELL)
@@ -186,17 +187,25 @@ def test_with_sweep_by_cell_either_familys_best_rules_the_other_out(tmp_path):
 
 
 def test_a_colocated_row_is_ruled_out_only_by_the_link_familys_lowest_best_over_every_link():
+    """CellBest: a colocated deployment's rate to beat is the link family's lowest best over the
+    links, once every link has one; a link-using one's the higher of its link's best and the
+    colocated best. A capacity counts only where its probe was steady and judged 100 requests."""
     from testbed.experiments.decision_brackets import CellBest
+    from testbed.experiments.decision_search import MIN_JUDGED_TO_SKIP
     sarathi = Deployment("sarathi-512", "colocated", "colocated", "sarathi", 512, uses_link=False)
     pd = Deployment("disagg-1P1D", "disaggregated", "disagg", "vllm_v0")
     row = lambda cap, steady=True: {"capacity_per_gpu": cap, "steady": steady, "tbt_slo_ms": 100, "slo": "p99_tbt"}
+    judged = lambda n: {(100, "p99_tbt"): Search(1.0, "bracketed", "ttft", True, 2, 1.1, judged=n)}
     best = CellBest(2)
-    best.add(pd, 0, [row(5.0)])
+    best.add(pd, 0, [row(5.0)], judged(MIN_JUDGED_TO_SKIP))
     assert best.ceilings(sarathi, 0) == {}                       # the second link has none yet
-    best.add(pd, 1, [row(3.0), row(9.0, steady=False)])         # an unsteady capacity is no bound
+    best.add(pd, 1, [row(3.0)], judged(MIN_JUDGED_TO_SKIP - 1))  # too short a probe to rule out by
+    best.add(pd, 1, [row(9.0, steady=False)], judged(500))       # an unsteady capacity is no bound
+    assert best.ceilings(sarathi, 0) == {}
+    best.add(pd, 1, [row(3.0)], judged(MIN_JUDGED_TO_SKIP))
     assert best.ceilings(sarathi, 0) == {(100, "p99_tbt"): 3.0}
     assert best.ceilings(pd, 1) == {(100, "p99_tbt"): 3.0} and best.link_family_leads()
-    best.add(sarathi, 0, [row(4.0)] * 2)                        # its row under each link
+    best.add(sarathi, 0, [row(4.0)] * 2, judged(MIN_JUDGED_TO_SKIP))     # its row under each link
     assert best.ceilings(pd, 0) == {(100, "p99_tbt"): 5.0} and best.ceilings(pd, 1) == {(100, "p99_tbt"): 4.0}
     assert best.ceilings(sarathi, 0) == {(100, "p99_tbt"): 4.0}
     assert not best.link_family_leads()                         # one link each: a tie

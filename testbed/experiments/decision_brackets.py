@@ -15,18 +15,21 @@ the sweeps, decision_search.py the searches). Three policies:
 - **The cell's best.** The deployments of one family sharing a sweep are
   searched at each L best first (by capacity at L/2: the likely winners
   before the rest). One expected below the best steady capacity so far in
-  the same cell (model, hardware, link, N, SLO, L) is probed at that
-  capacity first: failing there, its capacity lies below it (the search's own
-  premise: above a failing rate every rate fails), so it cannot win the cell
-  and its row says `dominated`, with no capacity and that rate as its
-  bracket's top. The bound is a measured verdict at the same cell, not a
-  model's estimate, so the skip never hides a winner the full search would
-  have found. Passing there, it probes one rel_tol above next. The best
-  is the family's own; with experiment.sweep_by=cell, where every deployment
-  of a model, hardware and N shares one sweep, either family's: at each L
-  the family that won more of L/2's cells goes first, and the other is
-  probed at its best (a colocated row, standing under every link, at the
-  link-using family's lowest best over the links).
+  the same cell (model, hardware, link, N, SLO, L), a capacity whose probe
+  judged at least MIN_JUDGED_TO_SKIP requests, first probes the top of its
+  own bracket where that lies below the best, else the best, over as many
+  judged requests: failing there, its capacity lies below that rate (the
+  search's own premise: above a failing rate every rate fails), so it
+  cannot win the cell and its row says `dominated`, with no capacity and
+  that rate as its bracket's top. The bound is a verdict measured in the
+  same cell over as long a probe as the best's own, not a model's estimate,
+  so the skip hides no winner the full search would find. Passing there,
+  it probes one rel_tol above next. The best is the family's own; with
+  experiment.sweep_by=cell, where every deployment of a model, hardware and
+  N shares one sweep, either family's: at each L the family that won more
+  of L/2's cells goes first, and the other is probed against its best (a
+  colocated row, standing under every link, against the link-using
+  family's lowest best over the links).
 - **The tolerance.** search_rate stops once its bracket is within rel_tol: a
   bracket from either policy above that holds ends the search in its two
   probes.
@@ -35,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from testbed.experiments.decision_search import Search
+from testbed.experiments.decision_search import MIN_JUDGED_TO_SKIP, Search
 from testbed.experiments.decision_summary import DOMINATED
 from testbed.experiments.deployments import Deployment
 
@@ -127,12 +130,20 @@ class CellBest:
     def __init__(self, num_links: int) -> None:
         self.num_links = num_links
         self.best: dict[tuple, float] = {}            # (uses link, link index, TBT target, SLO) -> per GPU
+        self.steady: dict[tuple, float] = {}          # the same over every steady capacity (the order)
 
-    def add(self, dep: Deployment, link: int, rows: list[dict]) -> None:
+    def add(self, dep: Deployment, link: int, rows: list[dict], searches: dict[tuple, Search]) -> None:
+        """`rows` of `dep` at this L on `link`, `searches` its searches by (TBT target, SLO
+        definition). A capacity counts where its probe was steady and judged at least
+        MIN_JUDGED_TO_SKIP requests: a rival is ruled out only by as long a probe as its own
+        failing one (a short probe's pass is the false answer that tail latency gives)."""
         for r in rows:
-            cap = r["capacity_per_gpu"]
-            if cap is not None and r["steady"]:
-                key = (dep.uses_link, link if dep.uses_link else 0, r["tbt_slo_ms"], r["slo"])
+            cap, s = r["capacity_per_gpu"], searches.get((r["tbt_slo_ms"], r["slo"]))
+            if cap is None or not r["steady"]:
+                continue
+            key = (dep.uses_link, link if dep.uses_link else 0, r["tbt_slo_ms"], r["slo"])
+            self.steady[key] = max(cap, self.steady.get(key, 0.0))
+            if s is not None and (s.judged or 0) >= MIN_JUDGED_TO_SKIP:
                 self.best[key] = max(cap, self.best.get(key, 0.0))
 
     def _links(self, uses_link: bool) -> range:
@@ -154,12 +165,12 @@ class CellBest:
 
     def link_family_leads(self) -> bool:
         """Whether the link-using family won more of this L's (link, TBT target, SLO definition)
-        cells than the colocated one (a family with no capacity in a cell loses it; ties: no):
-        the family to search first at the next L."""
+        cells than the colocated one, by every steady capacity (a family with none in a cell
+        loses it; ties: no): the family to search first at the next L."""
         score = 0
-        for tbt, slo in {(tbt, slo) for _, _, tbt, slo in self.best}:
-            colocated = self.best.get((False, 0, tbt, slo), 0.0)
+        for tbt, slo in {(tbt, slo) for _, _, tbt, slo in self.steady}:
+            colocated = self.steady.get((False, 0, tbt, slo), 0.0)
             for k in range(self.num_links):
-                theirs = self.best.get((True, k, tbt, slo), 0.0)
+                theirs = self.steady.get((True, k, tbt, slo), 0.0)
                 score += (theirs > colocated) - (theirs < colocated)
         return score > 0

@@ -183,7 +183,7 @@ def run_sweep(cfg: RunConfig, sweep: Sweep, log, cache: ProbeCache | None = None
                                              ceilings=best.ceilings(dep, k) if e.prior_brackets else None,
                                              searches=here.searches.setdefault(L, {}))
                     rows[(dep.label, k, L)] = new
-                    best.add(dep, k, new)
+                    best.add(dep, k, new, here.searches[L])
                     if first is not None:
                         here.found[L] = first
         link_first = best.link_family_leads()

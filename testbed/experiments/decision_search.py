@@ -53,6 +53,7 @@ class Search:
     probes: int
     first_failing: float | None = None   # the lowest probed rate above capacity (it failed); None: none did
     service_s: float | None = None       # the longest service time its passing probes measured last (sizes probes)
+    judged: int | None = None            # the requests the probe at its capacity judged
 
 
 def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targets: SLOTargets, start: float,
@@ -128,9 +129,11 @@ def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targe
     # uncounted: N = 8's adaptive at 1K passed 197 req/s steadily and failed 215 at a 9.3 s service time)
     steady = never_fits or (verdicts[cap][1] if cap is not None else fail is None or verdicts[fail][1])
     service = prober.service_s.get(key)
+    at_cap = judged.get(cap) if cap is not None else None
     if out_of_time:
-        return Search(cap, bound, "budget", False, len(verdicts), fail, service)
-    return Search(cap, bound, verdicts[fail][0] if fail is not None else "", steady, len(verdicts), fail, service)
+        return Search(cap, bound, "budget", False, len(verdicts), fail, service, at_cap)
+    return Search(cap, bound, verdicts[fail][0] if fail is not None else "", steady, len(verdicts), fail, service,
+                  at_cap)
 
 
 def point_cfg(cfg: RunConfig, model_name: str, hardware_name: str) -> RunConfig:
