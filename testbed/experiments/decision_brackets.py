@@ -106,7 +106,8 @@ def below_dominated(known: Known, L: int, previous: int | None, work: dict[int, 
     width rel_tol just below the rate it failed at, scaled by work[previous] /
     work[L] (its capacity lay below that rate, and near it: it was probed there
     for being expected close). An upper bound, not a guess of where it lies:
-    only where the cell's best at L says nothing (its probe judged too few)."""
+    a search's bracket only where it has no other, after its probe against
+    the cell's best (when there is one) left it in the running."""
     out = {}
     for which, s in known.searches.get(previous, {}).items():
         if s.capacity is None and s.limited_by == DOMINATED and s.first_failing:
