@@ -106,8 +106,8 @@ def below_dominated(known: Known, L: int, previous: int | None, work: dict[int, 
     width rel_tol just below the rate it failed at, scaled by work[previous] /
     work[L] (its capacity lay below that rate, and near it: it was probed there
     for being expected close). An upper bound, not a guess of where it lies:
-    a search's bracket only where it has no other, after its probe against
-    the cell's best (when there is one) left it in the running."""
+    a search's bracket only where it has no other (its top, where below the
+    cell's best, is then the rate that may rule it out: decision_search)."""
     out = {}
     for which, s in known.searches.get(previous, {}).items():
         if s.capacity is None and s.limited_by == DOMINATED and s.first_failing:
