@@ -151,8 +151,9 @@ def _summary(cfg: RunConfig, rows: list[dict], rule: SteadyRule) -> dict:
             "transfer_layerwise": cfg.transfer.layerwise, "disagg_scheduler": e.disagg_scheduler,
             "l_star": "smallest L from which on the best steady disaggregated capacity per GPU exceeds the best "
                       "colocated one at every larger L; a family without a steady capacity at an L counts 0 there",
-            "dominated": f"a deployment that failed at {rival} best capacity in the cell, probed there first: "
-                         "no capacity, that rate its first_failing_per_gpu (experiment.prior_brackets)",
+            "dominated": f"a deployment that failed, over 100 judged requests, at or below {rival} best capacity "
+                         "in the cell (one judged over as many), probed there first: no capacity, that rate its "
+                         "first_failing_per_gpu (experiment.prior_brackets)",
             "ties": "the L's where the other family's search bracket [capacity, first failing rate) reaches above "
                     "the winner's capacity: the winner there is within the search's resolution",
         },
