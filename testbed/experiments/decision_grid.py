@@ -157,40 +157,45 @@ def run_sweep(cfg: RunConfig, sweep: Sweep, log, cache: ProbeCache | None = None
     worker = CostModel(point.model, point.hardware, point.parallel, point.engine)
     work = {L: work_s(worker, L, e.output_len) for L in lengths}
     known = {(d.label, k): Known() for d in deps for k in link_range[d.label]}
-    families = [[d for d in deps if not d.uses_link], [d for d in deps if d.uses_link]]
+    families = [f for f in ([d for d in deps if not d.uses_link], [d for d in deps if d.uses_link]) if f]
     link_first = False
     for i, L in enumerate(lengths):
         previous = lengths[i - 1] if i else None
         best = CellBest(len(links))
-        for family in (families[::-1] if link_first else families):
-            for k in range(len(links)) if family and family[0].uses_link else range(len(family[:1])):
-                at_link = replace_run(point, link=links[k])
-                on_link = {d.label: known[(d.label, k)] for d in family}
-                for dep in best_first(family, on_link, previous) if e.prior_brackets else family:
-                    here = on_link[dep.label]
-                    # no bracket to start from: the grid's first L from rate_start, a later one from a
-                    # guess of half the deployment's isolated service rate (without prior brackets: from
-                    # 0.6x the previous L's capacity, doubling or halving)
-                    prev = here.capacity(previous) if previous is not None else None
-                    start = (prev * 0.6 if prev and not e.prior_brackets else e.rate_start * dep.num_gpus(at_link)
-                             if not i else dep.num_gpus(at_link) / (2 * isolated_s(worker, L, e.output_len)))
-                    guesses = neighbour_brackets(here, L, previous, work, e.rel_tol) if e.prior_brackets else None
-                    bounds = below_dominated(here, L, previous, work, e.rel_tol) if e.prior_brackets else None
-                    seed = seed_of(known[(dep.label, k - 1)].found.get(L)) if k else None
-                    new, first = length_rows(prober, e, at_link, dep, sweep.num_gpus,
-                                             [links[k]] if dep.uses_link else links, smooths, L, start, log,
-                                             seed=seed, guesses=guesses, bounds=bounds,
-                                             ceilings=best.ceilings(dep, k) if e.prior_brackets else None,
-                                             searches=here.searches.setdefault(L, {}))
-                    rows[(dep.label, k, L)] = new
-                    best.add(dep, k, new, here.searches[L])
-                    if first is not None:
-                        here.found[L] = first
+        for family, k in _passes(families[::-1] if link_first else families, len(links)):
+            at_link = replace_run(point, link=links[k])
+            on_link = {d.label: known[(d.label, k)] for d in family}
+            for dep in best_first(family, on_link, previous) if e.prior_brackets else family:
+                here = on_link[dep.label]
+                # no bracket to start from: the grid's first L from rate_start, a later one from a
+                # guess of half the deployment's isolated service rate (without prior brackets: from
+                # 0.6x the previous L's capacity, doubling or halving)
+                prev = here.capacity(previous) if previous is not None else None
+                start = (prev * 0.6 if prev and not e.prior_brackets else e.rate_start * dep.num_gpus(at_link)
+                         if not i else dep.num_gpus(at_link) / (2 * isolated_s(worker, L, e.output_len)))
+                guesses = neighbour_brackets(here, L, previous, work, e.rel_tol) if e.prior_brackets else None
+                bounds = below_dominated(here, L, previous, work, e.rel_tol) if e.prior_brackets else None
+                seed = seed_of(known[(dep.label, k - 1)].found.get(L)) if k else None
+                new, first = length_rows(prober, e, at_link, dep, sweep.num_gpus,
+                                         [links[k]] if dep.uses_link else links, smooths, L, start, log,
+                                         seed=seed, guesses=guesses, bounds=bounds,
+                                         ceilings=best.ceilings(dep, k) if e.prior_brackets else None,
+                                         searches=here.searches.setdefault(L, {}))
+                rows[(dep.label, k, L)] = new
+                best.add(dep, k, new, here.searches[L])
+                if first is not None:
+                    here.found[L] = first
         link_first = best.link_family_leads()
         if report is not None:
             report()
     return SweepResult([r for d in deps for k in link_range[d.label] for L in lengths for r in rows[(d.label, k, L)]],
                        prober.rows, prober.num_runs, prober.num_replayed, dict(prober.service_s))
+
+
+def _passes(families: list[list[Deployment]], num_links: int) -> list[tuple[list[Deployment], int]]:
+    """(family, link index) in search order: a link-using family on every link, a colocated one on
+    the first (its rows stand under every link)."""
+    return [(f, k) for f in families for k in range(num_links if f[0].uses_link else 1)]
 
 
 def died_rows(cfg: RunConfig, sweep: Sweep, log) -> SweepResult:
