@@ -44,7 +44,7 @@ from testbed.config import RunConfig
 from testbed.experiments.decision_figures import capacity_series, decision_figures
 from testbed.experiments.decision_grid import WORKER_DIED, SweepResult, run_serial, study_rule, sweeps
 from testbed.experiments.decision_ray import num_workers, run_ray
-from testbed.experiments.decision_search import COLUMNS
+from testbed.experiments.decision_search import COLUMNS, MIN_JUDGED_TO_SKIP
 from testbed.experiments.decision_slo import get_smoothness
 from testbed.experiments.decision_summary import DOMINATED, crossovers, definition_changes, sim_vs_real
 from testbed.experiments.probe_cache import ProbeCache
@@ -151,9 +151,9 @@ def _summary(cfg: RunConfig, rows: list[dict], rule: SteadyRule) -> dict:
             "transfer_layerwise": cfg.transfer.layerwise, "disagg_scheduler": e.disagg_scheduler,
             "l_star": "smallest L from which on the best steady disaggregated capacity per GPU exceeds the best "
                       "colocated one at every larger L; a family without a steady capacity at an L counts 0 there",
-            "dominated": f"a deployment that failed, over 100 judged requests, at or below {rival} best capacity "
-                         "in the cell (one judged over as many), probed there first: no capacity, that rate its "
-                         "first_failing_per_gpu (experiment.prior_brackets)",
+            "dominated": f"a deployment that failed, over {MIN_JUDGED_TO_SKIP} judged requests, at or below {rival} "
+                         "best capacity in the cell (one judged over as many), probed there first: no capacity, "
+                         "that rate its first_failing_per_gpu (experiment.prior_brackets)",
             "ties": "the L's where the other family's search bracket [capacity, first failing rate) reaches above "
                     "the winner's capacity: the winner there is within the search's resolution",
         },
