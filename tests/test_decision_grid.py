@@ -43,13 +43,17 @@ def test_adaptive_splits_into_one_sweep_per_definition_group_with_the_same_rows(
     run: each is a sweep of its own (two cores take one half each), sarathi's definitions share
     their runs and stay one sweep. Every cell still gets each deployment's row exactly once, with
     the same capacities a one-definition study finds."""
-    from testbed.experiments.decision_grid import cells_of, sweeps
+    from testbed.experiments.decision_grid import cells_of, runs_per_rate, sweeps
     cfg = constructed(colocated=["sarathi", "adaptive"], context_lens=[512, 1024])
     grid = sweeps(cfg)
     assert [([d.label for d in s.deployments], s.smoothness) for s in grid] == [
         (["sarathi-1100"], ()), (["adaptive"], ("p99_tbt",)), (["adaptive"], ("fluidity",)),
         (["disagg-1P1D"], ())]
     assert {c[4] for c in cells_of(cfg, grid[1])} == {"p99_tbt"}
+    # one run per rate each, adaptive's planned by the predictor: Ray starts both halves first
+    assert [runs_per_rate(cfg, s) for s in grid] == [(0, 1), (1, 1), (1, 1), (0, 1)]
+    one = sweeps(dataclasses.replace(cfg, experiment=dataclasses.replace(cfg.experiment, sweep_by="cell")))
+    assert [runs_per_rate(cfg, s) for s in one] == [(2, 4)]      # adaptive's two runs, sarathi's, disagg's
     for d in ("both", "p99_tbt", "fluidity"):
         (tmp_path / d).mkdir()
     run_decision(cfg, tmp_path / "both", lambda *_: None)

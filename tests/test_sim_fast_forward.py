@@ -196,6 +196,37 @@ def test_decodes_priced_by_their_sum_and_longest_equal_the_slices(model, scale):
     assert not CostModelExecutor(CostModel(load_model_preset(model), roofline, engine=bare)).prices_decodes_by_sum
 
 
+
+@pytest.mark.parametrize("model,scale", [("llama3-8b", 1.0), ("llama3-8b", 0.8848)])
+def test_a_batch_priced_after_its_decodes_equals_the_whole_batch(model, scale):
+    """CostModel.pricer_after(decodes)(chunks, n) (adaptive's budget search) is
+    iteration_time_s(decodes + chunks, n), float for float: on both sides of the
+    short-batch path, with a recompute's catch-up (q > 1) among the head, a
+    1-token chunk in the tail (priced whole), an empty tail, and on attention that
+    prices each slice (the roofline: the whole batch every time)."""
+    rng = random.Random(11)
+    hardware = dataclasses.replace(load_hardware_preset("h100-sxm"), calibration_scale=scale)
+    roofline = dataclasses.replace(load_hardware_preset("h100-sxm"), attention_kernel="")
+    for cost in (CostModel(load_model_preset(model), hardware),
+                 CostModel(load_model_preset(model), roofline, engine=EngineConfig(name="bare"))):
+        for num_decodes in (0, 1, 5, 29, 31, 32, 40, 200):
+            head = [(1, rng.randint(1, 130_000)) for _ in range(num_decodes)]
+            if num_decodes > 3:
+                head[2] = (17, 4_000)                     # a recompute running into its outputs
+            price = cost.pricer_after(head)
+            for num_chunks in (0, 1, 2, 4):
+                for _ in range(5):
+                    tail = [(rng.choice([1, 2, 64, 512, 3_000]), 0) for _ in range(num_chunks)]
+                    tail = [(q, q + rng.randint(0, 60_000)) for q, _ in tail]
+                    if not head + tail:
+                        continue
+                    sampled = num_decodes + rng.randint(0, num_chunks)
+                    fast = price(tail, sampled)
+                    assert fast == cost.iteration_time_s(head + tail, sampled), (num_decodes, tail)
+                    assert type(fast) is float
+    with pytest.raises(ValueError, match="num_new_tokens >= 1"):
+        CostModel(load_model_preset(model), hardware).pricer_after([(1, 10)])([(0, 5)], 1)
+
 def _sim_engine(num_blocks: int):
     from testbed.block_manager import BlockManager
     from testbed.engine import Engine, VirtualClock

@@ -105,19 +105,24 @@ def _run_groups(e, point: RunConfig, deps: list[Deployment]) -> list[tuple[str, 
     return [()] if len(groups) == 1 else [tuple(names) for names in groups.values()]
 
 
-def runs_per_rate(cfg: RunConfig, sweep: Sweep) -> int:
-    """How many separate probe runs a sweep makes at one L and rate: per deployment one shared by
-    every SLO, unless it reads the TBT target (one per target) or a definition changes its run
-    (adaptive without slack under p99_tbt). The longest sweeps go to Ray first by it."""
+def runs_per_rate(cfg: RunConfig, sweep: Sweep) -> tuple[int, int]:
+    """How many separate probe runs a sweep makes at one L and rate, those planned by a step-time
+    predictor first: per deployment one per distinct run its definitions judge (adaptive without
+    its fluidity slack under p99_tbt is a second), times the TBT targets where it reads the SLO.
+    A predictor-planned run prices several candidate batches every iteration (adaptive's sweeps
+    took 26-28 CPU s on the default grid, sarathi's and disagg's 9-13 s), so the study's Ray tasks
+    start in this order, largest first."""
+    from testbed.schedulers import scheduler_class
     e = cfg.experiment
     point = point_cfg(cfg, sweep.model, sweep.hardware)
-    total = 0
+    planned = total = 0
     for dep in sweep.deployments:
         base = dep.apply(point)
-        variants = 1 + any(judged_run(base, get_smoothness(name)) is not base for name in sweep.definitions(e))
-        total += variants * (len(e.tbt_slos_ms) if dep.reads_slo else 1)
-    return total
-
+        variants = len({judged_run(base, get_smoothness(name)) is base for name in sweep.definitions(e)})
+        runs = variants * (len(e.tbt_slos_ms) if dep.reads_slo else 1)
+        total += runs
+        planned += runs if scheduler_class(dep.scheduler).needs_predictor else 0
+    return planned, total
 
 def cells_of(cfg: RunConfig, sweep: Sweep) -> list[tuple]:
     """The cells (model, hardware, link, N, SLO definition, TBT target, L: as its rows name them)

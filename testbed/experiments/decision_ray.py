@@ -69,7 +69,7 @@ def run_ray(cfg: RunConfig, grid: list[Sweep], workers: int, log) -> list[SweepR
         tally = ray.remote(num_cpus=0)(_Tally).remote()
         task = ray.remote(num_cpus=1, max_retries=1, retry_exceptions=False)(_sweep_task)
         # the longest first: the last to start sets the study's end (the results merge by index)
-        order = sorted(grid, key=lambda s: (-runs_per_rate(cfg, s), s.index))
+        order = sorted(grid, key=lambda s: tuple(-n for n in runs_per_rate(cfg, s)) + (s.index,))
         refs = {task.options(name=f"decision-sweep-{s.index}").remote(cfg, s, tally): s for s in order}
         results: dict[int, SweepResult] = {}
         pending = list(refs)

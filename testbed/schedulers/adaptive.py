@@ -281,11 +281,17 @@ class AdaptiveScheduler(SarathiScheduler):
 
     def _largest(self, decodes: list[tuple[int, int]], work: list[Request], target_s: float) -> int:
         """The largest prefill budget whose predicted iteration (the bound) takes at most target_s."""
-        cfg, predict, correct, min_chunk = self.acfg, self.predictor.iteration_time_s, self.correction, self.min_chunk
+        cfg, correct, min_chunk = self.acfg, self.correction, self.min_chunk
         todo = [(r.num_tokens - r.num_computed_tokens, r.num_computed_tokens) for r in work]
+        make = getattr(self.predictor, "pricer_after", None)
+        if make is None:
+            predict = self.predictor.iteration_time_s
+            price = lambda chunks, sampled: predict(decodes + chunks, sampled)    # noqa: E731
+        else:
+            price = make(decodes)     # the decodes' part priced once for every budget tried
 
         def fits(budget: int) -> bool:
-            pairs, sampled = list(decodes), len(decodes)
+            pairs, sampled = [], len(decodes)
             for remaining, computed in todo:
                 if budget < min(min_chunk, remaining):
                     break
@@ -295,7 +301,7 @@ class AdaptiveScheduler(SarathiScheduler):
                 budget -= n
                 if not budget:
                     break
-            return correct.bound(predict(pairs, sampled), MIXED) <= target_s
+            return correct.bound(price(pairs, sampled), MIXED) <= target_s
         return largest_fitting(fits, cfg.min_budget, cfg.max_budget, cfg.budget_multiple)
 
     def _misses_ttft(self, head: Request, budget: int, plan_s: float, now: float) -> bool:

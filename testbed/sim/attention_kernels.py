@@ -100,18 +100,25 @@ class KernelAttention:
         return q / (q + k.q_half) * ctx / (ctx + k.ctx_half)
 
     def seconds(self, q: np.ndarray, ctx: np.ndarray) -> float:
-        shape = self.shape
-        nbytes = shape.bytes(q, ctx)
         prefill = q > 1
+        decode = ~prefill
+        return self._vector_s(q[prefill], ctx[prefill], self._decodes_of(q[decode], ctx[decode]))
+
+    def _vector_s(self, qp: np.ndarray, cp: np.ndarray, decodes_s: float | None) -> float:
+        """seconds() of the prefills (qp, cp) and the decodes taking decodes_s (None: none)."""
         total = 0.0
-        if prefill.any():
-            qp, cp = q[prefill], ctx[prefill]
-            compute = shape.flops(qp, cp) / (self._flops_per_s * self.efficiency(qp, cp))
-            total += float(np.maximum(compute, nbytes[prefill] * self._decode_s_per_byte).sum())
-        if (~prefill).any():
-            decode = nbytes[~prefill]
-            total += self._decodes_s(float(decode.sum()), float(decode.max()))
+        if len(qp):
+            compute = self.shape.flops(qp, cp) / (self._flops_per_s * self.efficiency(qp, cp))
+            total += float(np.maximum(compute, self.shape.bytes(qp, cp) * self._decode_s_per_byte).sum())
+        if decodes_s is not None:
+            total += decodes_s
         return self.num_layers * total
+
+    def _decodes_of(self, q: np.ndarray, ctx: np.ndarray) -> float | None:
+        if not len(q):
+            return None
+        nbytes = self.shape.bytes(q, ctx)
+        return self._decodes_s(float(nbytes.sum()), float(nbytes.max()))
 
     def decode_seconds(self, num_decodes: int, context_tokens: int, longest_context: int) -> float:
         """seconds() of `num_decodes` decodes (q = 1) alone whose contexts sum
@@ -136,9 +143,36 @@ class KernelAttention:
         return max(decode_bytes * self._decode_s_per_byte, longest_bytes * self._single_s_per_byte) + self._floor_s
 
     def seconds_pairs(self, slices: Sequence[tuple[int, int]]) -> float:
+        return self._pairs_s(self._accumulate((0.0, 0.0, 0.0), slices))
+
+    def seconds_after(self, head: Sequence[tuple[int, int]]) -> Callable[[Sequence[tuple[int, int]], bool], float | None]:
+        """The seconds of head + tail as a function of tail and of which path
+        prices it (vectorized: seconds(), else seconds_pairs()), the same
+        float, head's part done once: a budget search prices one set of
+        decodes with many candidate chunks. None where a vectorized tail
+        holds a decode (it would change the decodes' sum)."""
+        state = self._accumulate((0.0, 0.0, 0.0), head)
+        longer = [(q, c) for q, c in head if q > 1]
+        decodes: list = []            # the head's decodes' seconds on the vectorized path, once asked
+
+        def seconds(tail: Sequence[tuple[int, int]], vectorized: bool) -> float | None:
+            if not vectorized:
+                return self._pairs_s(self._accumulate(state, tail))
+            if any(q <= 1 for q, _ in tail):
+                return None
+            if not decodes:
+                q, ctx = np.array([(q, c) for q, c in head if q <= 1], dtype=np.float64).reshape(-1, 2).T
+                decodes.append(self._decodes_of(q, ctx))
+            prefills = longer + list(tail)
+            qp, cp = np.array(prefills, dtype=np.float64).reshape(-1, 2).T
+            return self._vector_s(qp, cp, decodes[0])
+        return seconds
+
+    def _accumulate(self, state: tuple, slices: Sequence[tuple[int, int]]) -> tuple:
+        """(prefills' seconds, decodes' bytes, the longest decode's bytes) after `slices`, from `state`."""
         shape = self.shape
         kv, io = shape.kv_bytes_per_token, shape.io_bytes_per_token
-        total = decode_bytes = longest = 0.0
+        total, decode_bytes, longest = state
         for q, ctx in slices:
             nbytes = kv * ctx + io * q
             if q > 1:
@@ -148,6 +182,10 @@ class KernelAttention:
             else:
                 decode_bytes += nbytes
                 longest = max(longest, nbytes)
+        return total, decode_bytes, longest
+
+    def _pairs_s(self, state: tuple) -> float:
+        total, decode_bytes, longest = state
         if decode_bytes:
             total += self._decodes_s(decode_bytes, longest)
         return self.num_layers * total

@@ -158,6 +158,26 @@ class CostModel:
             return float(sum(terms + (_engine_s(terms, overhead, launch_bound, overlapped),)))
         return seconds
 
+    def pricer_after(self, head: Sequence[tuple[int, int]]) -> Callable[[Sequence[tuple[int, int]], int], float]:
+        """iteration_time_s(head + tail, num_sampled) as a function of tail and
+        num_sampled, the same float, head's part of the attention priced once
+        where the attention model allows (adaptive's budget search prices one
+        set of decodes with many candidate chunks)."""
+        head = list(head)
+        after = getattr(self._attention, "seconds_after", None)
+        if after is None:
+            return lambda tail, num_sampled: self.iteration_time_s(head + list(tail), num_sampled)
+        attention_after, head_m, num_head = after(head), _check_pairs(head), len(head)
+
+        def price(tail: Sequence[tuple[int, int]], num_sampled: int) -> float:
+            num_slices = num_head + len(tail)
+            attention = attention_after(tail, not 0 < num_slices < _SMALL_BATCH) if num_slices else None
+            if attention is None:
+                return self.iteration_time_s(head + list(tail), num_sampled)
+            m = float(head_m + _check_pairs(tail))
+            return float(sum(self._with_counted(attention, m, num_sampled, num_slices)))
+        return price
+
     def breakdown(self, slices: Slices, num_sampled: int | None = None) -> dict[str, float]:
         """The iteration's seconds by part (keys ending in _s, and total_s),
         plus num_tokens, kv_bytes_read and host_seconds (the engine's host time,
