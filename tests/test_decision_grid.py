@@ -50,10 +50,14 @@ def test_adaptive_splits_into_one_sweep_per_definition_group_with_the_same_rows(
         (["sarathi-1100"], ()), (["adaptive"], ("p99_tbt",)), (["adaptive"], ("fluidity",)),
         (["disagg-1P1D"], ())]
     assert {c[4] for c in cells_of(cfg, grid[1])} == {"p99_tbt"}
-    # one run per rate each, adaptive's planned by the predictor: Ray starts both halves first
+    # one run per rate each (disagg's on its one link), adaptive's planned by the predictor: Ray
+    # starts both halves first
     assert [runs_per_rate(cfg, s) for s in grid] == [(0, 1), (1, 1), (1, 1), (0, 1)]
     one = sweeps(dataclasses.replace(cfg, experiment=dataclasses.replace(cfg.experiment, sweep_by="cell")))
     assert [runs_per_rate(cfg, s) for s in one] == [(2, 4)]      # adaptive's two runs, sarathi's, disagg's
+    two_links = dataclasses.replace(cfg.experiment, links=[str(DATA / "decision_link.yaml"),
+                                                           str(DATA / "decision_link_b.yaml")])
+    assert runs_per_rate(dataclasses.replace(cfg, experiment=two_links), grid[3]) == (0, 2)    # one per link
     for d in ("both", "p99_tbt", "fluidity"):
         (tmp_path / d).mkdir()
     run_decision(cfg, tmp_path / "both", lambda *_: None)

@@ -108,7 +108,8 @@ def _run_groups(e, point: RunConfig, deps: list[Deployment]) -> list[tuple[str, 
 def runs_per_rate(cfg: RunConfig, sweep: Sweep) -> tuple[int, int]:
     """How many separate probe runs a sweep makes at one L and rate, those planned by a step-time
     predictor first: per deployment one per distinct run its definitions judge (adaptive without
-    its fluidity slack under p99_tbt is a second), times the TBT targets where it reads the SLO.
+    its fluidity slack under p99_tbt is a second), times the TBT targets where it reads the SLO,
+    times the links where it uses the link (it searches on each).
     A predictor-planned run prices several candidate batches every iteration (adaptive's sweeps
     took 26-28 CPU s on the default grid, sarathi's and disagg's 9-13 s), so the study's Ray tasks
     start in this order, largest first."""
@@ -119,7 +120,7 @@ def runs_per_rate(cfg: RunConfig, sweep: Sweep) -> tuple[int, int]:
     for dep in sweep.deployments:
         base = dep.apply(point)
         variants = len({judged_run(base, get_smoothness(name)) is base for name in sweep.definitions(e)})
-        runs = variants * (len(e.tbt_slos_ms) if dep.reads_slo else 1)
+        runs = variants * (len(e.tbt_slos_ms) if dep.reads_slo else 1) * (len(e.links) if dep.uses_link else 1)
         total += runs
         planned += runs if scheduler_class(dep.scheduler).needs_predictor else 0
     return planned, total
