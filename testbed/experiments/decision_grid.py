@@ -30,6 +30,7 @@ from testbed.experiments.decision_slo import get_smoothness
 from testbed.experiments.deployments import Deployment, deployments, replace_run
 from testbed.experiments.probe_cache import ProbeCache
 from testbed.progress import progress
+from testbed.schedulers import scheduler_class
 from testbed.sim.config import load_link_preset
 from testbed.steady_state import SteadyRule
 
@@ -109,11 +110,9 @@ def runs_per_rate(cfg: RunConfig, sweep: Sweep) -> tuple[int, int]:
     """How many separate probe runs a sweep makes at one L and rate, those planned by a step-time
     predictor first: per deployment one per distinct run its definitions judge (adaptive without
     its fluidity slack under p99_tbt is a second), times the TBT targets where it reads the SLO,
-    times the links where it uses the link (it searches on each).
-    A predictor-planned run prices several candidate batches every iteration (adaptive's sweeps
-    took 26-28 CPU s on the default grid, sarathi's and disagg's 9-13 s), so the study's Ray tasks
-    start in this order, largest first."""
-    from testbed.schedulers import scheduler_class
+    times the links where it uses the link (it searches on each). A predictor-planned run prices
+    several candidate batches every iteration (on the default grid each of adaptive's sweeps takes
+    2-3x the CPU of sarathi's), so the study's Ray tasks start in this order, largest first."""
     e = cfg.experiment
     point = point_cfg(cfg, sweep.model, sweep.hardware)
     planned = total = 0
@@ -124,6 +123,7 @@ def runs_per_rate(cfg: RunConfig, sweep: Sweep) -> tuple[int, int]:
         total += runs
         planned += runs if scheduler_class(dep.scheduler).needs_predictor else 0
     return planned, total
+
 
 def cells_of(cfg: RunConfig, sweep: Sweep) -> list[tuple]:
     """The cells (model, hardware, link, N, SLO definition, TBT target, L: as its rows name them)
