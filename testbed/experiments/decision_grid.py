@@ -112,7 +112,7 @@ def runs_per_rate(cfg: RunConfig, sweep: Sweep) -> tuple[int, int]:
     its fluidity slack under p99_tbt is a second), times the TBT targets where it reads the SLO,
     times the links where it uses the link (it searches on each). A predictor-planned run prices
     several candidate batches every iteration (on the default grid each of adaptive's sweeps takes
-    2-3x the CPU of sarathi's), so the study's Ray tasks start in this order, largest first."""
+    2-5x the CPU of a sarathi one), so the study's Ray tasks start in this order, largest first."""
     e = cfg.experiment
     point = point_cfg(cfg, sweep.model, sweep.hardware)
     planned = total = 0
