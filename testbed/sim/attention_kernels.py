@@ -26,6 +26,10 @@ import numpy as np
 from testbed.sim.layer_shapes import AttentionShape
 
 
+# seconds of a fixed head of slices plus a tail, given the tail and whether the vectorized path prices it
+TailSeconds = Callable[[Sequence[tuple[int, int]], bool], float | None]
+
+
 @dataclass(frozen=True)
 class AttentionKernel:
     name: str
@@ -145,7 +149,7 @@ class KernelAttention:
     def seconds_pairs(self, slices: Sequence[tuple[int, int]]) -> float:
         return self._pairs_s(self._accumulate((0.0, 0.0, 0.0), slices))
 
-    def seconds_after(self, head: Sequence[tuple[int, int]]) -> Callable[[Sequence[tuple[int, int]], bool], float | None]:
+    def seconds_after(self, head: Sequence[tuple[int, int]]) -> TailSeconds:
         """The seconds of head + tail as a function of tail and of which path
         prices it (vectorized: seconds(), else seconds_pairs()), the same
         float, head's part done once: a budget search prices one set of
