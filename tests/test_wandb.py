@@ -23,7 +23,8 @@ _HEADER = 7          # ':W&B', magic 0xBEE1, version 0 at the file's start; then
 
 def read_records(path: Path) -> list:
     """Every Record of a .wandb transaction log (LevelDB log format: 32 KiB
-    blocks of records, each FULL or split FIRST/MIDDLE.../LAST)."""
+    blocks of records, each FULL or split FIRST/MIDDLE.../LAST), up to one
+    the writer has not finished."""
     data = path.read_bytes()
     assert data[:4] == b":W&B", f"{path} is not a W&B transaction log"
     pos, payloads, parts = _HEADER, [], b""
@@ -33,6 +34,8 @@ def read_records(path: Path) -> list:
             pos += left
             continue
         _, length, kind = struct.unpack("<IHB", data[pos:pos + _HEADER])
+        if pos + _HEADER + length > len(data):
+            break                            # a record the service is still writing: read again later
         payload = data[pos + _HEADER:pos + _HEADER + length]
         pos += _HEADER + length
         if kind == 0:
