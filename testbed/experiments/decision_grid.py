@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from testbed.config import RunConfig
 from testbed.experiments.decision_brackets import (CellBest, Known, below_dominated, best_first, neighbour_brackets,
                                                      seed_of, work_s)
-from testbed.experiments.decision_prober import Prober
-from testbed.experiments.decision_search import isolated_s, judged_run, length_rows, point_cfg
+from testbed.experiments.decision_prober import Prober, SettledFailure
+from testbed.experiments.decision_search import MIN_JUDGED_TO_SKIP, isolated_s, judged_run, length_rows, point_cfg
 from testbed.experiments.decision_slo import get_smoothness
 from testbed.experiments.deployments import Deployment, deployments, replace_run
 from testbed.experiments.probe_cache import ProbeCache
@@ -156,7 +156,9 @@ def run_sweep(cfg: RunConfig, sweep: Sweep, log, cache: ProbeCache | None = None
     rows: dict[tuple, list[dict]] = {}         # (deployment, link index, L) -> its rows
     report = (lambda: on_progress(len(prober.rows), [cell_of(r) for part in rows.values() for r in part])) \
         if on_progress else None
-    prober = Prober(study_rule(e), log, cache=cache, on_probe=report)
+    # a TTFT miss over as many judged requests as rule a rival out is a verdict under every definition
+    prober = Prober(study_rule(e), log, cache=cache, on_probe=report,
+                    settled=SettledFailure(("ttft",), MIN_JUDGED_TO_SKIP))
     smooths = [get_smoothness(name) for name in sweep.definitions(e)]
     point = point_cfg(cfg, sweep.model, sweep.hardware)
     from testbed.sim.cost_model import CostModel

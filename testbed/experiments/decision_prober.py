@@ -57,6 +57,21 @@ class ProbeRun:
         return self.verdicts[key]
 
 
+@dataclass(frozen=True)
+class SettledFailure:
+    """A failing probe the Prober does not lengthen: one of `limits` missed
+    over at least `judged` judged requests, a percentile over enough requests
+    not to be one long prompt's. The limit must be one every SLO definition
+    sharing the run judges alike (the decision study's TTFT: the cell's target,
+    whichever definition asks), or a lengthening that another definition
+    would have judged is lost."""
+    limits: tuple[str, ...]
+    judged: int
+
+    def __call__(self, missed: str, run: ProbeRun) -> bool:
+        return missed in self.limits and run.num_judged >= self.judged
+
+
 class ProbeRunner(Protocol):
     """What runs a probe's requests: SimProbes, or decision_real.py's RealProbes."""
     source: str                        # decision_probes.csv's `source`: sim | real
@@ -87,7 +102,8 @@ class Prober:
     is lengthened only when at most 3x longer would do: an overloaded probe has no
     steady state to reach (its service times grow with the queue), and stays
     flagged when too short; except an unjudged one (every request finished,
-    none in the window: it says nothing), lengthened as a passing one. Remembers every run by
+    none in the window: it says nothing), lengthened as a passing one; nor is
+    one `settled` names (SettledFailure). Remembers every run by
     (deployment, link, L, SLO the run reads, rate) so SLO definitions share them.
     `limit(run)` is the SLO limit a run misses for the search asking ("" when
     it meets them: a pass); its row in decision_probes.csv records that verdict
@@ -108,8 +124,8 @@ class Prober:
     def __init__(self, rule: SteadyRule, log, runner: ProbeRunner | None = None, max_span_s: float | None = None,
                  max_lengthenings: int = 2,    # a service time still growing after two is the rate's
                  deadline: float | None = None, cache: ProbeCache | None = None,
-                 on_probe: Callable[[], None] | None = None):
-        self.rule, self.log, self.on_probe = rule, log, on_probe
+                 on_probe: Callable[[], None] | None = None, settled: SettledFailure | None = None):
+        self.rule, self.log, self.on_probe, self.settled = rule, log, on_probe, settled
         self.runner, self.max_span_s, self.max_lengthenings = runner or SimProbes(), max_span_s, max_lengthenings
         self.deadline = deadline
         if cache is not None and self.runner.source != "sim":
@@ -138,8 +154,9 @@ class Prober:
             # every request finished and none in the window: too short to say anything, not a failure
             # (failing such a probe sent dsv2's sarathi-2048 search at 2K below half its capacity)
             unjudged = run.num_finished == run.num_requests and not run.num_judged
+            settled = self.settled is not None and self.settled(missed, run)
             if run.window.steady or not run.num_finished or needed <= run.num_requests \
-                    or not (passed or (unjudged or needed <= 3 * run.num_requests) and not rule_out):
+                    or not (passed or (unjudged or needed <= 3 * run.num_requests) and not rule_out and not settled):
                 break
             run = self._run(cfg, rate, needed)
             runs, wall_s = runs + 1, wall_s + run.wall_s
