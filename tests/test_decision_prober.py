@@ -1,0 +1,81 @@
+"""The decision study's Prober (testbed/experiments/decision_prober.py) on
+the simulator: which probes that came out too short for the steady-state
+rule it runs again, longer, and which it leaves."""
+from __future__ import annotations
+
+from testbed.config import from_dict
+from testbed.steady_state import SteadyRule
+
+from decision_case import DATA, ENGINE  # noqa: E402  (tests/ on sys.path: conftest)
+
+
+def _four_second_requests():
+    """A simulated run of the tiny model whose every iteration takes 10 ms
+    (any batch): a request of a 64-token prompt and 400 output tokens is
+    served in ~4 s."""
+    from omegaconf import OmegaConf
+    hardware = OmegaConf.to_container(OmegaConf.load(DATA / "decision_hardware.yaml"))
+    return from_dict({"runtime": {"name": "sim"}, "model": {"name": "tiny"}, "wandb": {"mode": "disabled"},
+                      "progress": False, "hardware": hardware, "engine": ENGINE, "token_budget": 1100,
+                      "workload": {"name": "w", "arrival": "poisson", "rate": 1.0, "num_requests": 10,
+                                   "prompt_dist": "fixed", "prompt_len": 64, "output_dist": "fixed",
+                                   "output_len": 400}})
+
+
+def test_a_probe_too_short_to_judge_anyone_is_lengthened_not_counted_as_a_failure():
+    """A probe whose every request finished but whose window holds none (its
+    first size came from a service time far too short) says nothing: failing
+    it sent a search below half its capacity (deepseek-v2-lite, sarathi-2048
+    at 2K). It is re-run as long as the rule asks, even more than 3x longer; one
+    made to rule a deployment out is not (an overloaded run's would grow without end)."""
+    from testbed.experiments.decision_prober import Prober
+    from testbed.experiments.decision_search import verdict
+    from testbed.experiments.decision_slo import SLOTargets, get_smoothness
+    cfg = _four_second_requests()
+    rule = SteadyRule(span_factor=10, min_judged=20, max_requests=2000)
+    smooth, targets = get_smoothness("p99_tbt"), SLOTargets(ttft_ms=1e6, tbt_ms=1e6)
+    prober = Prober(rule, lambda *_: None)
+    # a first guess of 1 us per request: 30 requests at 20 req/s, arriving over ~1.5 s, while each
+    # takes 4 s (400 iterations of 10 ms, any batch): the window [first + 4 s, last - 4 s] is empty
+    assert rule.num_requests(20.0, 1e-6) == 30
+    run = prober.probe(("k",), cfg, 20.0, 1e-6, lambda r: verdict(r, smooth, targets), "p99_tbt")
+    assert run.num_requests > 3 * 30 and run.num_finished == run.num_requests
+    assert run.window.judged and run.window.steady and 3.9 < run.window.service_s < 4.5
+    # a probe to rule a deployment out (rule_out) is sized for that many judged requests and, not
+    # passing, never lengthened: 140 requests over ~7 s, each 4 s long, judge none, in one run
+    ruling = prober.probe(("k2",), cfg, 20.0, 1e-6, lambda r: verdict(r, smooth, targets), "p99_tbt", rule_out=100)
+    assert ruling.num_requests == 140 and not ruling.num_judged and prober.rows[-1]["runs"] == 1
+    assert verdict(run, smooth, targets) == ""
+
+
+def test_a_ttft_miss_over_enough_judged_requests_is_settled_and_not_lengthened():
+    """A failing probe too short for the steady-state rule is lengthened
+    (at most 3x) to guard against a false failure: a p99 over a few judged
+    requests is the worst single one's. A miss the Prober's SettledFailure
+    names (the study's: TTFT, whose target every definition shares) over its
+    judged requests or more is not run again; any other limit still is."""
+    from testbed.experiments.decision_prober import Prober, SettledFailure
+    from testbed.experiments.decision_search import verdict
+    from testbed.experiments.decision_slo import SLOTargets, get_smoothness
+    cfg, rule = _four_second_requests(), SteadyRule(span_factor=10, min_judged=20, max_requests=2000)
+    # every request's first token takes an iteration of 10 ms, every later one too: both targets missed
+    late_ttft, late_tbt = SLOTargets(ttft_ms=5.0, tbt_ms=1e6), SLOTargets(ttft_ms=1e6, tbt_ms=5.0)
+    # sized for a 1.5 s service time: 330 requests arriving over ~16.5 s, each ~4 s long, judge ~170
+    # (the window [first + 4 s, last - 4 s]) and are not steady (16.5 s < 10 x 4 s); the rule then asks
+    # for ~880, within 3x
+    assert rule.num_requests(20.0, 1.5) == 330 and rule.num_requests(20.0, 4.2) <= 3 * 330
+
+    def probe(targets, settled):
+        prober = Prober(rule, lambda *_: None, settled=settled)
+        limit = lambda r: verdict(r, get_smoothness("p99_tbt"), targets)
+        run = prober.probe(("k",), cfg, 20.0, 1.5, limit, "p99_tbt")
+        return run, prober.rows[-1]
+
+    ttft = SettledFailure(("ttft",), 100)
+    run, row = probe(late_ttft, ttft)
+    assert run.num_requests == 330 and not run.window.steady and run.num_judged >= 100
+    assert row["verdict"] == "ttft" and row["runs"] == 1
+    lengthened, row = probe(late_ttft, SettledFailure(("ttft",), run.num_judged + 1))   # one judged short
+    assert lengthened.num_requests > 2 * 330 and row["verdict"] == "ttft" and row["runs"] >= 2
+    assert probe(late_ttft, None)[1]["runs"] == row["runs"]        # without one: as before
+    assert probe(late_tbt, ttft)[1]["runs"] == row["runs"]         # a limit it does not name
