@@ -112,13 +112,14 @@ def test_the_likely_winner_goes_first_and_a_dominated_rate_is_no_guess():
 
 class ScriptedProber:
     """A Prober whose probes pass below `capacity` (req/s) and miss the TTFT above it, each judging
-    `judged(rate)` requests; the search under test sees only these figures."""
+    `judged(rate)` requests, steady where `steady(rate)`; the search under test sees only these
+    figures. As the Prober does, it replays a rate it ran (`made`: the rates it ran)."""
 
-    def __init__(self, capacity: float, judged, smooth, targets):
+    def __init__(self, capacity: float, judged, smooth, targets, steady=lambda rate: True):
         from testbed.steady_state import SteadyRule
-        self.capacity, self.judged, self.rates, self.min_judged = capacity, judged, [], []
+        self.capacity, self.judged, self.steady, self.rates, self.min_judged = capacity, judged, steady, [], []
         self.key = f"{smooth.name} {targets.ttft_ms!r} {targets.tbt_ms!r} {targets.fluidity_min!r}"
-        self.rule, self.service_s = SteadyRule(10.0, 20, 1000), {}
+        self.rule, self.service_s, self.made = SteadyRule(10.0, 20, 1000), {}, {}
         self.runner = type("Runner", (), {"none_finished_is_memory": True})()
 
     def probe(self, key, cfg, rate, first_service_s, limit, asker, max_requests, rule_out=0):
@@ -126,8 +127,14 @@ class ScriptedProber:
         from testbed.steady_state import Window
         self.rates.append(rate)
         self.min_judged.append(rule_out)
-        return ProbeRun(Window([], True, "ok", 100.0, 1.0), 200, 200, num_judged=self.judged(rate),
-                        verdicts={self.key: "" if rate <= self.capacity else "ttft"})
+        if rate not in self.made:
+            self.made[rate] = ProbeRun(Window([], self.steady(rate), "ok", 100.0, 1.0), 200, 200,
+                                       num_judged=self.judged(rate),
+                                       verdicts={self.key: "" if rate <= self.capacity else "ttft"})
+        return self.made[rate]
+
+    def known(self, key):
+        return self.made
 
 
 def test_a_failure_at_the_ceiling_over_few_judged_requests_rules_nothing_out():
@@ -220,3 +227,44 @@ def test_a_search_passing_the_ceiling_probes_one_tolerance_above_it_next():
     # not doubling from the ceiling: two rates (the Prober replays a rate it ran: one run each)
     assert list(dict.fromkeys(prober.rates)) == [7.5, 7.5 * 1.1]
     assert (res.capacity, res.first_failing, res.probes) == (7.5, 7.5 * 1.1, 2)
+
+
+def test_a_search_on_runs_another_search_made_starts_from_their_bracket_where_it_is_narrow():
+    """Another SLO definition's or TBT target's search on the same runs: where those runs, judged
+    by this search, hold a steady pass and a failure above it within two bisections of rel_tol,
+    the search starts there (reuse=True) rather than at its own guess, and ends on those runs;
+    their failure below a ceiling over 100 judged requests rules it out with no new run; an
+    unsteady pass or a bracket too wide for two probes is no start."""
+    from testbed.experiments.decision_search import MIN_JUDGED_TO_SKIP, search
+    from testbed.experiments.decision_slo import SLOTargets, get_smoothness
+    smooth, targets = get_smoothness("p99_tbt"), SLOTargets(1000.0, 100.0)
+    cfg = tiny_on_cpu(True)
+
+    def first_search(**prober_args) -> ScriptedProber:
+        prober = ScriptedProber(8.0, lambda rate: 200, smooth, targets, **prober_args)
+        search(prober, ("k",), cfg, smooth, targets, 4.0, 1.0, 0.1, 10)     # 4, 8, 16, then bisects to 8.72
+        assert sorted(prober.made)[:2] == [4.0, 8.0] and 8.0 < min(r for r in prober.made if r > 8) < 8.8
+        return prober
+
+    prober = first_search()
+    ran = set(prober.made)
+    res = search(prober, ("k",), cfg, smooth, targets, 4.0, 1.0, 0.1, 10, (6.0, 6.6), reuse=True)
+    assert set(prober.made) == ran and res.capacity == 8.0 and res.probes == 2     # no new run
+    # without reuse, its own guess: new runs, the same capacity within rel_tol
+    res = search(prober, ("k",), cfg, smooth, targets, 4.0, 1.0, 0.1, 10, (6.0, 6.6))
+    assert set(prober.made) > ran and 8.0 / 1.1 <= res.capacity <= 8.0
+    # known runs fail below the ceiling over enough judged requests: dominated, no new run
+    prober = first_search()
+    ran = set(prober.made)
+    res = search(prober, ("k",), cfg, smooth, targets, 4.0, 1.0, 0.1, 10, (6.0, 6.6), ceiling=9.0, reuse=True)
+    assert set(prober.made) == ran and res.limited_by == DOMINATED and res.probes == 1
+    assert res.first_failing == min(r for r in ran if r > 8.0)
+    # a known pass above the ceiling: nothing to rule out, and no probe at the ceiling
+    res = search(prober, ("k",), cfg, smooth, targets, 4.0, 1.0, 0.1, 10, (6.0, 6.6), ceiling=7.5, reuse=True)
+    assert set(prober.made) == ran and res.capacity == 8.0 and 7.5 not in prober.rates
+    # 8 req/s passed unsteadily: the steady pass below it (4) is more than two bisections away
+    prober = first_search(steady=lambda rate: rate != 8.0)
+    ran = set(prober.made)
+    search(prober, ("k",), cfg, smooth, targets, 4.0, 1.0, 0.1, 10, (6.0, 6.6), reuse=True)
+    assert {6.0, 6.6} <= set(prober.made) - ran
+    assert MIN_JUDGED_TO_SKIP <= 200

@@ -79,3 +79,72 @@ def test_a_ttft_miss_over_enough_judged_requests_is_settled_and_not_lengthened()
     assert lengthened.num_requests > 2 * 330 and row["verdict"] == "ttft" and row["runs"] >= 2
     assert probe(late_ttft, None)[1]["runs"] == row["runs"]        # without one: as before
     assert probe(late_tbt, ttft)[1]["runs"] == row["runs"]         # a limit it does not name
+
+
+def test_an_unjudged_probe_whose_queue_grew_with_it_is_settled_after_one_lengthening():
+    """1P1D over a link that moves one prompt's KV in ~0.1 s, at 20 req/s: the
+    transfers queue and every request waits longer than the one before, so the
+    longest service time grows with the probe and no length judges anyone.
+    Lengthened once (an unjudged probe says nothing: its first size may have come
+    from too short a guess), its service time grew as its length did: a
+    SettledFailure with growing_queue stops there; without, it runs once more,
+    to the cap, and still judges none. A probe whose service time does not grow
+    with it is lengthened as before."""
+    from omegaconf import OmegaConf
+    from testbed.experiments.decision_prober import Prober, SettledFailure
+    from testbed.experiments.decision_search import verdict
+    from testbed.experiments.decision_slo import SLOTargets, get_smoothness
+    hardware = OmegaConf.to_container(OmegaConf.load(DATA / "decision_hardware.yaml"))
+    # tiny's KV is 2 KiB a token: a 64-token prompt's 128 KiB take ~0.1 s at 0.01 Gb/s
+    overloaded = from_dict({"runtime": {"name": "sim"}, "mode": "disagg", "model": {"name": "tiny"},
+                            "wandb": {"mode": "disabled"}, "progress": False, "hardware": hardware, "engine": ENGINE,
+                            "token_budget": 1100, "link": {"name": "slow", "bandwidth_gbps": 0.01},
+                            "workload": {"name": "w", "arrival": "poisson", "rate": 1.0, "num_requests": 10,
+                                         "prompt_dist": "fixed", "prompt_len": 64, "output_dist": "fixed",
+                                         "output_len": 16}})
+    rule = SteadyRule(span_factor=10, min_judged=20, max_requests=1000)
+    smooth, targets = get_smoothness("p99_tbt"), SLOTargets(ttft_ms=1e6, tbt_ms=1e6)
+    growing = SettledFailure(("ttft",), 100, growing_queue=True)
+
+    def probe(cfg, settled, first_service_s):
+        prober = Prober(rule, lambda *_: None, settled=settled)
+        run = prober.probe(("k",), cfg, 20.0, first_service_s, lambda r: verdict(r, smooth, targets), "p99_tbt")
+        return run, prober.rows[-1]["runs"]
+
+    run, runs = probe(overloaded, growing, 0.2)
+    assert runs == 2 and run.num_finished == run.num_requests < 1000 and not run.num_judged
+    assert run.window.service_s > run.num_requests / 20.0 / 2          # waits of about the probe's own span
+    run, runs = probe(overloaded, None, 0.2)
+    assert runs == 3 and run.num_requests == 1000 and not run.num_judged
+    # four-second requests on an idle link, first sized for 1 us: lengthened to steady, as without
+    run, runs = probe(_four_second_requests(), growing, 1e-6)
+    assert run.window.steady and runs == probe(_four_second_requests(), None, 1e-6)[1]
+
+
+def test_a_failing_probe_to_rule_out_over_too_few_judged_requests_is_lengthened_once():
+    """A probe at a rival's capacity (rule_out) is sized for that many judged
+    requests from the service time it expects; where the requests take longer,
+    it judges fewer. Failing there, it is run once more as long as its own
+    service time asks, at most 3x longer, so that its failure can rule the
+    deployment out; more than 3x (an overloaded run's service time grows with it),
+    or judging none, it is left as it came."""
+    from testbed.experiments.decision_prober import Prober
+    from testbed.experiments.decision_search import verdict
+    from testbed.experiments.decision_slo import SLOTargets, get_smoothness
+    cfg, rule = _four_second_requests(), SteadyRule(span_factor=10, min_judged=20, max_requests=2000)
+    late_ttft = SLOTargets(ttft_ms=5.0, tbt_ms=1e6)
+
+    def probe(rate, first_service_s):
+        prober = Prober(rule, lambda *_: None)
+        run = prober.probe(("k",), cfg, rate, first_service_s,
+                           lambda r: verdict(r, get_smoothness("p99_tbt"), late_ttft), "p99_tbt", rule_out=100)
+        return run, prober.rows[-1]["runs"]
+
+    # expecting 1.5 s: 165 requests over ~16.5 s, each 4 s long, judge ~85; 4 s asks for ~440 (< 3 x 165)
+    assert rule.num_requests(10.0, 1.5, None, 100) == 165 and rule.num_requests(10.0, 4.0, None, 100) <= 3 * 165
+    run, runs = probe(10.0, 1.5)
+    assert runs == 2 and run.num_judged >= 100 and verdict(run, get_smoothness("p99_tbt"), late_ttft) == "ttft"
+    # at 20 req/s expecting 1.1 s: 242 requests judge ~80, and 4 s asks for more than 3x: one run
+    assert rule.num_requests(20.0, 1.1, None, 100) == 242 and rule.num_requests(20.0, 4.0, None, 100) > 3 * 242
+    run, runs = probe(20.0, 1.1)
+    assert runs == 1 and 0 < run.num_judged < 100

@@ -1,6 +1,6 @@
 """What the decision study already knows about a capacity search before it
 probes, and how it probes less for the same answers (decision_grid.py runs
-the sweeps, decision_search.py the searches). Three policies:
+the sweeps, decision_search.py the searches). Four policies:
 
 - **The neighbouring length.** A deployment's capacity at L/2 under one SLO
   definition and TBT target, times the cost model's ratio of one request's
@@ -30,8 +30,15 @@ the sweeps, decision_search.py the searches). Three policies:
   of L/2's cells goes first, and the other is probed against its best (a
   colocated row, standing under every link, against the link-using
   family's lowest best over the links).
+- **The runs already made.** A deployment's searches at one L (one per TBT
+  target and SLO definition) run on the same probes where the run does not
+  read the SLO; each later one judges the runs made so far and, where they
+  hold a steady pass and a failure above it within two bisections of
+  rel_tol, starts from those two instead of its guess
+  (decision_search.known_bracket): the searches differ only where their
+  verdicts do.
 - **The tolerance.** search_rate stops once its bracket is within rel_tol: a
-  bracket from either policy above that holds ends the search in its two
+  bracket from any policy above that holds ends the search in its two
   probes.
 """
 from __future__ import annotations

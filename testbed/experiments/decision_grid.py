@@ -156,9 +156,10 @@ def run_sweep(cfg: RunConfig, sweep: Sweep, log, cache: ProbeCache | None = None
     rows: dict[tuple, list[dict]] = {}         # (deployment, link index, L) -> its rows
     report = (lambda: on_progress(len(prober.rows), [cell_of(r) for part in rows.values() for r in part])) \
         if on_progress else None
-    # a TTFT miss over as many judged requests as rule a rival out is a verdict under every definition
-    # (prior_brackets=false: the former searches, probe for probe)
-    settled = SettledFailure(("ttft",), MIN_JUDGED_TO_SKIP) if e.prior_brackets else None
+    # a TTFT miss over as many judged requests as rule a rival out is a verdict under every definition, and
+    # an unjudged run whose queue grew with it is overloaded (prior_brackets=false: the former searches,
+    # probe for probe)
+    settled = SettledFailure(("ttft",), MIN_JUDGED_TO_SKIP, growing_queue=True) if e.prior_brackets else None
     prober = Prober(study_rule(e), log, cache=cache, on_probe=report, settled=settled)
     smooths = [get_smoothness(name) for name in sweep.definitions(e)]
     point = point_cfg(cfg, sweep.model, sweep.hardware)

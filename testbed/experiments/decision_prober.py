@@ -64,12 +64,22 @@ class SettledFailure:
     not to be one long prompt's. The limit must be one every SLO definition
     sharing the run judges alike (the decision study's TTFT: the cell's target,
     whichever definition asks), or a lengthening that another definition
-    would have judged is lost."""
+    would have judged is lost. With `growing_queue`, also an unjudged run
+    whose longest service time grew from the run before it (the same rate,
+    shorter) at least as the square root of its length: a steady system's
+    service time does not grow with the run, an overloaded one's grows as
+    its queue, in proportion; no length gives that run a steady state."""
     limits: tuple[str, ...]
     judged: int
+    growing_queue: bool = False
 
-    def __call__(self, missed: str, run: ProbeRun) -> bool:
-        return missed in self.limits and run.num_judged >= self.judged
+    def __call__(self, missed: str, run: ProbeRun, previous: ProbeRun | None = None) -> bool:
+        if missed in self.limits and run.num_judged >= self.judged:
+            return True
+        unjudged = run.num_finished == run.num_requests and not run.num_judged
+        return (self.growing_queue and unjudged and previous is not None and previous.window.service_s > 0
+                and run.window.service_s / previous.window.service_s
+                >= (run.num_requests / previous.num_requests) ** 0.5)
 
 
 class ProbeRunner(Protocol):
@@ -118,7 +128,8 @@ class Prober:
     every probe (the study's progress). `rule_out` in probe(): a probe at
     a rival's capacity, to rule the deployment out (decision_search's
     ceiling): sized for at least that many judged requests, and lengthened
-    only while it passes (an overloaded run has no steady state to reach:
+    while it passes; failing over fewer judged requests than that, once, at
+    most 3x longer (an overloaded run has no steady state to reach:
     lengthened, its service time grows with it, up to max_requests)."""
 
     def __init__(self, rule: SteadyRule, log, runner: ProbeRunner | None = None, max_span_s: float | None = None,
@@ -132,7 +143,7 @@ class Prober:
             raise ValueError("experiment.probe_cache: only simulated probes can be replayed (a real run is "
                              "not deterministic)")
         self.cache = cache
-        self.runs: dict[tuple, ProbeRun] = {}
+        self.runs: dict[tuple, dict[float, ProbeRun]] = {}     # key -> rate -> its run
         self.service_s: dict[tuple, float] = {}        # the latest measured longest service time
         self.rows: list[dict] = []                     # decision_probes.csv
         self.num_runs = 0                              # runs made (not replayed)
@@ -141,31 +152,24 @@ class Prober:
     def probe(self, key: tuple, cfg: RunConfig, rate: float, first_service_s: float,
               limit: Callable[[ProbeRun], str], asker: str = "", max_requests: int | None = None,
               rule_out: int = 0) -> ProbeRun:
-        if (*key, rate) in self.runs:
-            return self.runs[(*key, rate)]
+        if rate in self.runs.get(key, {}):
+            return self.runs[key][rate]
         service = self.service_s.get(key, first_service_s)
         n = self._size(rate, service, max_requests, rule_out)
         run = self._run(cfg, rate, n)
         runs, wall_s, cpu_s = 1, run.wall_s, run.cpu_s     # a lengthened probe's row counts every run it took
-        missed = limit(run)
-        passed = not missed
+        missed, previous = limit(run), None
         for _ in range(self.max_lengthenings):
             needed = self._size(rate, run.window.service_s, max_requests, rule_out)
-            # every request finished and none in the window: too short to say anything, not a failure
-            # (failing such a probe sent dsv2's sarathi-2048 search at 2K below half its capacity)
-            unjudged = run.num_finished == run.num_requests and not run.num_judged
-            settled = self.settled is not None and self.settled(missed, run)
-            if run.window.steady or not run.num_finished or needed <= run.num_requests \
-                    or not (passed or (unjudged or needed <= 3 * run.num_requests) and not rule_out and not settled):
+            if not self._lengthens(run, needed, missed, previous, rule_out):
                 break
-            run = self._run(cfg, rate, needed)
+            previous, run = run, self._run(cfg, rate, needed)
             runs, wall_s = runs + 1, wall_s + run.wall_s
             cpu_s = None if cpu_s is None or run.cpu_s is None else cpu_s + run.cpu_s
             missed = limit(run)
-            passed = not missed
-        if passed and run.window.service_s > 0:
+        if not missed and run.window.service_s > 0:
             self.service_s[key] = run.window.service_s
-        self.runs[(*key, rate)] = run
+        self.runs.setdefault(key, {})[rate] = run
         self.rows.append({"key": "/".join(map(str, key)), "rate": rate, "num_requests": run.num_requests,
                           "num_finished": run.num_finished, "judged": run.num_judged,
                           "span_s": run.window.span_s, "service_s": run.window.service_s,
@@ -177,6 +181,29 @@ class Prober:
         if self.on_probe is not None:
             self.on_probe()
         return run
+
+    def _lengthens(self, run: ProbeRun, needed: int, missed: str, previous: ProbeRun | None, rule_out: int) -> bool:
+        """Whether a probe that came out as `run` (missing `missed`, "" for none; `previous`: its
+        shorter run at the same rate, if any) runs again, `needed` requests long."""
+        if not run.num_finished or needed <= run.num_requests:
+            return False
+        if rule_out and missed:
+            # judged too few to rule the deployment out: once more, at most 3x longer (an overloaded
+            # run's service time grows with it: it is not chased)
+            return previous is None and 0 < run.num_judged < rule_out and needed <= 3 * run.num_requests
+        if run.window.steady:
+            return False
+        if not missed:
+            return True
+        # every request finished and none in the window: too short to say anything, not a failure
+        # (failing such a probe sent dsv2's sarathi-2048 search at 2K below half its capacity)
+        unjudged = run.num_finished == run.num_requests and not run.num_judged
+        settled = self.settled is not None and self.settled(missed, run, previous)
+        return (unjudged or needed <= 3 * run.num_requests) and not rule_out and not settled
+
+    def known(self, key: tuple) -> dict[float, ProbeRun]:
+        """The runs made so far for `key`, by rate (another search's on the same runs)."""
+        return self.runs.get(key, {})
 
     def _size(self, rate: float, service_s: float, max_requests: int | None, min_judged: int = 0) -> int:
         n = self.rule.num_requests(rate, service_s, max_requests, min_judged)

@@ -9,6 +9,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from testbed.capacity import search_rate
 from testbed.config import RunConfig, validate
@@ -59,7 +60,7 @@ class Search:
 def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targets: SLOTargets, start: float,
            first_service_s: float, rel_tol: float, max_probes: int,
            bracket: tuple[float, float] | None = None, max_requests: int | None = None,
-           ceiling: float | None = None) -> Search:
+           ceiling: float | None = None, reuse: bool = False) -> Search:
     """The highest steady-judged rate meeting the SLOs (bisection to rel_tol).
     On the simulator a rate where no request finishes (the prompt does not
     fit the KV memory), or where one of the first prompts every probe shares
@@ -75,7 +76,9 @@ def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targe
     passes). Failing there (not `unjudged`, over at least MIN_JUDGED_TO_SKIP
     judged requests) the search ends, limited_by=dominated, no capacity, that
     rate its first failing one; otherwise it goes on as usual (when it
-    passed, from the bracket of rel_tol above that rate)."""
+    passed, from the bracket of rel_tol above that rate). `reuse`: the
+    runs other searches made on the same key, judged by this one, give the
+    bracket where it is narrow (known_bracket)."""
     verdicts: dict[float, tuple[str, bool]] = {}       # rate -> (failed limit or "", steady)
 
     class NeverFits(Exception):
@@ -103,6 +106,11 @@ def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targe
 
     never_fits = out_of_time = False
     try:
+        known = known_bracket(prober.known(key), limit_of, rel_tol) if reuse else None
+        if known is not None:
+            bracket = known
+            if ceiling is not None and known[0] >= ceiling:
+                ceiling = None             # it already passed above the rate to beat
         if ceiling is not None:
             # the top of its own bracket where that lies below the ceiling (a probe near its capacity, not
             # an overloaded one), else the ceiling; long enough to rule it out: MIN_JUDGED_TO_SKIP judged
@@ -134,6 +142,22 @@ def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targe
         return Search(cap, bound, "budget", False, len(verdicts), fail, service, at_cap)
     return Search(cap, bound, verdicts[fail][0] if fail is not None else "", steady, len(verdicts), fail, service,
                   at_cap)
+
+
+def known_bracket(runs: dict[float, ProbeRun], limit_of: Callable[[ProbeRun], str],
+                  rel_tol: float) -> tuple[float, float] | None:
+    """From runs already made on a search's key (by rate: another SLO
+    definition's or TBT target's search on the same runs), judged by this
+    search: its highest steady pass and the lowest failing rate above it,
+    where bisecting that bracket to rel_tol takes at most two probes (a
+    guessed bracket takes two where it holds). None: no such pair."""
+    verdicts = {rate: limit_of(run) for rate, run in sorted(runs.items())}
+    passes = [rate for rate, limit in verdicts.items() if not limit and runs[rate].window.steady]
+    if not passes:
+        return None
+    lo = max(passes)
+    hi = min((rate for rate, limit in verdicts.items() if limit and rate > lo), default=None)
+    return (lo, hi) if hi is not None and hi <= lo * (1 + rel_tol) ** 4 else None
 
 
 def point_cfg(cfg: RunConfig, model_name: str, hardware_name: str) -> RunConfig:
@@ -260,7 +284,7 @@ def length_rows(prober: Prober, e, point: RunConfig, dep: Deployment, num_gpus: 
             res = Search(None, "none", skip, False, 0) if skip else search(
                 prober, key, run_cfg, smooth, targets, start, service_s, rel_tol or e.rel_tol,
                 max_probes or e.max_probes, here, e.max_requests_per_gpu * num_gpus,
-                None if ceiling is None else ceiling * gpus)
+                None if ceiling is None else ceiling * gpus, reuse=e.prior_brackets)
             if searches is not None:
                 searches[(tbt, smooth.name)] = res
             if first is None or (first.capacity is None and res.capacity is not None):
