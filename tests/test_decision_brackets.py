@@ -115,9 +115,11 @@ class ScriptedProber:
     `judged(rate)` requests, steady where `steady(rate)`; the search under test sees only these
     figures. As the Prober does, it replays a rate it ran (`made`: the rates it ran)."""
 
-    def __init__(self, capacity: float, judged, smooth, targets, steady=lambda rate: True):
+    def __init__(self, capacity: float, judged, smooth, targets, steady=lambda rate: True,
+                 overloaded=lambda rate: False):
         from testbed.steady_state import SteadyRule
         self.capacity, self.judged, self.steady, self.rates, self.min_judged = capacity, judged, steady, [], []
+        self.overloaded = overloaded
         self.key = f"{smooth.name} {targets.ttft_ms!r} {targets.tbt_ms!r} {targets.fluidity_min!r}"
         self.rule, self.service_s, self.made = SteadyRule(10.0, 20, 1000), {}, {}
         self.runner = type("Runner", (), {"none_finished_is_memory": True})()
@@ -129,7 +131,7 @@ class ScriptedProber:
         self.min_judged.append(rule_out)
         if rate not in self.made:
             self.made[rate] = ProbeRun(Window([], self.steady(rate), "ok", 100.0, 1.0), 200, 200,
-                                       num_judged=self.judged(rate),
+                                       num_judged=self.judged(rate), overloaded=self.overloaded(rate),
                                        verdicts={self.key: "" if rate <= self.capacity else "ttft"})
         return self.made[rate]
 
@@ -155,6 +157,23 @@ def test_a_failure_at_the_ceiling_over_few_judged_requests_rules_nothing_out():
                 assert (res.capacity, res.limited_by, res.probes, res.first_failing) == (None, DOMINATED, 1, first)
             else:
                 assert res.limited_by == "ttft" and 8.0 / 1.1 <= res.capacity <= 8.0 < res.first_failing
+
+
+def test_an_overloaded_probe_at_the_ceiling_rules_out_one_that_judged_none_does_not():
+    """An unjudged probe at the ceiling says nothing (the search goes on), unless the Prober found
+    its queue growing with the run (ProbeRun.overloaded): then its capacity lies below that rate."""
+    from testbed.experiments.decision_search import search
+    from testbed.experiments.decision_slo import SLOTargets, get_smoothness
+    smooth, targets = get_smoothness("p99_tbt"), SLOTargets(1000.0, 100.0)
+    unjudged_above = lambda rate: 0 if rate > 8.0 else 200
+    for overloaded in (False, True):
+        prober = ScriptedProber(8.0, unjudged_above, smooth, targets, overloaded=lambda rate, o=overloaded: o)
+        res = search(prober, ("k",), tiny_on_cpu(True), smooth, targets, 4.0, 1.0, 0.1, 10, None, ceiling=10.0)
+        assert prober.rates[0] == 10.0
+        if overloaded:
+            assert (res.capacity, res.limited_by, res.probes, res.first_failing) == (None, DOMINATED, 1, 10.0)
+        else:
+            assert res.probes > 1 and 8.0 / 1.1 <= res.capacity <= 8.0
 
 
 def test_with_sweep_by_cell_either_familys_best_rules_the_other_out(tmp_path):

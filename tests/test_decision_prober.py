@@ -22,6 +22,19 @@ def _four_second_requests():
                                    "output_len": 400}})
 
 
+def _queued_transfers():
+    """1P1D of the tiny model over a 0.01 Gb/s link: tiny's KV is 2 KiB a token, so a 64-token
+    prompt's 128 KiB take ~0.1 s to cross; at 20 req/s the transfers queue without end."""
+    from omegaconf import OmegaConf
+    hardware = OmegaConf.to_container(OmegaConf.load(DATA / "decision_hardware.yaml"))
+    return from_dict({"runtime": {"name": "sim"}, "mode": "disagg", "model": {"name": "tiny"},
+                      "wandb": {"mode": "disabled"}, "progress": False, "hardware": hardware, "engine": ENGINE,
+                      "token_budget": 1100, "link": {"name": "slow", "bandwidth_gbps": 0.01},
+                      "workload": {"name": "w", "arrival": "poisson", "rate": 1.0, "num_requests": 10,
+                                   "prompt_dist": "fixed", "prompt_len": 64, "output_dist": "fixed",
+                                   "output_len": 16}})
+
+
 def test_a_probe_too_short_to_judge_anyone_is_lengthened_not_counted_as_a_failure():
     """A probe whose every request finished but whose window holds none (its
     first size came from a service time far too short) says nothing: failing
@@ -90,18 +103,10 @@ def test_an_unjudged_probe_whose_queue_grew_with_it_is_settled_after_one_lengthe
     SettledFailure with growing_queue stops there; without, it runs once more,
     to the cap, and still judges none. A probe whose service time does not grow
     with it is lengthened as before."""
-    from omegaconf import OmegaConf
     from testbed.experiments.decision_prober import Prober, SettledFailure
     from testbed.experiments.decision_search import verdict
     from testbed.experiments.decision_slo import SLOTargets, get_smoothness
-    hardware = OmegaConf.to_container(OmegaConf.load(DATA / "decision_hardware.yaml"))
-    # tiny's KV is 2 KiB a token: a 64-token prompt's 128 KiB take ~0.1 s at 0.01 Gb/s
-    overloaded = from_dict({"runtime": {"name": "sim"}, "mode": "disagg", "model": {"name": "tiny"},
-                            "wandb": {"mode": "disabled"}, "progress": False, "hardware": hardware, "engine": ENGINE,
-                            "token_budget": 1100, "link": {"name": "slow", "bandwidth_gbps": 0.01},
-                            "workload": {"name": "w", "arrival": "poisson", "rate": 1.0, "num_requests": 10,
-                                         "prompt_dist": "fixed", "prompt_len": 64, "output_dist": "fixed",
-                                         "output_len": 16}})
+    overloaded = _queued_transfers()
     rule = SteadyRule(span_factor=10, min_judged=20, max_requests=1000)
     smooth, targets = get_smoothness("p99_tbt"), SLOTargets(ttft_ms=1e6, tbt_ms=1e6)
     growing = SettledFailure(("ttft",), 100, growing_queue=True)
@@ -148,3 +153,29 @@ def test_a_failing_probe_to_rule_out_over_too_few_judged_requests_is_lengthened_
     assert rule.num_requests(20.0, 1.1, None, 100) == 242 and rule.num_requests(20.0, 4.0, None, 100) > 3 * 242
     run, runs = probe(20.0, 1.1)
     assert runs == 1 and 0 < run.num_judged < 100
+
+
+def test_a_probe_to_rule_out_that_judged_none_is_lengthened_once_to_tell_an_overload():
+    """A probe at a rival's capacity that judged no one says nothing by itself. With a
+    SettledFailure that watches queues, it is run once more, as long as it asks: where the
+    service time grew with it (queued transfers), the run is `overloaded` (its capacity lies below
+    that rate); where it did not (four-second requests first sized for 1 us), it judges as usual."""
+    from testbed.experiments.decision_prober import Prober, SettledFailure
+    from testbed.experiments.decision_search import verdict
+    from testbed.experiments.decision_slo import SLOTargets, get_smoothness
+    rule = SteadyRule(span_factor=10, min_judged=20, max_requests=1000)
+    smooth, targets = get_smoothness("p99_tbt"), SLOTargets(ttft_ms=1e6, tbt_ms=1e6)
+
+    def rule_out(cfg, first_service_s, settled):
+        prober = Prober(rule, lambda *_: None, settled=settled)
+        run = prober.probe(("k",), cfg, 20.0, first_service_s, lambda r: verdict(r, smooth, targets), "p99_tbt",
+                           rule_out=100)
+        return run, prober.rows[-1]["runs"]
+
+    growing = SettledFailure(("ttft",), 100, growing_queue=True)
+    run, runs = rule_out(_queued_transfers(), 0.2, growing)
+    assert runs == 2 and not run.num_judged and run.overloaded
+    run, runs = rule_out(_queued_transfers(), 0.2, SettledFailure(("ttft",), 100))      # not watching queues
+    assert runs == 1 and not run.num_judged and not run.overloaded
+    run, runs = rule_out(_four_second_requests(), 1e-6, growing)
+    assert runs == 2 and run.num_judged >= 100 and not run.overloaded

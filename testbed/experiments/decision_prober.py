@@ -40,6 +40,8 @@ class ProbeRun:
     # a replayed run's records, by running it again (for a definition that never judged it)
     rerun: Callable[[], ProbeRun] | None = field(default=None, repr=False, compare=False)
     on_verdict: Callable[[ProbeRun], None] | None = field(default=None, repr=False, compare=False)
+    # unjudged, and lengthened its service time grew with it: a queue growing with the run (SettledFailure)
+    overloaded: bool = False
 
     def __post_init__(self) -> None:
         if self.num_judged < 0:
@@ -74,8 +76,11 @@ class SettledFailure:
     growing_queue: bool = False
 
     def __call__(self, missed: str, run: ProbeRun, previous: ProbeRun | None = None) -> bool:
-        if missed in self.limits and run.num_judged >= self.judged:
-            return True
+        return missed in self.limits and run.num_judged >= self.judged or self.queue_grew(run, previous)
+
+    def queue_grew(self, run: ProbeRun, previous: ProbeRun | None) -> bool:
+        """With growing_queue: `run` is unjudged and its service time grew from `previous`'s (the
+        same rate, shorter) at least as the square root of their lengths' ratio."""
         unjudged = run.num_finished == run.num_requests and not run.num_judged
         return (self.growing_queue and unjudged and previous is not None and previous.window.service_s > 0
                 and run.window.service_s / previous.window.service_s
@@ -130,7 +135,9 @@ class Prober:
     ceiling): sized for at least that many judged requests, and lengthened
     while it passes; failing over fewer judged requests than that, once, at
     most 3x longer (an overloaded run has no steady state to reach:
-    lengthened, its service time grows with it, up to max_requests)."""
+    lengthened, its service time grows with it, up to max_requests); judging
+    none, once, where `settled` tells an overload by its growing queue
+    (the run's `overloaded`)."""
 
     def __init__(self, rule: SteadyRule, log, runner: ProbeRunner | None = None, max_span_s: float | None = None,
                  max_lengthenings: int = 2,    # a service time still growing after two is the rate's
@@ -167,6 +174,7 @@ class Prober:
             runs, wall_s = runs + 1, wall_s + run.wall_s
             cpu_s = None if cpu_s is None or run.cpu_s is None else cpu_s + run.cpu_s
             missed = limit(run)
+        run.overloaded = self.settled is not None and self.settled.queue_grew(run, previous)
         if not missed and run.window.service_s > 0:
             self.service_s[key] = run.window.service_s
         self.runs.setdefault(key, {})[rate] = run
@@ -187,17 +195,19 @@ class Prober:
         shorter run at the same rate, if any) runs again, `needed` requests long."""
         if not run.num_finished or needed <= run.num_requests:
             return False
+        # every request finished and none in the window: too short to say anything, not a failure
+        # (failing such a probe sent dsv2's sarathi-2048 search at 2K below half its capacity)
+        unjudged = run.num_finished == run.num_requests and not run.num_judged
         if rule_out and missed:
             # judged too few to rule the deployment out: once more, at most 3x longer (an overloaded
-            # run's service time grows with it: it is not chased)
-            return previous is None and 0 < run.num_judged < rule_out and needed <= 3 * run.num_requests
+            # run's service time grows with it: it is not chased), or judging none, once as long as
+            # it asks, to tell an overload (SettledFailure.queue_grew) from too short a guess
+            return previous is None and (0 < run.num_judged < rule_out and needed <= 3 * run.num_requests
+                                         or unjudged and self.settled is not None and self.settled.growing_queue)
         if run.window.steady:
             return False
         if not missed:
             return True
-        # every request finished and none in the window: too short to say anything, not a failure
-        # (failing such a probe sent dsv2's sarathi-2048 search at 2K below half its capacity)
-        unjudged = run.num_finished == run.num_requests and not run.num_judged
         settled = self.settled is not None and self.settled(missed, run, previous)
         return (unjudged or needed <= 3 * run.num_requests) and not rule_out and not settled
 

@@ -72,10 +72,10 @@ def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targe
     instead of searching from `start` (decision_brackets.py). `ceiling`: a
     rate another deployment passed in this cell; the search first probes it,
     or its bracket's top where that lies below (the Prober's `rule_out`:
-    sized for MIN_JUDGED_TO_SKIP judged requests, lengthened only while it
-    passes). Failing there (not `unjudged`, over at least MIN_JUDGED_TO_SKIP
-    judged requests) the search ends, limited_by=dominated, no capacity, that
-    rate its first failing one; otherwise it goes on as usual (when it
+    sized for MIN_JUDGED_TO_SKIP judged requests). Failing there (not
+    `unjudged`, over at least MIN_JUDGED_TO_SKIP judged requests, or
+    overloaded: ProbeRun.overloaded, a queue growing with the run) the search
+    ends, limited_by=dominated, no capacity, that rate its first failing one; otherwise it goes on as usual (when it
     passed, from the bracket of rel_tol above that rate). `reuse`: the
     runs other searches made on the same key, judged by this one, give the
     bracket where it is narrow (known_bracket)."""
@@ -93,12 +93,13 @@ def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targe
     one_turn = not cfg.workload.conversation_turns
 
     judged: dict[float, int] = {}
+    overloaded: dict[float, bool] = {}
 
     def probe(rate: float, rule_out: int = 0) -> bool:
         run = prober.probe(key, cfg, rate, first_service_s, limit_of, smooth.name, max_requests, rule_out)
         limit = limit_of(run)
         verdicts[rate] = (limit, run.window.steady)
-        judged[rate] = run.num_judged
+        judged[rate], overloaded[rate] = run.num_judged, run.overloaded
         if prober.runner.none_finished_is_memory and (
                 run.num_finished == 0 or one_turn and run.first_stuck is not None and run.first_stuck < fewest):
             raise NeverFits
@@ -115,8 +116,8 @@ def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targe
             # the top of its own bracket where that lies below the ceiling (a probe near its capacity, not
             # an overloaded one), else the ceiling; long enough to rule it out: MIN_JUDGED_TO_SKIP judged
             top = bracket[1] if bracket is not None and bracket[1] < ceiling else ceiling
-            if not probe(top, MIN_JUDGED_TO_SKIP) and verdicts[top][0] != "unjudged" \
-                    and judged[top] >= MIN_JUDGED_TO_SKIP:
+            if not probe(top, MIN_JUDGED_TO_SKIP) and (verdicts[top][0] != "unjudged"
+                                                        and judged[top] >= MIN_JUDGED_TO_SKIP or overloaded[top]):
                 return Search(None, "none", DOMINATED, verdicts[top][1], 1, top, prober.service_s.get(key))
             if not verdicts[top][0]:
                 # passing: most likely just above, one tolerance step first
