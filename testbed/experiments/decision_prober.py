@@ -47,6 +47,11 @@ class ProbeRun:
         if self.num_judged < 0:
             self.num_judged = len(self.window.judged)
 
+    @property
+    def unjudged(self) -> bool:
+        """Every request finished and none in the judged window: too short to say anything."""
+        return self.num_finished == self.num_requests and not self.num_judged
+
     def judge(self, smooth: Smoothness, targets: SLOTargets) -> str:
         """smooth.judge of the judged window, once per definition and targets."""
         key = f"{smooth.name} {targets.ttft_ms!r} {targets.tbt_ms!r} {targets.fluidity_min!r}"
@@ -81,8 +86,7 @@ class SettledFailure:
     def queue_grew(self, run: ProbeRun, previous: ProbeRun | None) -> bool:
         """With growing_queue: `run` is unjudged and its service time grew from `previous`'s (the
         same rate, shorter) at least as the square root of their lengths' ratio."""
-        unjudged = run.num_finished == run.num_requests and not run.num_judged
-        return (self.growing_queue and unjudged and previous is not None and previous.window.service_s > 0
+        return (self.growing_queue and run.unjudged and previous is not None and previous.window.service_s > 0
                 and run.window.service_s / previous.window.service_s
                 >= (run.num_requests / previous.num_requests) ** 0.5)
 
@@ -195,21 +199,20 @@ class Prober:
         shorter run at the same rate, if any) runs again, `needed` requests long."""
         if not run.num_finished or needed <= run.num_requests:
             return False
-        # every request finished and none in the window: too short to say anything, not a failure
-        # (failing such a probe sent dsv2's sarathi-2048 search at 2K below half its capacity)
-        unjudged = run.num_finished == run.num_requests and not run.num_judged
+        # an unjudged run is too short to say anything, not a failure (failing such a probe sent
+        # dsv2's sarathi-2048 search at 2K below half its capacity)
         if rule_out and missed:
             # judged too few to rule the deployment out: once more, at most 3x longer (an overloaded
             # run's service time grows with it: it is not chased), or judging none, once as long as
             # it asks, to tell an overload (SettledFailure.queue_grew) from too short a guess
             return previous is None and (0 < run.num_judged < rule_out and needed <= 3 * run.num_requests
-                                         or unjudged and self.settled is not None and self.settled.growing_queue)
+                                         or run.unjudged and self.settled is not None and self.settled.growing_queue)
         if run.window.steady:
             return False
         if not missed:
             return True
         settled = self.settled is not None and self.settled(missed, run, previous)
-        return (unjudged or needed <= 3 * run.num_requests) and not rule_out and not settled
+        return (run.unjudged or needed <= 3 * run.num_requests) and not rule_out and not settled
 
     def known(self, key: tuple) -> dict[float, ProbeRun]:
         """The runs made so far for `key`, by rate (another search's on the same runs)."""
