@@ -72,11 +72,12 @@ def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targe
     instead of searching from `start` (decision_brackets.py). `ceiling`: a
     rate another deployment passed in this cell; the search first probes it,
     or its bracket's top where that lies below (the Prober's `rule_out`:
-    sized for MIN_JUDGED_TO_SKIP judged requests). Failing there (not
-    `unjudged`, over at least MIN_JUDGED_TO_SKIP judged requests, or
-    overloaded: ProbeRun.overloaded, a queue growing with the run) the search
-    ends, limited_by=dominated, no capacity, that rate its first failing one; otherwise it goes on as usual (when it
-    passed, from the bracket of rel_tol above that rate). `reuse`: the
+    sized for MIN_JUDGED_TO_SKIP judged requests). Failing there over at
+    least MIN_JUDGED_TO_SKIP judged requests, or overloaded
+    (ProbeRun.overloaded: a queue growing with the run), the search ends,
+    limited_by=dominated, no capacity, that rate its first failing one;
+    otherwise it goes on as usual (when it passed, from the bracket of
+    rel_tol above that rate). `reuse`: the
     runs other searches made on the same key, judged by this one, give the
     bracket where it is narrow (known_bracket)."""
     verdicts: dict[float, tuple[str, bool]] = {}       # rate -> (failed limit or "", steady)
@@ -92,14 +93,13 @@ def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targe
     fewest = prober.rule.num_requests(0.0, 1.0, max_requests)
     one_turn = not cfg.workload.conversation_turns
 
-    judged: dict[float, int] = {}
-    overloaded: dict[float, bool] = {}
+    ran: dict[float, ProbeRun] = {}
 
     def probe(rate: float, rule_out: int = 0) -> bool:
         run = prober.probe(key, cfg, rate, first_service_s, limit_of, smooth.name, max_requests, rule_out)
         limit = limit_of(run)
         verdicts[rate] = (limit, run.window.steady)
-        judged[rate], overloaded[rate] = run.num_judged, run.overloaded
+        ran[rate] = run
         if prober.runner.none_finished_is_memory and (
                 run.num_finished == 0 or one_turn and run.first_stuck is not None and run.first_stuck < fewest):
             raise NeverFits
@@ -116,8 +116,8 @@ def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targe
             # the top of its own bracket where that lies below the ceiling (a probe near its capacity, not
             # an overloaded one), else the ceiling; long enough to rule it out: MIN_JUDGED_TO_SKIP judged
             top = bracket[1] if bracket is not None and bracket[1] < ceiling else ceiling
-            if not probe(top, MIN_JUDGED_TO_SKIP) and (verdicts[top][0] != "unjudged"
-                                                        and judged[top] >= MIN_JUDGED_TO_SKIP or overloaded[top]):
+            if not probe(top, MIN_JUDGED_TO_SKIP) and (ran[top].num_judged >= MIN_JUDGED_TO_SKIP
+                                                        or ran[top].overloaded):
                 return Search(None, "none", DOMINATED, verdicts[top][1], 1, top, prober.service_s.get(key))
             if not verdicts[top][0]:
                 # passing: most likely just above, one tolerance step first
@@ -138,7 +138,7 @@ def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targe
     # uncounted: N = 8's adaptive at 1K passed 197 req/s steadily and failed 215 at a 9.3 s service time)
     steady = never_fits or (verdicts[cap][1] if cap is not None else fail is None or verdicts[fail][1])
     service = prober.service_s.get(key)
-    at_cap = judged.get(cap) if cap is not None else None
+    at_cap = ran[cap].num_judged if cap is not None else None
     if out_of_time:
         return Search(cap, bound, "budget", False, len(verdicts), fail, service, at_cap)
     return Search(cap, bound, verdicts[fail][0] if fail is not None else "", steady, len(verdicts), fail, service,
