@@ -25,6 +25,17 @@ both against the block matched just before. By induction a matched chain
 holds exactly the request's prefix, so a collision (even one that makes a
 chain loop back on itself) is a miss, never wrong KV.
 
+A request's private blocks (those from `Request.private_from`'s block on:
+tokens no other request of the workload holds there, so a chain through them
+is its own) are not hashed: no other request can match them, and the request
+itself finds them again after a preemption by its id. They are marked PRIVATE
+with the request's serial when committed, cached at ref 0 and evicted in
+the same LRU order as hashed blocks, and `free` parks the list of them under
+the request's id, which `match_prefix` walks after the hashed part, each
+block checked to be still marked with that serial. A simulated run whose
+prompts are all private (synthetic, no shared blocks) hashes nothing, and
+finds exactly what hashing would find.
+
 The per-block state lives in flat lists and int64 arrays indexed by block id,
 not in one object per block, and a block's token ids are its slice of the bytes
 its commit hashed: a simulated run moves ~10^6 blocks through allocate, commit
@@ -33,7 +44,7 @@ and free, and every object made and freed per block costs time there.
 from __future__ import annotations
 
 from array import array
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -46,6 +57,8 @@ from testbed.request import Request
 # The "parent" of a prompt's first block: the seed of its hash and its serial.
 ROOT_HASH = 0
 ROOT_SERIAL = 0
+# A private block's hash slot (xxh3 keys are >= 0): committed, never in the hash table.
+PRIVATE = -1
 
 
 def hash_block_tokens(parent_hash: int, token_ids: Sequence[int]) -> int:
@@ -116,6 +129,10 @@ class BlockManager:
         # (their content was already cached in another block): the chain goes on past them
         self._chains: dict[str, ChainEnd] = {}
         self._next_serial = ROOT_SERIAL + 1
+        # a request with private blocks committed: (its first private block, the serial marking them)
+        self._private: dict[str, tuple[int, int]] = {}
+        # a freed request's private blocks in order, under its (first, serial): oldest freed first
+        self._parked: OrderedDict[str, tuple[tuple[int, int], list[int]]] = OrderedDict()
 
     def hash_block(self, parent_hash: int, tokens: bytes) -> int:
         """hash_block_tokens of one full block given as its bytes (what the
@@ -185,9 +202,11 @@ class BlockManager:
         table = self._tables.setdefault(rid, [])
         self._chains.setdefault(rid, CHAIN_START)
         num_full = (request.num_tokens - 1) // self.block_size
-        if not num_full or not self._hash_to_block:
+        if not num_full:
             return 0
-        data = token_bytes(request.token_array(0, num_full * self.block_size))
+        first = self._first_private(request)
+        hashed = num_full if first is None else min(num_full, first)
+        data = token_bytes(request.token_array(0, hashed * self.block_size)) if self._hash_to_block else b""
         nbytes = 8 * self.block_size
         ref_counts = self._ref_counts
         parent_hash, parent_serial = ROOT_HASH, ROOT_SERIAL
@@ -205,13 +224,31 @@ class BlockManager:
             ref_counts[block_id] += 1
             table.append(block_id)
             parent_hash, parent_serial = h, self._serials[block_id]
+        parked = self._parked.pop(rid, None)
+        if parked is not None and len(table) == parked[0][0]:
+            self._unpark(rid, parked, table, num_full)
         if table:
             self._chains[rid] = ChainEnd(len(table), parent_hash, parent_serial)
         return len(table) * self.block_size
 
+    def _unpark(self, rid: str, parked: tuple[tuple[int, int], list[int]], table: list[int], num_full: int) -> None:
+        """Take back the request's parked private blocks that are still cached,
+        in order up to the first that is not (evicted, and maybe reused since)."""
+        (first, serial), blocks = parked
+        hashes, serials, ref_counts = self._hashes, self._serials, self._ref_counts
+        for block_id in blocks[:num_full - first]:
+            if hashes[block_id] != PRIVATE or serials[block_id] != serial:
+                break
+            if ref_counts[block_id] == 0:
+                self._evictable.remove(block_id)
+            ref_counts[block_id] += 1
+            table.append(block_id)
+        self._private[rid] = (first, serial)
+
     def commit(self, request: Request) -> None:
-        """Register the request's blocks that are now full of computed tokens.
-        Cheap when no block filled since the last call."""
+        """Register the request's blocks that are now full of computed tokens
+        (hashed, or marked private from its first private block on). Cheap
+        when no block filled since the last call."""
         if not self.enable_prefix_caching:
             return
         rid = request.request_id
@@ -227,17 +264,29 @@ class BlockManager:
         if num_full > len(table):
             raise AssertionError(f"commit: request {rid} has {request.num_computed_tokens} computed tokens "
                                  f"but only {len(table)} blocks of {bs}")
+        first = self._first_private(request)
+        hashed = num_full if first is None else min(num_full, first)
+        if hashed > done:
+            chain = self._commit_hashed(request, table, chain, hashed)
+        if num_full > hashed:
+            self._commit_private(rid, table, max(done, first), num_full, first)
+            chain = ChainEnd(num_full, chain.hash, chain.serial)
+        self._chains[rid] = chain
+
+    def _commit_hashed(self, request: Request, table: list[int], chain: ChainEnd, end: int) -> ChainEnd:
+        """Hash and register the request's blocks [chain.num_blocks, end); the chain's new end."""
+        bs, done = self.block_size, chain.num_blocks
         parent_hash, parent_serial = chain.hash, chain.serial
         # one fetch for every block that filled, sliced per block as bytes: the
         # hot path of a simulated run with prefix caching (no tuple, no packing)
-        data = token_bytes(request.token_array(done * bs, num_full * bs))
+        data = token_bytes(request.token_array(done * bs, end * bs))
         nbytes = 8 * bs
         hash_to_block = self._hash_to_block
         hashes, serials, parent_serials = self._hashes, self._serials, self._parent_serials
         token_chunks, token_index = self._token_chunks, self._token_index
         next_serial = self._next_serial
         digest = self._digest()
-        for index, block_id in enumerate(table[done:num_full]):
+        for index, block_id in enumerate(table[done:end]):
             tokens = data[index * nbytes:(index + 1) * nbytes]
             h = digest(tokens, parent_hash)
             cached_id = hash_to_block.get(h)
@@ -257,7 +306,24 @@ class BlockManager:
                 next_serial += 1
             parent_hash, parent_serial = h, serial
         self._next_serial = next_serial
-        self._chains[rid] = ChainEnd(num_full, parent_hash, parent_serial)
+        return ChainEnd(end, parent_hash, parent_serial)
+
+    def _first_private(self, request: Request) -> int | None:
+        """The request's first private block (Request.private_from), None where it has none."""
+        return None if request.private_from is None else request.private_from // self.block_size
+
+    def _commit_private(self, rid: str, table: list[int], start: int, end: int, first: int) -> None:
+        """Mark the request's private blocks [start, end) committed: PRIVATE, with
+        the serial its private blocks share (one per request, kept across preemptions)."""
+        private = self._private.get(rid)
+        if private is None:
+            private = self._private[rid] = (first, self._next_serial)
+            self._next_serial += 1
+        serial = private[1]
+        hashes, serials = self._hashes, self._serials
+        for block_id in table[start:end]:
+            hashes[block_id] = PRIVATE
+            serials[block_id] = serial
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block: unreferenced ones return to the free list,
@@ -267,6 +333,11 @@ class BlockManager:
         for block_id in self._hash_to_block.values():
             self._hashes[block_id] = self._token_chunks[block_id] = None
         self._hash_to_block.clear()
+        hashes = self._hashes
+        for block_id, h in enumerate(hashes):
+            if h == PRIVATE:
+                hashes[block_id] = None
+        self._parked.clear()
 
     def _block_tokens(self, block_id: int) -> bytes:
         """A registered block's token ids, as the bytes it was hashed from."""
@@ -306,18 +377,24 @@ class BlockManager:
         evicted = self._evictable.pop_oldest(n)
         hash_to_block, hashes, token_chunks = self._hash_to_block, self._hashes, self._token_chunks
         for block_id in evicted:
-            del hash_to_block[hashes[block_id]]
+            h = hashes[block_id]
+            if h != PRIVATE:
+                del hash_to_block[h]
             hashes[block_id] = token_chunks[block_id] = None
         return evicted
 
     def free(self, request_id: str) -> None:
-        """Drop the request's references. Hashed blocks reaching ref 0 stay
-        cached (most recently released last); the rest return to the free list.
-        Freeing an unknown id does nothing."""
+        """Drop the request's references. Hashed and private blocks reaching ref 0
+        stay cached (most recently released last), the private ones parked under
+        the request's id; the rest return to the free list. Freeing an unknown
+        id does nothing."""
         table = self._tables.pop(request_id, None)
-        self._chains.pop(request_id, None)
+        chain = self._chains.pop(request_id, None)
+        private = self._private.pop(request_id, None)
         if not table:
             return
+        if private is not None and chain.num_blocks > private[0]:
+            self._park(request_id, private, table[private[0]:chain.num_blocks])
         ref_counts, hashes, free, cached = self._ref_counts, self._hashes, self._free, []
         # release the tail first so a prompt's later blocks are evicted before
         # its earlier ones: evicting an early block strands the rest of the chain
@@ -327,6 +404,23 @@ class BlockManager:
             if not ref:
                 (free if hashes[block_id] is None else cached).append(block_id)
         self._evictable.extend(cached)
+
+    def _park(self, rid: str, private: tuple[int, int], blocks: list[int]) -> None:
+        """Keep a freed request's private blocks (its first private block and
+        their serial, then the blocks in order) for match_prefix to take back,
+        and drop the parks none of whose blocks is cached any more. Parks die
+        oldest first: a park's blocks were released together, its first block
+        last (free releases the tail first), and only its own request revives
+        them (taking the park), so the oldest park's first block is the next
+        of theirs an eviction takes."""
+        parked, hashes, serials = self._parked, self._hashes, self._serials
+        parked.pop(rid, None)
+        parked[rid] = (private, blocks)
+        while parked:
+            (_, serial), oldest = next(iter(parked.values()))
+            if hashes[oldest[0]] == PRIVATE and serials[oldest[0]] == serial:
+                break
+            parked.popitem(last=False)
 
     # ---- checking ----------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -353,7 +447,7 @@ class BlockManager:
                 assert h is not None, f"evictable block {bid} has no hash"
             else:
                 assert ref_count > 0, f"block {bid} is in no state: not free, cached nor referenced"
-            if h is not None:
+            if h is not None and h != PRIVATE:
                 assert self._hash_to_block.get(h) == bid, f"block {bid}'s hash is not registered to it"
         serials = []
         for h, bid in self._hash_to_block.items():
@@ -366,3 +460,7 @@ class BlockManager:
         assert len(set(serials)) == len(serials), "two cached blocks share a prefix serial"
         for rid, chain in self._chains.items():
             assert chain.serial < self._next_serial, f"request {rid}'s chain ends at an unissued serial"
+        assert self._private.keys() <= self._tables.keys(), "a request without blocks has private blocks"
+        for bid in range(self.num_blocks):
+            if self._hashes[bid] == PRIVATE:
+                assert ROOT_SERIAL < self._serials[bid] < self._next_serial, f"private block {bid}'s serial"

@@ -41,6 +41,11 @@ class Request:
     max_tokens: int
     arrival_s: float = 0.0
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    # tokens from this index on are the request's own: no other request of its
+    # workload holds them at the same place (a synthetic prompt drawn from its
+    # own stream); None: not known. The prefix cache need not hash the blocks
+    # from there on to find them (testbed/block_manager.py)
+    private_from: int | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -61,6 +66,8 @@ class Request:
         self.prompt_len = len(self.prompt_token_ids)
         if self.prompt_len == 0:
             raise ValueError(f"request {self.request_id}: the prompt is empty; give at least one token")
+        if self.private_from is not None and self.private_from < 0:
+            raise ValueError(f"request {self.request_id}: private_from={self.private_from} must be >= 0 or None")
 
     @property
     def num_tokens(self) -> int:

@@ -18,7 +18,7 @@ from testbed.runtime.messages import (MESSAGES, Abort, Add, Busy, Connect, Expec
                                       PrefixFetched, StoreStats, request_to_msg)
 from testbed.runtime.wire import WireError, decode, encode, hand_off_meta
 
-REQ = request_to_msg(Request("r1", [5, 6, 7], 4, 0.25, SamplingParams(0.7, 0.9, 3, False, 2)))
+REQ = request_to_msg(Request("r1", [5, 6, 7], 4, 0.25, SamplingParams(0.7, 0.9, 3, False, 2), private_from=2))
 EXAMPLES = [
     Add(REQ), Prefill(REQ, "decode0", [4, 9]), Reserve(REQ), Release("r1"), Abort("r1"),
     Connect("decode0", "tcp://h:1"), ExpectSenders(["prefill0", "prefill1"]), Stop(), Ping(), Ready("w", ""), Tokens("w", [("r1", 17, 1.5, 0)]),
@@ -41,8 +41,8 @@ def test_every_message_survives_its_encoding(msg):
 
 def test_a_request_crosses_the_wire_as_the_same_request():
     got = decode(encode(Add(REQ))).request.to_request()
-    assert (got.request_id, list(got.prompt_token_ids), got.max_tokens, got.arrival_s, got.sampling) == \
-           ("r1", [5, 6, 7], 4, 0.25, SamplingParams(0.7, 0.9, 3, False, 2))
+    assert (got.request_id, list(got.prompt_token_ids), got.max_tokens, got.arrival_s, got.sampling,
+            got.private_from) == ("r1", [5, 6, 7], 4, 0.25, SamplingParams(0.7, 0.9, 3, False, 2), 2)
 
 
 @pytest.mark.parametrize("raw, why", [
@@ -58,11 +58,11 @@ def test_a_request_crosses_the_wire_as_the_same_request():
     (msgpack.packb(["free_blocks", "w", True]), "free_blocks.free_blocks: expected int, got bool"),
     (msgpack.packb(["free_blocks", "w", 1.5]), "expected int, got float"),
     (msgpack.packb(["tokens", "w", [["r", 1, 2.0]]]), "tokens.items\\[0\\]: expected 4 items"),
-    (msgpack.packb(["add", ["r", [1, "x"], 4, 0.0, 0.0, 1.0, 0, True, None]]), "add.request.prompt: expected a list of integ"),
+    (msgpack.packb(["add", ["r", [1, "x"], 4, 0.0, 0.0, 1.0, 0, True, None, None]]), "add.request.prompt: expected a list of integ"),
     (msgpack.packb(["add", "r1"]), "add.request: expected a RequestMsg as a list"),
     (msgpack.packb(["finished", "r", "finished", None, "soon", None, 0]), "finished.finish_s: .* is not a"),
     # found by experiments/fuzz/fuzz_wire.py: a NaN top_p decoded, and NaN != NaN broke the round trip
-    (msgpack.packb(["add", ["r", [1], 4, 0.0, 0.0, float("nan"), 0, True, None]]), "add.request.top_p: NaN"),
+    (msgpack.packb(["add", ["r", [1], 4, 0.0, 0.0, float("nan"), 0, True, None, None]]), "add.request.top_p: NaN"),
 ])
 def test_the_decoder_says_what_is_wrong(raw, why):
     with pytest.raises(WireError, match=why):

@@ -82,6 +82,26 @@ def test_mooncake_shared_hash_ids_share_tokens(tmp_path):
     assert own.prompt_token_ids[:] != a[:512]
 
 
+def test_a_prompt_is_private_from_its_first_block_no_other_names(tmp_path):
+    """Request.private_from: a synthetic prompt of its own is private from its
+    first token; a trace's prompt from its first block whose id no other block
+    of the workload names; a prompt whose every id recurs, not at all."""
+    lines = [
+        {"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [7, 8, 9]},
+        {"timestamp": 500, "input_length": 700, "output_length": 3, "hash_ids": [7, 10]},
+        {"timestamp": 900, "input_length": 600, "output_length": 3, "hash_ids": [7, 10]},
+        {"timestamp": 1500, "input_length": 512, "output_length": 2, "hash_ids": [11]},
+    ]
+    path = write(tmp_path / "mc.jsonl", "\n".join(json.dumps(x) for x in lines) + "\n")
+    reqs = build_workload(trace_cfg(path, "mooncake"), VOCAB, seed=3)
+    assert [r.private_from for r in reqs] == [512, None, None, 0]
+    own = build_workload(WorkloadConfig(num_requests=2, prompt_dist="fixed", prompt_len=512), VOCAB, 3)
+    assert [r.private_from for r in own] == [0, 0]
+    exact = build_workload(trace_cfg(write(tmp_path / "ids.jsonl", '{"prompt_token_ids": [5, 6, 7], "max_tokens": 4, '
+                                           '"arrival_s": 0.0}\n'), "jsonl"), VOCAB, 3)
+    assert exact[0].private_from is None                 # exact token ids: not known
+
+
 def test_mooncake_block_count_must_match_length(tmp_path):
     path = write(tmp_path / "mc.jsonl",
                  '{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 2]}\n'

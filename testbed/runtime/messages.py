@@ -40,10 +40,12 @@ class RequestMsg:
     seed: int
     ignore_eos: bool
     eos: int | None
+    private_from: int | None = None
 
     def to_request(self) -> Request:
         return Request(self.id, self.prompt, self.max_tokens, self.arrival_s,
-                       SamplingParams(self.temperature, self.top_p, self.seed, self.ignore_eos, self.eos))
+                       SamplingParams(self.temperature, self.top_p, self.seed, self.ignore_eos, self.eos),
+                       private_from=self.private_from)
 
 
 def request_to_msg(req: Request, copy_prompt: bool = True) -> RequestMsg:
@@ -53,7 +55,7 @@ def request_to_msg(req: Request, copy_prompt: bool = True) -> RequestMsg:
     sp = req.sampling
     prompt = list(req.prompt_token_ids) if copy_prompt else req.prompt_token_ids
     return RequestMsg(req.request_id, prompt, req.max_tokens, req.arrival_s, sp.temperature, sp.top_p,
-                      sp.seed, sp.ignore_eos, sp.eos_token_id)
+                      sp.seed, sp.ignore_eos, sp.eos_token_id, req.private_from)
 
 
 @dataclass(slots=True)

@@ -58,9 +58,12 @@ def materialize_prompt(request_msg: RequestMsg) -> RequestMsg:
     """A worker that hashes prompt blocks reads the whole prompt, a chunk at
     a time: a lazy prompt computes each read, an array slices it. So it gets
     the prompt once as an array (8 bytes a token); a decode worker, which
-    does not hash, gets it lazy."""
+    does not hash, gets it lazy, and so does a prompt private from its first
+    token (Request.private_from), whose blocks no worker hashes."""
     numpy = getattr(request_msg.prompt, "numpy", None)
-    return request_msg if numpy is None else dataclasses.replace(request_msg, prompt=numpy())
+    if numpy is None or request_msg.private_from == 0:
+        return request_msg
+    return dataclasses.replace(request_msg, prompt=numpy())
 
 
 class SimRuntime:

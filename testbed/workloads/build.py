@@ -21,7 +21,7 @@ from testbed.workloads.config import WorkloadConfig
 from testbed.workloads.lengths import make_lengths
 from testbed.workloads.multiturn import multiturn_rows
 from testbed.workloads.readers import TraceRow, read_trace
-from testbed.workloads.tokens import synthesize_prompt
+from testbed.workloads.tokens import hash_id_uses, private_from, synthesize_prompt
 
 _ARRIVAL_STREAM, _PROMPT_STREAM, _OUTPUT_STREAM = 0, 1, 2
 
@@ -97,23 +97,27 @@ def iter_workload(cfg: WorkloadConfig, vocab_size: int, seed: int) -> Iterator[R
 
 def _requests(cfg: WorkloadConfig, rows: list[TraceRow] | None, n: int, order: np.ndarray, arrivals: np.ndarray,
               prompt_lens: np.ndarray, output_lens: np.ndarray, vocab_size: int, seed: int) -> Iterator[Request]:
+    uses = hash_id_uses(r.hash_ids for r in rows) if rows is not None and cfg.prompt_dist == "trace" else None
     for k, i in enumerate(order.tolist()):
         row = rows[i] if rows is not None and i < n and cfg.prompt_dist == "trace" else None
         length = int(prompt_lens[i])
         if row is not None and row.prompt_token_ids is not None:
-            prompt = list(row.prompt_token_ids[:length])
+            prompt, private = list(row.prompt_token_ids[:length]), None
         else:
-            prompt = synthesize_prompt(seed, k, length, vocab_size,
-                                       row.hash_ids if row is not None else None, cfg.hash_block_size)
-        yield Request(f"r{k}", prompt, int(output_lens[i]), arrival_s=float(arrivals[i]))
+            hash_ids = row.hash_ids if row is not None else None
+            prompt = synthesize_prompt(seed, k, length, vocab_size, hash_ids, cfg.hash_block_size)
+            private = private_from(hash_ids, cfg.hash_block_size, uses)
+        yield Request(f"r{k}", prompt, int(output_lens[i]), arrival_s=float(arrivals[i]), private_from=private)
 
 
 def _requests_of_rows(rows: list[TraceRow], vocab_size: int, seed: int, cfg: WorkloadConfig) -> list[Request]:
     """Requests replaying rows that carry everything (arrival, lengths, block ids), in order."""
     t0 = rows[0].arrival_s if rows else 0.0
+    uses = hash_id_uses(row.hash_ids for row in rows)
     out = []
     for k, row in enumerate(rows):
         output = row.output_len if cfg.max_output_len is None else min(row.output_len, cfg.max_output_len)
         prompt = synthesize_prompt(seed, k, row.prompt_len, vocab_size, row.hash_ids, cfg.hash_block_size)
-        out.append(Request(f"r{k}", prompt, output, arrival_s=(row.arrival_s - t0) * cfg.time_scale))
+        out.append(Request(f"r{k}", prompt, output, arrival_s=(row.arrival_s - t0) * cfg.time_scale,
+                           private_from=private_from(row.hash_ids, cfg.hash_block_size, uses)))
     return out

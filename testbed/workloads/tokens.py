@@ -14,7 +14,8 @@ nothing else ever materializes the whole prompt.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -187,3 +188,22 @@ def synthesize_prompt(seed: int, request_index: int, length: int, vocab_size: in
     if hash_ids is None:
         return SyntheticTokens(stream_key(seed, 1, request_index), length, vocab_size, None, block_size)
     return SyntheticTokens(stream_key(seed, 2), length, vocab_size, hash_ids, block_size)
+
+
+def private_from(hash_ids: Sequence[int] | None, block_size: int, uses: Mapping[int, int]) -> int | None:
+    """The token from which a prompt is its request's own (Request.private_from):
+    0 without `hash_ids` (a stream of its own); with them, the start of its
+    first block whose id no other block of the workload names (`uses`: how many
+    times each id is named across the workload), None where every block's id
+    is named again."""
+    if hash_ids is None:
+        return 0
+    for j, block_id in enumerate(hash_ids):
+        if uses[block_id] == 1:
+            return j * block_size
+    return None
+
+
+def hash_id_uses(hash_id_lists: Iterable[Sequence[int] | None]) -> Counter:
+    """How many times each block id is named across a workload's prompts."""
+    return Counter(block_id for ids in hash_id_lists if ids is not None for block_id in ids)
