@@ -5,7 +5,7 @@ sizes. Both therefore admit, evict and count exactly alike, which is what lets
 a simulated hit rate equal a real one on the same workload.
 
 A block is keyed by the chained prefix hash the BlockManager computes
-(`hash_block_tokens`, the same in every process), so a key names a whole
+(testbed/block_keys.py, the same in every process), so a key names a whole
 token prefix, not only its own block. Capacity is in bytes. Unpinned blocks
 are evicted least recently used first (a put or a get refreshes a block); a
 block is pinned while a transfer reads it and is never evicted then. A put

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 
-from testbed.block_manager import prefix_block_keys
+from testbed.block_keys import prefix_block_keys
 from testbed.kv_transfer.store_index import StoreIndex
 from testbed.modes.pool import PoolState, PoolView
 from testbed.modes.routers import Router, RouterContext, register_router

@@ -23,7 +23,7 @@ costs reuse, never a request. Whatever the store does, fewer blocks come back
 and the rest is recomputed."""
 from __future__ import annotations
 
-from testbed.block_manager import prefix_block_keys
+from testbed.block_keys import prefix_block_keys
 from testbed.engine import StepOutput
 from testbed.modes.disagg_roles import PrefillWorker
 from testbed.request import Request

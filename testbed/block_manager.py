@@ -16,7 +16,7 @@ Every block is in exactly one of three states:
 Free and cached blocks both count as available (`num_free_blocks`); allocation
 takes truly free blocks first and evicts cached ones only when it must.
 
-A full block's key is chained: hash(parent block's hash, its token ids), so
+A full block's key is chained (block_keys.py): hash(parent's key, its token ids), so
 one dict lookup per block walks a prompt's prefix. A hit is then verified
 exactly, never trusting the hash: each registered block gets a serial number
 (never reused) naming the exact token prefix it ends, and it keeps its own
@@ -25,16 +25,11 @@ both against the block matched just before. By induction a matched chain
 holds exactly the request's prefix, so a collision (even one that makes a
 chain loop back on itself) is a miss, never wrong KV.
 
-A request's private blocks (those from `Request.private_from`'s block on:
-tokens no other request of the workload holds there, so a chain through them
-is its own) are not hashed: no other request can match them, and the request
-itself finds them again after a preemption by its id. They are marked PRIVATE
-with the request's serial when committed, cached at ref 0 and evicted in
-the same LRU order as hashed blocks, and `free` parks the list of them under
-the request's id, which `match_prefix` walks after the hashed part, each
-block checked to be still marked with that serial. A simulated run whose
-prompts are all private (synthetic, no shared blocks) hashes nothing, and
-finds exactly what hashing would find.
+A request's private blocks (from `Request.private_from`'s block on: tokens no
+other request holds there) are marked PRIVATE, not hashed; cached and evicted
+as hashed ones, they are found again by their request's id after a preemption
+(parked_blocks.py). A run of synthetic prompts hashes nothing, and finds
+exactly what hashing would find.
 
 The per-block state lives in flat lists and int64 arrays indexed by block id,
 not in one object per block, and a block's token ids are its slice of the bytes
@@ -44,47 +39,20 @@ and free, and every object made and freed per block costs time there.
 from __future__ import annotations
 
 from array import array
-from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections import deque
 from typing import NamedTuple
 
-import numpy as np
 import xxhash
 
+from testbed.block_keys import ROOT_HASH, token_bytes
 from testbed.eviction_queue import EvictionQueue
+from testbed.parked_blocks import Park, ParkedBlocks, Run
 from testbed.request import Request
 
-# The "parent" of a prompt's first block: the seed of its hash and its serial.
-ROOT_HASH = 0
+# The serial of a prompt's first block's parent (its key's parent is ROOT_HASH).
 ROOT_SERIAL = 0
 # A private block's hash slot (xxh3 keys are >= 0): committed, never in the hash table.
 PRIVATE = -1
-
-
-def hash_block_tokens(parent_hash: int, token_ids: Sequence[int]) -> int:
-    """Chained 64-bit key of one full block: xxh3 of the token ids as
-    little-endian int64, seeded with the parent's key (chaining without building
-    a parent+tokens buffer). Deterministic across processes and machines, so a
-    KV store shared by workers can use the same keys."""
-    return xxhash.xxh3_64_intdigest(token_bytes(token_ids), parent_hash)
-
-
-def token_bytes(token_ids: Sequence[int]) -> bytes:
-    """Token ids as the little-endian int64 bytes that block keys hash."""
-    return np.asarray(token_ids, dtype="<i8").tobytes()
-
-
-def prefix_block_keys(request: Request, block_size: int, num_blocks: int) -> list[int]:
-    """The chained keys of the request's first `num_blocks` full blocks: the
-    hashes `commit` registers them under, so a KV store shared by workers
-    (modes/kvstore.py) names a block exactly as every block manager does."""
-    data = token_bytes(request.token_array(0, num_blocks * block_size))
-    nbytes, keys, h = 8 * block_size, [], ROOT_HASH
-    digest = xxhash.xxh3_64_intdigest
-    for off in range(0, num_blocks * nbytes, nbytes):
-        h = digest(data[off:off + nbytes], h)
-        keys.append(h)
-    return keys
 
 
 class ChainEnd(NamedTuple):
@@ -129,10 +97,7 @@ class BlockManager:
         # (their content was already cached in another block): the chain goes on past them
         self._chains: dict[str, ChainEnd] = {}
         self._next_serial = ROOT_SERIAL + 1
-        # a request with private blocks committed: (its first private block, the serial marking them)
-        self._private: dict[str, tuple[int, int]] = {}
-        # a freed request's private blocks in order, under its (first, serial): oldest freed first
-        self._parked: OrderedDict[str, tuple[tuple[int, int], list[int]]] = OrderedDict()
+        self._parked = ParkedBlocks()
 
     def hash_block(self, parent_hash: int, tokens: bytes) -> int:
         """hash_block_tokens of one full block given as its bytes (what the
@@ -224,26 +189,29 @@ class BlockManager:
             ref_counts[block_id] += 1
             table.append(block_id)
             parent_hash, parent_serial = h, self._serials[block_id]
-        parked = self._parked.pop(rid, None)
-        if parked is not None and len(table) == parked[0][0]:
-            self._unpark(rid, parked, table, num_full)
+        park = self._parked.take(rid)
+        if park is not None and len(table) == park.run.first:
+            self._unpark(rid, park, table, num_full)
         if table:
             self._chains[rid] = ChainEnd(len(table), parent_hash, parent_serial)
         return len(table) * self.block_size
 
-    def _unpark(self, rid: str, parked: tuple[tuple[int, int], list[int]], table: list[int], num_full: int) -> None:
+    def _unpark(self, rid: str, park: Park, table: list[int], num_full: int) -> None:
         """Take back the request's parked private blocks that are still cached,
         in order up to the first that is not (evicted, and maybe reused since)."""
-        (first, serial), blocks = parked
-        hashes, serials, ref_counts = self._hashes, self._serials, self._ref_counts
-        for block_id in blocks[:num_full - first]:
-            if hashes[block_id] != PRIVATE or serials[block_id] != serial:
+        run, ref_counts = park.run, self._ref_counts
+        for block_id in park.blocks[:num_full - run.first]:
+            if not self._marked(block_id, run.serial):
                 break
             if ref_counts[block_id] == 0:
                 self._evictable.remove(block_id)
             ref_counts[block_id] += 1
             table.append(block_id)
-        self._private[rid] = (first, serial)
+        self._parked.start(rid, run)
+
+    def _marked(self, block_id: int, serial: int) -> bool:
+        """Whether the block is a private block of the run marked `serial`."""
+        return self._hashes[block_id] == PRIVATE and self._serials[block_id] == serial
 
     def commit(self, request: Request) -> None:
         """Register the request's blocks that are now full of computed tokens
@@ -314,12 +282,13 @@ class BlockManager:
 
     def _commit_private(self, rid: str, table: list[int], start: int, end: int, first: int) -> None:
         """Mark the request's private blocks [start, end) committed: PRIVATE, with
-        the serial its private blocks share (one per request, kept across preemptions)."""
-        private = self._private.get(rid)
-        if private is None:
-            private = self._private[rid] = (first, self._next_serial)
+        the serial its private run's blocks share (kept across preemptions)."""
+        run = self._parked.run(rid)
+        if run is None:
+            run = Run(first, self._next_serial)
+            self._parked.start(rid, run)
             self._next_serial += 1
-        serial = private[1]
+        serial = run.serial
         hashes, serials = self._hashes, self._serials
         for block_id in table[start:end]:
             hashes[block_id] = PRIVATE
@@ -390,11 +359,9 @@ class BlockManager:
         id does nothing."""
         table = self._tables.pop(request_id, None)
         chain = self._chains.pop(request_id, None)
-        private = self._private.pop(request_id, None)
+        self._parked.release(request_id, table or [], chain.num_blocks if chain else 0, self._marked)
         if not table:
             return
-        if private is not None and chain.num_blocks > private[0]:
-            self._park(request_id, private, table[private[0]:chain.num_blocks])
         ref_counts, hashes, free, cached = self._ref_counts, self._hashes, self._free, []
         # release the tail first so a prompt's later blocks are evicted before
         # its earlier ones: evicting an early block strands the rest of the chain
@@ -404,23 +371,6 @@ class BlockManager:
             if not ref:
                 (free if hashes[block_id] is None else cached).append(block_id)
         self._evictable.extend(cached)
-
-    def _park(self, rid: str, private: tuple[int, int], blocks: list[int]) -> None:
-        """Keep a freed request's private blocks (its first private block and
-        their serial, then the blocks in order) for match_prefix to take back,
-        and drop the parks none of whose blocks is cached any more. Parks die
-        oldest first: a park's blocks were released together, its first block
-        last (free releases the tail first), and only its own request revives
-        them (taking the park), so the oldest park's first block is the next
-        of theirs an eviction takes."""
-        parked, hashes, serials = self._parked, self._hashes, self._serials
-        parked.pop(rid, None)
-        parked[rid] = (private, blocks)
-        while parked:
-            (_, serial), oldest = next(iter(parked.values()))
-            if hashes[oldest[0]] == PRIVATE and serials[oldest[0]] == serial:
-                break
-            parked.popitem(last=False)
 
     # ---- checking ----------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -460,7 +410,7 @@ class BlockManager:
         assert len(set(serials)) == len(serials), "two cached blocks share a prefix serial"
         for rid, chain in self._chains.items():
             assert chain.serial < self._next_serial, f"request {rid}'s chain ends at an unissued serial"
-        assert self._private.keys() <= self._tables.keys(), "a request without blocks has private blocks"
+        assert self._parked.holders() <= self._tables.keys(), "a request without blocks has private blocks"
         for bid in range(self.num_blocks):
             if self._hashes[bid] == PRIVATE:
                 assert ROOT_SERIAL < self._serials[bid] < self._next_serial, f"private block {bid}'s serial"

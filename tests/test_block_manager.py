@@ -11,7 +11,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from testbed.block_manager import ROOT_HASH, BlockManager
+from testbed.block_keys import ROOT_HASH
+from testbed.block_manager import BlockManager
 from testbed.request import Request
 
 
@@ -436,7 +437,7 @@ TestCollidingMachine.settings = settings(max_examples=100, stateful_step_count=4
 
 def test_root_hash_is_the_first_blocks_parent():
     bm = BlockManager(num_blocks=2, block_size=2)
-    from testbed.block_manager import hash_block_tokens, token_bytes
+    from testbed.block_keys import hash_block_tokens, token_bytes
     h0 = hash_block_tokens(ROOT_HASH, [1, 2])
     assert h0 == hash_block_tokens(ROOT_HASH, (1, 2)) == bm.hash_block(ROOT_HASH, token_bytes([1, 2]))
     assert token_bytes([1, 2]) == struct.pack("<2q", 1, 2)
@@ -492,6 +493,20 @@ def test_parked_blocks_are_taken_back_only_after_the_whole_hashed_head():
     bm.free("r")
     r.reset_for_recompute()
     assert bm.match_prefix(r) == 0
+    bm.check_invariants()
+
+
+def test_parks_are_dropped_once_their_blocks_are_evicted():
+    """A run of private requests through a small cache keeps a park only while
+    one of its blocks is still cached: never more parks than cached blocks."""
+    bm = BlockManager(num_blocks=6, block_size=2)
+    for i in range(40):
+        r = Request(f"r{i}", [i * 10 + k for k in range(5)], max_tokens=2, private_from=0)
+        compute(bm, r, 5)
+        bm.free(r.request_id)
+        parks = bm._parked._parks
+        assert 1 <= len(parks) <= len(bm._evictable)             # each park's first block is cached
+        assert all(bm._marked(p.blocks[0], p.run.serial) for p in parks.values())
     bm.check_invariants()
 
 

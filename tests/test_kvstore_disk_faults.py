@@ -20,7 +20,7 @@ import pytest
 
 from store_relay import RelayedRuntime, StoreRelay
 from test_kvstore import colocated, config  # noqa: F401  (colocated: the fixture)
-from testbed.block_manager import prefix_block_keys
+from testbed.block_keys import prefix_block_keys
 from testbed.runtime.build import apply_sampling
 from testbed.runtime.messages import PrefixFetched
 from testbed.workloads.build import build_workload

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from testbed.block_manager import prefix_block_keys
+from testbed.block_keys import prefix_block_keys
 from testbed.config import from_dict
 from testbed.run import execute
 from testbed.workloads.build import build_workload
