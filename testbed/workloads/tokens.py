@@ -190,12 +190,13 @@ def synthesize_prompt(seed: int, request_index: int, length: int, vocab_size: in
     return SyntheticTokens(stream_key(seed, 2), length, vocab_size, hash_ids, block_size)
 
 
-def private_from(hash_ids: Sequence[int] | None, block_size: int, uses: Mapping[int, int]) -> int | None:
+def private_from(hash_ids: Sequence[int] | None, block_size: int,
+                 uses: Mapping[int, int] | None) -> int | None:
     """The token from which a prompt is its request's own (Request.private_from):
-    0 without `hash_ids` (a stream of its own); with them, the start of its
-    first block whose id no other block of the workload names (`uses`: how many
-    times each id is named across the workload), None where every block's id
-    is named again."""
+    0 without `hash_ids` (a stream of its own; `uses` unread, None where the
+    workload names no ids); with them, the start of its first block whose id no
+    other block of the workload names (`uses`: how many times each id is named
+    across the workload), None where every block's id is named again."""
     if hash_ids is None:
         return 0
     for j, block_id in enumerate(hash_ids):
