@@ -28,7 +28,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False          # Qwen2 has q/k/v biases
     max_position_embeddings: int = 1_048_576
-    dtype: str = "float32"
+    dtype: str = "float32"                # activations, KV cache, embedding and lm_head
+    weight_dtype: str = ""                # the linear layers' weights and inputs (W8A8); "": dtype
     path: str | None = None               # HF-style checkpoint dir; None: seeded random weights
     seed: int = 0
     # Architecture variants the cost model understands (the real engine runs GQA/MHA).
@@ -54,6 +55,14 @@ class ModelConfig:
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def resolved_weight_dtype(self) -> str:
+        return self.weight_dtype or self.dtype
+
+    @property
+    def weight_dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.resolved_weight_dtype]
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -87,6 +96,9 @@ class ModelConfig:
                       f"{self.num_heads}; set head_dim explicitly")
         if self.dtype not in DTYPE_BYTES:
             raise bad("dtype", f"'{self.dtype}' is not one of {sorted(DTYPE_BYTES)}")
+        if self.weight_dtype and self.weight_dtype not in DTYPE_BYTES:
+            raise bad("weight_dtype", f"'{self.weight_dtype}' is not one of {sorted(DTYPE_BYTES)} "
+                      "('' keeps the weights in dtype)")
         if self.attention not in ("gqa", "mla"):
             raise bad("attention", f"'{self.attention}' is not one of gqa, mla")
         if self.norm not in ("rms_norm", "layer_norm"):

@@ -113,10 +113,11 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         if cfg.attention != "gqa" or cfg.num_experts or not cfg.gated_mlp or cfg.norm != "rms_norm" \
-                or cfg.parallel_block:
-            raise ValueError(f"model '{cfg.name}': the real engine runs dense Llama-style GQA/MHA models; "
-                             f"attention={cfg.attention}, num_experts={cfg.num_experts}, gated_mlp={cfg.gated_mlp}, "
-                             f"norm={cfg.norm}, parallel_block={cfg.parallel_block} only run with runtime=sim")
+                or cfg.parallel_block or cfg.resolved_weight_dtype != cfg.dtype:
+            raise ValueError(f"model '{cfg.name}': the real engine runs dense Llama-style GQA/MHA models with "
+                             f"weights in model.dtype; attention={cfg.attention}, num_experts={cfg.num_experts}, "
+                             f"gated_mlp={cfg.gated_mlp}, norm={cfg.norm}, parallel_block={cfg.parallel_block}, "
+                             f"weight_dtype={cfg.weight_dtype} only run with runtime=sim")
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.resolved_head_dim, cfg.rope_theta)

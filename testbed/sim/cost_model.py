@@ -73,18 +73,27 @@ class CostModel:
         self.shapes = shapes = layer_shapes(model, parallel.tp)
         self._s_per_flop = 1.0 / (hardware.peak_flops(model.dtype) * hardware.compute_efficiency)
         self._s_per_byte = 1.0 / (hardware.hbm_bw_gbps * 1e9 * hardware.memory_efficiency)
+        # the layers' GEMMs run at their weights' dtype (fp8 weights: W8A8)
+        self._layer_s_per_flop = 1.0 / (hardware.peak_flops(model.resolved_weight_dtype)
+                                        * hardware.compute_efficiency)
 
         self._tables = GpuTablePricing(hardware, model, shapes) if hardware.gemm_table else None
         if self._tables:
             self._gemms_s = _remembered(self._tables.gemm_curve(shapes.gemms))
-            self._lm_head_s = _remembered(self._tables.gemm_curve([shapes.lm_head]))
+            self._lm_head_s = _remembered(self._tables.lm_head_curve())
             self._elementwise_s = _remembered(self._tables.elementwise_curve())
         else:
             roofline = RooflineGemms(self._s_per_flop, self._s_per_byte, hardware.gemm_ramp_tokens,
                                      shapes.dtype_bytes)
-            gemms = ProfiledGemms(hardware.gemm_profile) if hardware.gemm_profile else roofline
-            self._gemms_s = _remembered(gemms.curve(shapes.gemms))
-            self._lm_head_s = _remembered(gemms.curve([shapes.lm_head]))
+            layers = RooflineGemms(self._layer_s_per_flop, self._s_per_byte, hardware.gemm_ramp_tokens,
+                                   shapes.dtype_bytes, shapes.weight_dtype_bytes)
+            if hardware.gemm_profile:
+                if model.resolved_weight_dtype != model.dtype:
+                    raise ValueError(f"model.weight_dtype: hardware '{hardware.name}' prices GEMMs from its profile "
+                                     f"in {model.dtype} only; drop weight_dtype or use a GPU preset")
+                roofline = layers = ProfiledGemms(hardware.gemm_profile)
+            self._gemms_s = _remembered(layers.curve(shapes.gemms))
+            self._lm_head_s = _remembered(roofline.curve([shapes.lm_head]))
             per_token = shapes.elementwise_bytes_per_token * self._s_per_byte
             self._elementwise_s = lambda m: m * per_token
         if hardware.attention_profile:
@@ -266,8 +275,9 @@ class CostModel:
         # one grouped GEMM over the touched experts, m·top_k routed rows; the
         # GEMM ramp is paid per expert
         flops = 2.0 * e.expert_params * (m * e.top_k + self.hardware.gemm_ramp_tokens * touched)
-        nbytes = (touched * e.expert_params + m * e.top_k * e.act_elems_per_routed_token) * self.shapes.dtype_bytes
-        return e.layers * max(flops * self._s_per_flop, nbytes * self._s_per_byte)
+        nbytes = (touched * e.expert_params * self.shapes.weight_dtype_bytes
+                  + m * e.top_k * e.act_elems_per_routed_token * self.shapes.dtype_bytes)
+        return e.layers * max(flops * self._layer_s_per_flop, nbytes * self._s_per_byte)
 
     # -- memory ---------------------------------------------------------------
 

@@ -69,18 +69,28 @@ class GpuTablePricing:
                              f"choose one of: {', '.join(sorted(TABLE_CHIPS))} (or '' for the roofline)")
         self.gemms, self.elementwise = table_models(hardware.operator_tables_dir(), hardware.gemm_table)
         peak, bw = TABLE_CHIPS[hardware.gemm_table]
-        source_flops, target_flops = peak * 1e12, hardware.peak_flops(model.dtype)
-        if hardware.matmul_tflops_measured:
-            # measured on both sides: the tables' own 8192^3 throughput against this chip's
-            n = MATMUL_SIDE
-            source_flops = 2.0 * n ** 3 / self.gemms.seconds(n, n, n)
-            target_flops *= hardware.matmul_tflops_measured / hardware.peak_tflops
-        self.ratio = RooflineRatio(source_flops, bw * 1e9, TABLE_DTYPE_BYTES,
-                                   target_flops, hardware.hbm_bw_gbps * 1e9, shapes.dtype_bytes)
+        source_flops = peak * 1e12
+        # the matmul throughput measured on both sides: the tables' own 8192^3 against this chip's
+        measured = (2.0 * MATMUL_SIDE ** 3 / self.gemms.seconds(MATMUL_SIDE, MATMUL_SIDE, MATMUL_SIDE)
+                    if hardware.matmul_tflops_measured else 0.0)
+
+        def ratio(dtype: str, weight_bytes: int) -> RooflineRatio:
+            target_flops = hardware.peak_flops(dtype)
+            if measured:
+                target_flops *= hardware.matmul_tflops_measured / hardware.peak_tflops
+            return RooflineRatio(measured or source_flops, bw * 1e9, TABLE_DTYPE_BYTES,
+                                 target_flops, hardware.hbm_bw_gbps * 1e9, shapes.dtype_bytes, weight_bytes)
+        # lm_head and the elementwise ops run in the model's dtype, the layers' GEMMs in their weights'
+        self.ratio = ratio(model.dtype, 0)
+        self.layer_ratio = ratio(model.resolved_weight_dtype, shapes.weight_dtype_bytes)
         self.model, self.shapes = model, shapes
 
     def gemm_curve(self, gemms: Sequence[Gemm]) -> Curve:
-        return self.gemms.curve(gemms, None if self.ratio.identity else self.ratio.gemm)
+        """The layers' GEMMs (in the weights' dtype)."""
+        return self.gemms.curve(gemms, None if self.layer_ratio.identity else self.layer_ratio.gemm)
+
+    def lm_head_curve(self) -> Curve:
+        return self.gemms.curve([self.shapes.lm_head], None if self.ratio.identity else self.ratio.gemm)
 
     def elementwise_curve(self) -> Curve:
         return self.elementwise.curve(elementwise_ops(self.model, self.shapes), self.ratio.streaming())
@@ -94,7 +104,7 @@ class GpuTablePricing:
         rows = max(1.0, m * e.top_k / touched)
         total = 0.0
         for g in (Gemm("expert_up", up_width * im, self.model.hidden_size), Gemm("expert_down", self.model.hidden_size, im)):
-            scale = 1.0 if self.ratio.identity else float(self.ratio.gemm(g, np.array([rows]))[0])
+            scale = 1.0 if self.layer_ratio.identity else float(self.layer_ratio.gemm(g, np.array([rows]))[0])
             total += self.gemms.seconds(rows, g.n, g.k) * scale
         return e.layers * touched * total
 

@@ -82,7 +82,8 @@ class AttentionShape:
 @dataclass(frozen=True)
 class LayerShapes:
     num_layers: int
-    dtype_bytes: int
+    dtype_bytes: int                      # activations, KV, embedding and lm_head
+    weight_dtype_bytes: int               # the layers' GEMM weights (and, W8A8, their inputs)
     gemms: tuple[Gemm, ...]               # over every token of the batch
     lm_head: Gemm                         # over the sampled rows only
     experts: ExpertsShape | None
@@ -151,13 +152,15 @@ def layer_shapes(model: ModelConfig, tp: int = 1) -> LayerShapes:
     # rope rewrites q and k; the activation reads its inputs and writes its output.
     elementwise = (L * (8 * h + 2 * rope_elems) + act_elems + h) * b
     embedding = 0 if model.tie_word_embeddings else vocab * h
-    weights = sum(g.n * g.k * g.layers for g in gemms) + lm_head.n * lm_head.k + embedding
+    weights = sum(g.n * g.k * g.layers for g in gemms)
     if experts:
         weights += experts.layers * experts.num_experts * experts.expert_params
+    weights = weights * model.weight_dtype_bytes + (lm_head.n * lm_head.k + embedding) * b
     return LayerShapes(
-        num_layers=L, dtype_bytes=b, gemms=gemms, lm_head=lm_head, experts=experts, attention=attention,
+        num_layers=L, dtype_bytes=b, weight_dtype_bytes=model.weight_dtype_bytes, gemms=gemms, lm_head=lm_head,
+        experts=experts, attention=attention,
         elementwise_bytes_per_token=elementwise, hidden_bytes_per_token=h * b,
-        weight_bytes=weights * b, kv_bytes_per_token=attention.kv_bytes_per_token * L)
+        weight_bytes=weights, kv_bytes_per_token=attention.kv_bytes_per_token * L)
 
 
 def expected_experts_touched(num_experts: int, top_k: int, num_tokens: float) -> float:

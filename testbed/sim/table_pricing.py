@@ -226,24 +226,33 @@ class RooflineRatio:
     max(2mnk / peak, bytes / bandwidth), without efficiencies. 1 where source
     and target are the same; a memory-bound GEMM moves with the bandwidth, a
     compute-bound one with the peak. The fixed latencies the table carries
-    are scaled too (a stated approximation)."""
+    are scaled too (a stated approximation). A target whose weights are
+    narrower than its activations (W8A8: fp8 weights, bfloat16 model) reads
+    the weights and the quantized input at target_weight_bytes and writes the
+    output at target_dtype_bytes, at the peak of target_flops."""
     source_flops: float            # FLOP/s of the table's chip in its dtype
     source_bytes_per_s: float
     source_dtype_bytes: int
     target_flops: float
     target_bytes_per_s: float
     target_dtype_bytes: int
+    target_weight_bytes: int = 0   # 0: target_dtype_bytes
 
     @property
     def identity(self) -> bool:
         return (self.source_flops, self.source_bytes_per_s, self.source_dtype_bytes) == \
-            (self.target_flops, self.target_bytes_per_s, self.target_dtype_bytes)
+            (self.target_flops, self.target_bytes_per_s, self.target_dtype_bytes) and \
+            self.target_weight_bytes in (0, self.target_dtype_bytes)
 
     def gemm(self, g: Gemm, m: np.ndarray) -> np.ndarray:
-        def roof(flops, bw, b):
-            return np.maximum(2.0 * m * g.n * g.k / flops, (g.n * g.k + m * (g.n + g.k)) * b / bw)
-        return (roof(self.target_flops, self.target_bytes_per_s, self.target_dtype_bytes)
-                / roof(self.source_flops, self.source_bytes_per_s, self.source_dtype_bytes))
+        def roof(flops, bw, b, wb):
+            if wb in (0, b):
+                nbytes = (g.n * g.k + m * (g.n + g.k)) * b
+            else:
+                nbytes = (g.n * g.k + m * g.k) * wb + m * g.n * b
+            return np.maximum(2.0 * m * g.n * g.k / flops, nbytes / bw)
+        return (roof(self.target_flops, self.target_bytes_per_s, self.target_dtype_bytes, self.target_weight_bytes)
+                / roof(self.source_flops, self.source_bytes_per_s, self.source_dtype_bytes, 0))
 
     def streaming(self) -> float:
         """For a bandwidth-bound op: source over target bytes per second, per element."""

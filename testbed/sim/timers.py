@@ -24,15 +24,18 @@ class RooflineGemms:
     """max(FLOPs / (peak·eff·m/(m+ramp)), bytes / (bw·eff)) per GEMM, with the
     weights read once per iteration and the activations read and written."""
 
-    def __init__(self, s_per_flop: float, s_per_byte: float, ramp_tokens: float, dtype_bytes: int):
+    def __init__(self, s_per_flop: float, s_per_byte: float, ramp_tokens: float, dtype_bytes: int,
+                 weight_bytes: int = 0):
         self.s_per_flop, self.s_per_byte = s_per_flop, s_per_byte
         self.ramp, self.dtype_bytes = ramp_tokens, dtype_bytes
+        self.weight_bytes = weight_bytes or dtype_bytes    # W8A8: the weights and the quantized input
 
     def curve(self, gemms: Sequence[Gemm]) -> Curve:
-        b, ramp = self.dtype_bytes, self.ramp
+        b, wb, ramp = self.dtype_bytes, self.weight_bytes, self.ramp
         consts = [(2.0 * g.n * g.k * g.layers * self.s_per_flop,       # s per (row + ramp)
-                   g.n * g.k * g.layers * b * self.s_per_byte,          # s to stream the weights
-                   (g.n + g.k) * g.layers * b * self.s_per_byte)        # s per row of activations
+                   g.n * g.k * g.layers * wb * self.s_per_byte,         # s to stream the weights
+                   ((g.n + g.k) * b if wb == b else g.n * b + g.k * wb)  # s per row of activations
+                   * g.layers * self.s_per_byte)
                   for g in gemms]
 
         def seconds(m: float) -> float:
