@@ -21,7 +21,7 @@ def _rows() -> dict[str, dict[str, str]]:
 
 def test_each_stage_carries_its_rate_duration_and_measured_means():
     rows, (runs, _) = _rows(), aggregate_runs(SHARED / "blis-h100")
-    assert len(runs) == 9
+    assert len(runs) == 13
     for run in runs:
         r = rows[run.name]
         specs = r["stages_rps_x_s"].split()
@@ -32,7 +32,14 @@ def test_each_stage_carries_its_rate_duration_and_measured_means():
             col = (lambda c: r[f"stage{i}_{c}"]) if len(specs) > 1 else (lambda c: r[f"stage{i}_{c}"] or r[c])
             assert (stage["ttft_mean"], stage["tpot_mean"], stage["e2e_mean"]) == \
                 (float(col("ttft_mean")), float(col("itl_mean")), float(col("e2e_mean")))
-    assert sorted(len(run.stages) for run in runs) == [1, 1, 1, 2, 2, 2, 2, 2, 2]
+    assert sorted(len(run.stages) for run in runs) == [1] * 5 + [2] * 8
+
+
+def test_only_the_run_without_a_workload_spec_is_left_out():
+    runs, skipped = aggregate_runs(SHARED / "blis-h100")
+    assert skipped == {"20260217-162547-llama-2-7b-tp1-roleplay": "no workload spec published"}
+    assert sorted({run.model for run in runs}) == ["llama2-7b", "llama3.1-70b", "llama4-scout-fp8", "mistral-nemo-12b",
+                                                    "qwen2.5-7b", "yi-34b"]
 
 
 def test_a_replay_reports_the_stages_its_requests_arrived_in(tmp_path):
@@ -44,3 +51,14 @@ def test_a_replay_reports_the_stages_its_requests_arrived_in(tmp_path):
     assert (got["stage0_ttft_mean"], got["stage0_tpot_mean"]) == (got["ttft_mean"], got["tpot_mean"])
     assert not any(k.startswith("stage1_") for k in got)
     assert got["tpot_mean"] == pytest.approx(6.2, rel=0.15)      # a 12B model at TP 2, a handful of decodes
+
+
+def test_the_fp8_moe_scout_decodes_within_15_percent_of_its_measured_tpot(tmp_path):
+    """Llama 4 Scout FP8 at TP 2 (fp8 weights, bfloat16 KV; 16 experts, one
+    per token, and a shared one), its first 600 requests at 2.5 req/s: the
+    stage's measured TPOT (17.90 ms) within 15%. Its TTFT is not: the
+    measured one waits ~1.5 TPOT more than the simulated (experiments/README,
+    "engine presets")."""
+    (run,) = [r for r in aggregate_runs(SHARED / "blis-h100")[0] if r.name.startswith("17-llama-4-scout")]
+    got = replay(run, load_engine_preset("vllm-v1"), tmp_path, max_requests=600)
+    assert got["stage0_tpot_mean"] == pytest.approx(run.stages[0]["tpot_mean"], rel=0.15)

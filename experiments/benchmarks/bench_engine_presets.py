@@ -21,6 +21,9 @@ measurements they were built from.
                 best over all of them) and leaving each run out (the best
                 over the others); --allreduce-grid US,... is
                 --grid allreduce_latency_us=US,...
+  --fit-metrics METRIC,...  with --grid: judge each value by the worst
+                of these metrics only (ttft_mean, ttft_p50, tpot_mean);
+                default all of a run's
   --set FIELD=VALUE  with --replay: an engine field for every replay
   --operating-points  each vLLM 0.15.1 run's load stages priced at the
                 operating point the run measured (Little's law), apart
@@ -29,7 +32,8 @@ measurements they were built from.
 Datasets come from $TESTBED_DATA (testbed.data.dataset_dir).
 
     python experiments/benchmarks/bench_engine_presets.py [--iterations] [--v0] [--operating-points]
-        [--replay [--grid FIELD=V,... | --allreduce-grid US,...] [--set FIELD=VALUE ...] [--cache FILE]]
+        [--replay [--grid FIELD=V,... | --allreduce-grid US,...] [--fit-metrics M,...] [--set FIELD=VALUE ...]
+        [--cache FILE]]
 """
 from __future__ import annotations
 
@@ -123,10 +127,12 @@ def _engine_value(engine, field: str, text: str):
     return text.lower() in ("1", "true", "yes") if kind is bool else kind(text)
 
 
-def print_replay(grid: tuple[str, list[float]] | None, base: dict, cache: str | None = None) -> None:
+def print_replay(grid: tuple[str, list[float]] | None, base: dict, cache: str | None = None,
+                 fit_metrics: tuple[str, ...] = ()) -> None:
     """The replay table: in sample (the grid value best over the runs it
-    affects, by the worst of their metrics) and leaving each run out (the
-    value best over the others), then each run's load stages."""
+    affects, by the worst of their metrics, or of `fit_metrics` alone) and
+    leaving each run out (the value best over the others), then each run's
+    load stages."""
     engine = load_engine_preset("vllm-v1")
     runs = per_request_runs() + aggregate_runs()[0]
     skipped = aggregate_runs()[1]
@@ -149,7 +155,7 @@ def print_replay(grid: tuple[str, list[float]] | None, base: dict, cache: str | 
 
     def worst(run, value) -> float:
         got = result(run, value)
-        return max(abs(got[k] / v - 1) for k, v in run.measured.items())
+        return max(abs(got[k] / v - 1) for k, v in run.measured.items() if not fit_metrics or k in fit_metrics)
 
     chosen, loo = None, {}
     if field:
@@ -157,7 +163,8 @@ def print_replay(grid: tuple[str, list[float]] | None, base: dict, cache: str | 
         chosen = min(values, key=lambda v: max(worst(r, v) for r in affected))
         for run in affected:
             loo[run.name] = min(values, key=lambda v: max(worst(r, v) for r in affected if r is not run))
-        print(f"{field}: in sample {chosen:g} (grid {values}, with {base}); leaving each run out: "
+        judged = f", judged by {', '.join(fit_metrics)}" if fit_metrics else ""
+        print(f"{field}: in sample {chosen:g} (grid {values}, with {base}{judged}); leaving each run out: "
               + ", ".join(f"{k} -> {v:g}" for k, v in loo.items()))
     elif base:
         print(f"engine overrides: {base}")
@@ -222,6 +229,8 @@ def main() -> None:
     parser.add_argument("--operating-points", action="store_true")
     parser.add_argument("--grid", default="", help="FIELD=V1,V2,...: an engine field's values to replay")
     parser.add_argument("--allreduce-grid", default="", help="US,US,...: --grid allreduce_latency_us=US,US,...")
+    parser.add_argument("--fit-metrics", default="",
+                        help="METRIC,...: with --grid, judge each value by these metrics alone (e.g. tpot_mean)")
     parser.add_argument("--set", action="append", default=[], help="FIELD=VALUE: an engine field for every replay")
     parser.add_argument("--cache", default=None, help="a JSON lines file keeping each replay's figures")
     args = parser.parse_args()
@@ -239,7 +248,7 @@ def main() -> None:
             field, _, values = grid_text.partition("=")
             grid = (field, [_engine_value(engine, field, v) for v in values.split(",") if v])
         base = {f: _engine_value(engine, f, v) for f, _, v in (o.partition("=") for o in args.set)}
-        print_replay(grid, base, args.cache)
+        print_replay(grid, base, args.cache, tuple(m for m in args.fit_metrics.split(",") if m))
     if args.operating_points:
         print_operating_points()
 

@@ -36,11 +36,12 @@ from testbed.sim.config import load_hardware_preset
 from testbed.sim.engine_config import EngineConfig, load_engine_preset
 
 DATASET = "blis-h100"
-# the dataset's model names -> this project's model presets (the FP8 MoE Scout has none)
+# the dataset's model names -> this project's model presets
 MODELS = {"meta-llama/Llama-2-7b-hf": "llama2-7b", "Qwen/Qwen2.5-7B-Instruct": "qwen2.5-7b",
           "mistralai/Mistral-Nemo-Instruct-2407": "mistral-nemo-12b", "01-ai/Yi-34B": "yi-34b",
           "meta-llama/Llama-3.1-70B-Instruct": "llama3.1-70b", "Llama-2-7b-hf": "llama2-7b",
-          "CodeLlama-34b-Instruct-hf": "codellama-34b"}
+          "CodeLlama-34b-Instruct-hf": "codellama-34b",
+          "RedHatAI/Llama-4-Scout-17B-16E-Instruct-FP8-dynamic": "llama4-scout-fp8"}
 PER_REQUEST_RUNS = ("jan21-llama7b-train-1", "jan20-codellama-train-1")
 
 
@@ -72,7 +73,7 @@ def aggregate_runs(data: Path | None = None) -> tuple[list[Run], dict[str, str]]
     with open(root / "vllm-0.15-trainval.csv", newline="") as f:
         for r in csv.DictReader(f):
             if r["model"] not in MODELS:
-                skipped[r["experiment"]] = f"no model preset for {r['model']} (FP8 MoE)"
+                skipped[r["experiment"]] = f"no model preset for {r['model']}"
                 continue
             if not r["stages_rps_x_s"]:
                 skipped[r["experiment"]] = "no workload spec published"
