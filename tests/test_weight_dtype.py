@@ -90,6 +90,10 @@ def test_weight_dtype_is_checked_and_the_real_engine_refuses_it():
         ModelConfig(weight_dtype="int3")
     with pytest.raises(ValueError, match=r"weights in model\.dtype.*weight_dtype=fp8 only run with runtime=sim"):
         LlamaModel(ModelConfig(weight_dtype="fp8"))
+    # a chip without an fp8 peak
+    a100 = load_hardware_preset("a100-80gb-sxm")
+    with pytest.raises(ValueError, match=r"hardware\.peak_tflops_fp8: 'a100-80gb-sxm' has no fp8 peak.*weight_dtype"):
+        CostModel(load_model_preset("llama4-scout-fp8"), a100, ParallelConfig(tp=2), load_engine_preset("vllm-v1"))
     # the CPU's measured GEMM profile is one dtype's
     cpu = load_hardware_preset("h100-sxm", gemm_table="", gemm_profile=[[1, 8, 8, 1e-6], [8, 8, 8, 2e-6]])
     with pytest.raises(ValueError, match=r"model\.weight_dtype: hardware 'h100-sxm' prices GEMMs from its profile"):

@@ -105,8 +105,8 @@ class HardwareConfig:
             return self.peak_tflops * 1e12
         if dtype == "fp8":
             if self.peak_tflops_fp8 <= 0:
-                raise ValueError(f"hardware.peak_tflops_fp8: '{self.name}' has no fp8 peak; "
-                                 "use a bfloat16 model or a chip with fp8 (h100-sxm, h200)")
+                raise ValueError(f"hardware.peak_tflops_fp8: '{self.name}' has no fp8 peak; run the model in "
+                                 "bfloat16 (model.dtype, model.weight_dtype) or pick a chip with fp8 (h100-sxm, h200)")
             return self.peak_tflops_fp8 * 1e12
         raise ValueError(f"model.dtype: '{dtype}' has no peak on hardware '{self.name}'")
 
