@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 
 from testbed.analysis.blis_replay import aggregate_runs, replay
+from testbed.model.config import load_model_preset
+from testbed.sim.config import ParallelConfig, load_hardware_preset
+from testbed.sim.defaults import kv_blocks_from_memory
 from testbed.sim.engine_config import load_engine_preset
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -40,6 +43,24 @@ def test_only_the_run_without_a_workload_spec_is_left_out():
     assert skipped == {"20260217-162547-llama-2-7b-tp1-roleplay": "no workload spec published"}
     assert sorted({run.model for run in runs}) == ["llama2-7b", "llama3.1-70b", "llama4-scout-fp8", "mistral-nemo-12b",
                                                     "qwen2.5-7b", "yi-34b"]
+
+
+def test_num_kv_blocks_auto_is_within_6_percent_of_the_blocks_vllm_allocated():
+    """The KV blocks `num_kv_blocks=auto` gives each dense model, TP and token
+    budget of the runs (gpu_memory_utilization 0.9, as they ran) against the
+    blocks vLLM reported: above by 1.7-4.9% (vLLM also reserves its CUDA
+    graphs' memory). Scout is left out: vLLM's are 42% fewer (8,253 against
+    14,126; the vision encoder vLLM loads and profiles for it is not modelled)."""
+    h100 = load_hardware_preset("h100-sxm")
+    checked = 0
+    for run in aggregate_runs(SHARED / "blis-h100")[0]:
+        if run.model == "llama4-scout-fp8":
+            continue
+        ours = kv_blocks_from_memory(load_model_preset(run.model), h100, ParallelConfig(tp=run.tp), 16, 0.9,
+                                     run.max_num_batched_tokens, run.max_num_seqs)
+        assert 1.0 <= ours / run.num_kv_blocks <= 1.06, (run.name, ours, run.num_kv_blocks)
+        checked += 1
+    assert checked == 9
 
 
 def test_a_replay_reports_the_stages_its_requests_arrived_in(tmp_path):
