@@ -55,6 +55,7 @@ ENGINES = ("testbed", "vllm-v0", "vllm-v1")
 CASES = (("llama2-7b", 1), ("llama3-8b", 1), ("llama2-70b", 4), ("llama2-70b", 8))
 HARDWARE = ("h100-sxm", "a100-80gb-sxm")
 KERNEL_TERMS = ("gemm_s", "experts_s", "attention_s", "elementwise_s", "lm_head_s")
+METRICS = ("ttft_mean", "ttft_p50", "tpot_mean")   # what a replay is judged by (Run.measured)
 
 
 def iteration_split(cost: CostModel, slices) -> tuple[float, float, float, float]:
@@ -155,7 +156,8 @@ def print_replay(grid: tuple[str, list[float]] | None, base: dict, cache: str | 
 
     def worst(run, value) -> float:
         got = result(run, value)
-        return max(abs(got[k] / v - 1) for k, v in run.measured.items() if not fit_metrics or k in fit_metrics)
+        return max((abs(got[k] / v - 1) for k, v in run.measured.items() if not fit_metrics or k in fit_metrics),
+                   default=0.0)
 
     chosen, loo = None, {}
     if field:
@@ -248,7 +250,11 @@ def main() -> None:
             field, _, values = grid_text.partition("=")
             grid = (field, [_engine_value(engine, field, v) for v in values.split(",") if v])
         base = {f: _engine_value(engine, f, v) for f, _, v in (o.partition("=") for o in args.set)}
-        print_replay(grid, base, args.cache, tuple(m for m in args.fit_metrics.split(",") if m))
+        fit_metrics = tuple(m for m in args.fit_metrics.split(",") if m)
+        unknown = set(fit_metrics) - set(METRICS)
+        if unknown:
+            parser.error(f"--fit-metrics: {', '.join(sorted(unknown))} not among {', '.join(METRICS)}")
+        print_replay(grid, base, args.cache, fit_metrics)
     if args.operating_points:
         print_operating_points()
 
