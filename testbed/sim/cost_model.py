@@ -79,7 +79,7 @@ class CostModel:
 
         self._tables = GpuTablePricing(hardware, model, shapes) if hardware.gemm_table else None
         if self._tables:
-            self._gemms_s = _remembered(self._tables.gemm_curve(shapes.gemms))
+            self._gemms_s = _remembered(self._tables.layers_curve())
             self._lm_head_s = _remembered(self._tables.lm_head_curve())
             self._elementwise_s = _remembered(self._tables.elementwise_curve())
         else:

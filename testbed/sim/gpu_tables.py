@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -85,9 +84,9 @@ class GpuTablePricing:
         self.layer_ratio = ratio(model.resolved_weight_dtype, shapes.weight_dtype_bytes)
         self.model, self.shapes = model, shapes
 
-    def gemm_curve(self, gemms: Sequence[Gemm]) -> Curve:
+    def layers_curve(self) -> Curve:
         """The layers' GEMMs (in the weights' dtype)."""
-        return self.gemms.curve(gemms, None if self.layer_ratio.identity else self.layer_ratio.gemm)
+        return self.gemms.curve(self.shapes.gemms, None if self.layer_ratio.identity else self.layer_ratio.gemm)
 
     def lm_head_curve(self) -> Curve:
         return self.gemms.curve([self.shapes.lm_head], None if self.ratio.identity else self.ratio.gemm)
