@@ -248,6 +248,29 @@ def test_a_search_passing_the_ceiling_probes_one_tolerance_above_it_next():
     assert (res.capacity, res.first_failing, res.probes) == (7.5, 7.5 * 1.1, 2)
 
 
+def test_a_failure_another_search_measured_below_the_ceiling_rules_it_out_with_no_new_run():
+    """Another TBT target's or SLO definition's search on the same runs failed at 10 req/s over
+    200 judged requests (or overloaded there, judging none): a search whose ceiling lies above
+    that rate is ruled out by that run (above a failing rate every rate fails), `dominated` at
+    10 req/s with no new run; over 50 judged requests, or without reuse, it probes the ceiling."""
+    from testbed.experiments.decision_search import search
+    from testbed.experiments.decision_slo import SLOTargets, get_smoothness
+    smooth, targets = get_smoothness("p99_tbt"), SLOTargets(1000.0, 100.0)
+    cfg = tiny_on_cpu(True)
+    cases = ((lambda rate: 200, lambda rate: False, True, True), (lambda rate: 0, lambda rate: True, True, True),
+             (lambda rate: 50, lambda rate: False, True, False), (lambda rate: 200, lambda rate: False, False, False))
+    for judged, overloaded, reuse, ruled_out in cases:
+        prober = ScriptedProber(8.0, judged, smooth, targets, overloaded=overloaded)
+        prober.probe(("k",), cfg, 10.0, 1.0, None, "other", None)    # the other search's failing run
+        res = search(prober, ("k",), cfg, smooth, targets, 4.0, 1.0, 0.1, 10, (11.0, 12.1), ceiling=12.0,
+                     reuse=reuse)
+        if ruled_out:
+            assert list(prober.made) == [10.0] and prober.rates[-1] == 10.0
+            assert (res.capacity, res.limited_by, res.probes, res.first_failing) == (None, DOMINATED, 1, 10.0)
+        else:
+            assert 12.0 in prober.made and (res.limited_by, res.first_failing) != (DOMINATED, 10.0)
+
+
 def test_a_search_on_runs_another_search_made_starts_from_their_bracket_where_it_is_narrow():
     """Another SLO definition's or TBT target's search on the same runs: where those runs, judged
     by this search, hold a steady pass and a failure above it within two bisections of rel_tol,

@@ -157,9 +157,11 @@ def test_a_failing_probe_to_rule_out_over_too_few_judged_requests_is_lengthened_
 
 def test_a_probe_to_rule_out_that_judged_none_is_lengthened_once_to_tell_an_overload():
     """A probe at a rival's capacity that judged no one says nothing by itself. With a
-    SettledFailure that watches queues, it is run once more, as long as it asks: where the
-    service time grew with it (queued transfers), the run is `overloaded` (its capacity lies below
-    that rate); where it did not (four-second requests first sized for 1 us), it judges as usual."""
+    SettledFailure that watches queues, it is run once more, twice as long: where the service
+    time grew with it (queued transfers), the run is `overloaded` (its capacity lies below that
+    rate), in that run rather than in one of the 1,000 requests the rule asks; where it did not
+    (four-second requests first sized for 1 us), once more, as long as the rule asks, and it
+    judges as usual."""
     from testbed.experiments.decision_prober import Prober, SettledFailure
     from testbed.experiments.decision_search import verdict
     from testbed.experiments.decision_slo import SLOTargets, get_smoothness
@@ -174,8 +176,29 @@ def test_a_probe_to_rule_out_that_judged_none_is_lengthened_once_to_tell_an_over
 
     growing = SettledFailure(("ttft",), 100, growing_queue=True)
     run, runs = rule_out(_queued_transfers(), 0.2, growing)
-    assert runs == 2 and not run.num_judged and run.overloaded
+    first = rule.num_requests(20.0, 0.2, None, 100)
+    assert runs == 2 and not run.num_judged and run.overloaded and run.num_requests == 2 * first < 1000
     run, runs = rule_out(_queued_transfers(), 0.2, SettledFailure(("ttft",), 100))      # not watching queues
     assert runs == 1 and not run.num_judged and not run.overloaded
     run, runs = rule_out(_four_second_requests(), 1e-6, growing)
-    assert runs == 2 and run.num_judged >= 100 and not run.overloaded
+    assert runs == 3 and run.num_judged >= 100 and not run.overloaded
+
+
+def test_a_rate_reached_two_ways_that_differs_in_its_last_bits_is_the_same_probe():
+    """A rival's capacity per GPU times this deployment's GPUs may come out a few ulps off a rate
+    already run on the key (23.607632516217684 against ...688 on the full grid's llama3-8b
+    slice): the Prober gives the run it made, not a second one; a rate a tolerance step away
+    is a new probe."""
+    from testbed.experiments.decision_prober import Prober
+    from testbed.experiments.decision_search import verdict
+    from testbed.experiments.decision_slo import SLOTargets, get_smoothness
+    cfg = _four_second_requests()
+    smooth, targets = get_smoothness("p99_tbt"), SLOTargets(ttft_ms=1e6, tbt_ms=1e6)
+    prober = Prober(SteadyRule(span_factor=10, min_judged=20, max_requests=2000), lambda *_: None)
+    limit = lambda r: verdict(r, smooth, targets)
+    rate = 0.1 * 3
+    run = prober.probe(("k",), cfg, rate, 4.0, limit, "p99_tbt")
+    runs = prober.num_runs
+    assert rate != 0.3 and prober.probe(("k",), cfg, 0.3, 4.0, limit, "p99_tbt") is run
+    assert prober.num_runs == runs and len(prober.rows) == 1
+    assert prober.probe(("k",), cfg, 0.3 * 1.1, 4.0, limit, "p99_tbt") is not run and prober.num_runs > runs

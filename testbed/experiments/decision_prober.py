@@ -8,6 +8,7 @@ simulated probe this code already ran is replayed."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -140,8 +141,9 @@ class Prober:
     while it passes; failing over fewer judged requests than that, once, at
     most 3x longer (an overloaded run has no steady state to reach:
     lengthened, its service time grows with it, up to max_requests); judging
-    none, once, where `settled` tells an overload by its growing queue
-    (the run's `overloaded`)."""
+    none, where `settled` tells an overload by its growing queue (the run's
+    `overloaded`), once twice as long, and once more, as long as the rule
+    asks, where the queue did not grow."""
 
     def __init__(self, rule: SteadyRule, log, runner: ProbeRunner | None = None, max_span_s: float | None = None,
                  max_lengthenings: int = 2,    # a service time still growing after two is the rate's
@@ -163,8 +165,11 @@ class Prober:
     def probe(self, key: tuple, cfg: RunConfig, rate: float, first_service_s: float,
               limit: Callable[[ProbeRun], str], asker: str = "", max_requests: int | None = None,
               rule_out: int = 0) -> ProbeRun:
-        if rate in self.runs.get(key, {}):
-            return self.runs[key][rate]
+        # a rate reached two ways (a rival's capacity per GPU times this deployment's GPUs) may differ in
+        # its last bits: the same probe
+        same = next((r for r in self.runs.get(key, {}) if math.isclose(r, rate, rel_tol=1e-9)), None)
+        if same is not None:
+            return self.runs[key][same]
         service = self.service_s.get(key, first_service_s)
         n = self._size(rate, service, max_requests, rule_out)
         run = self._run(cfg, rate, n)
@@ -174,6 +179,11 @@ class Prober:
             needed = self._size(rate, run.window.service_s, max_requests, rule_out)
             if not self._lengthens(run, needed, missed, previous, rule_out):
                 break
+            if rule_out and run.unjudged and previous is None:
+                # telling an overload takes only a longer run, not one as long as the rule asks: twice as
+                # long first (an overloaded run's service time doubles), as long as it asks only where
+                # the queue did not grow (_lengthens)
+                needed = min(needed, 2 * run.num_requests)
             previous, run = run, self._run(cfg, rate, needed)
             runs, wall_s = runs + 1, wall_s + run.wall_s
             cpu_s = None if cpu_s is None or run.cpu_s is None else cpu_s + run.cpu_s
@@ -203,10 +213,14 @@ class Prober:
         # dsv2's sarathi-2048 search at 2K below half its capacity)
         if rule_out and missed:
             # judged too few to rule the deployment out: once more, at most 3x longer (an overloaded
-            # run's service time grows with it: it is not chased), or judging none, once as long as
-            # it asks, to tell an overload (SettledFailure.queue_grew) from too short a guess
-            return previous is None and (0 < run.num_judged < rule_out and needed <= 3 * run.num_requests
-                                         or run.unjudged and self.settled is not None and self.settled.growing_queue)
+            # run's service time grows with it: it is not chased), or judging none, twice as long to
+            # tell an overload (SettledFailure.queue_grew) from too short a guess, then, its queue not
+            # grown, as long as it asks
+            watching = self.settled is not None and self.settled.growing_queue
+            if previous is not None:
+                # the doubled run that still judged none and whose queue did not grow: as long as it asks
+                return watching and run.unjudged and previous.unjudged and not self.settled.queue_grew(run, previous)
+            return 0 < run.num_judged < rule_out and needed <= 3 * run.num_requests or run.unjudged and watching
         if run.window.steady:
             return False
         if not missed:

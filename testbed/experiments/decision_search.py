@@ -79,7 +79,8 @@ def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targe
     otherwise it goes on as usual (when it passed, from the bracket of
     rel_tol above that rate). `reuse`: the
     runs other searches made on the same key, judged by this one, give the
-    bracket where it is narrow (known_bracket)."""
+    bracket where it is narrow (known_bracket), and rule it out where one
+    failed at or below the ceiling (ruled_out_at)."""
     verdicts: dict[float, tuple[str, bool]] = {}       # rate -> (failed limit or "", steady)
 
     class NeverFits(Exception):
@@ -116,6 +117,8 @@ def search(prober: Prober, key: tuple, cfg: RunConfig, smooth: Smoothness, targe
             # the top of its own bracket where that lies below the ceiling (a probe near its capacity, not
             # an overloaded one), else the ceiling; long enough to rule it out: MIN_JUDGED_TO_SKIP judged
             top = bracket[1] if bracket is not None and bracket[1] < ceiling else ceiling
+            if reuse:
+                top = ruled_out_at(prober.known(key), limit_of, ceiling) or top
             if not probe(top, MIN_JUDGED_TO_SKIP) and (ran[top].num_judged >= MIN_JUDGED_TO_SKIP
                                                         or ran[top].overloaded):
                 return Search(None, "none", DOMINATED, verdicts[top][1], 1, top, prober.service_s.get(key))
@@ -159,6 +162,20 @@ def known_bracket(runs: dict[float, ProbeRun], limit_of: Callable[[ProbeRun], st
     lo = max(passes)
     hi = min((rate for rate, limit in verdicts.items() if limit and rate > lo), default=None)
     return (lo, hi) if hi is not None and hi <= lo * (1 + rel_tol) ** 4 else None
+
+
+def ruled_out_at(runs: dict[float, ProbeRun], limit_of: Callable[[ProbeRun], str], ceiling: float) -> float | None:
+    """The lowest rate at or below `ceiling` among runs already made on a
+    search's key (another SLO definition's or TBT target's) that, judged by
+    this search, failed over at least MIN_JUDGED_TO_SKIP judged requests or
+    overloaded, with no steady pass above it: the rate that rules the
+    deployment out with no new run (above a failing rate every rate fails).
+    None: no such run."""
+    verdicts = {rate: limit_of(run) for rate, run in sorted(runs.items())}
+    top_pass = max((rate for rate, limit in verdicts.items() if not limit and runs[rate].window.steady), default=0.0)
+    return next((rate for rate, limit in verdicts.items()
+                 if top_pass < rate <= ceiling and limit
+                 and (runs[rate].num_judged >= MIN_JUDGED_TO_SKIP or runs[rate].overloaded)), None)
 
 
 def point_cfg(cfg: RunConfig, model_name: str, hardware_name: str) -> RunConfig:
